@@ -1,0 +1,188 @@
+"""The validated config: `EngineConfig` and its smaller sections (precision, activation checkpointing, ours).
+
+Every model is frozen and passed down whole; a component takes the section it needs (`cfg.zero_optimization`,
+`cfg.fp16`). Defaults are DeepSpeed's (runtime/constants.py, runtime/precision_config.py) unless a field says
+otherwise. Load configs with `load_config`, which checks keys, resolves "auto" and the batch sizes first.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from zero_engine.config.fields import (
+    CONFIG_ERROR_TYPE,
+    Auto,
+    ConfigBool,
+    ConfigFloat,
+    ConfigInt,
+    NotSupported,
+    Section,
+    value_error,
+)
+from zero_engine.config.optim_models import OptimizerConfig, SchedulerConfig
+from zero_engine.config.unsupported import HARMLESS_SECTIONS, TOP_LEVEL_NOT_SUPPORTED
+from zero_engine.config.zero_models import ZeroConfig
+
+_ENABLED_AUTO = Auto("false (Hugging Face's Trainer default when no --fp16/--bf16 flag)")
+
+
+class Fp16Config(Section):
+    """fp16 mixed precision: 16-bit parameters and gradients on the device, fp32 master weights in the
+    optimizer, and a loss scale that keeps small gradients representable."""
+
+    enabled: Annotated[ConfigBool, _ENABLED_AUTO] = Field(False, description="Train in fp16.")
+    auto_cast: ConfigBool = Field(False, description="Cast floating-point inputs to fp16 before forward.")
+    loss_scale: ConfigFloat = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
+    initial_scale_power: ConfigInt = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
+    loss_scale_window: ConfigInt = Field(1000, ge=1, description="Steps without overflow before the scale doubles.")
+    hysteresis: ConfigInt = Field(2, ge=1, description="Overflows tolerated before the scale is lowered.")
+    consecutive_hysteresis: ConfigBool = Field(False, description="Refill hysteresis after a step without overflow.")
+    min_loss_scale: ConfigFloat = Field(1.0, ge=0, description="Dynamic scaling never goes below this.")
+
+    not_supported = {
+        "fp16_master_weights_and_grads": NotSupported(False, "fp16 master weights"),
+        "fused_mode": NotSupported(True, "DeepSpeed's unfused fp16 optimizer"),
+    }
+    ignored_keys = {"opt_level": "it is an Apex AMP setting that DeepSpeed's fp16 section never read"}
+
+
+class Bf16Config(Section):
+    """bf16 mixed precision: bf16 parameters and gradients, fp32 master weights; no loss scaling needed."""
+
+    enabled: Annotated[ConfigBool, _ENABLED_AUTO] = Field(False, description="Train in bf16.")
+    immediate_grad_update: ConfigBool = Field(
+        False, description="Accepted for compatibility; no effect (gradients are applied at the step)."
+    )
+    check_grad_overflow: ConfigBool = Field(
+        False, description="Check gradients for inf/nan and skip the step when any rank finds one."
+    )
+
+    not_supported = {
+        "bf16_master_weights_and_grads": NotSupported(False, "bf16 master weights"),
+        "bf16_optimizer_states": NotSupported(False, "bf16 optimizer states"),
+    }
+
+
+class ActivationCheckpointingConfig(Section):
+    """DeepSpeed's activation-checkpointing API settings. Accepted so configs load; zero_engine does not act on
+    them (use torch.utils.checkpoint in the model)."""
+
+    partition_activations: ConfigBool = Field(False, description="Not acted on.")
+    contiguous_memory_optimization: ConfigBool = Field(False, description="Not acted on.")
+    cpu_checkpointing: ConfigBool = Field(False, description="Not acted on.")
+    number_checkpoints: ConfigInt | None = Field(None, description="Not acted on.")
+    synchronize_checkpoint_boundary: ConfigBool = Field(False, description="Not acted on.")
+    profile: ConfigBool = Field(False, description="Not acted on.")
+
+
+class MemoryTimelineConfig(Section):
+    """Record memory per category over time (zero_engine.memory)."""
+
+    enabled: ConfigBool = Field(False, description="Sample memory accounting and RSS during training.")
+    path: str | None = Field(None, description="Where to write the timeline; null: not written.")
+
+
+class ZeroEngineSection(Section):
+    """zero_engine's own settings (DeepSpeed ignores this section)."""
+
+    debug_collectives: ConfigBool = Field(
+        False,
+        description="Before each collective, check that all ranks agree on its kind, dtype and size, and raise on "
+        "every rank instead of hanging. Costs one small all-gather per collective.",
+    )
+    collective_timeout_s: ConfigFloat = Field(
+        300.0, gt=0, description="Seconds a collective may take before the process group reports a timeout."
+    )
+    memory_timeline: MemoryTimelineConfig = Field(
+        default_factory=MemoryTimelineConfig, description="Memory timeline recording (see its section)."
+    )
+
+
+_BATCH_DOC = "Resolved by the batch rule train_batch_size = micro x gas x world (see docs/config.md)."
+_TRAIN_AUTO = Auto("train_micro_batch_size_per_gpu x gradient_accumulation_steps x world")
+_MICRO_AUTO = Auto("derived from the others, else 8 (HF's default)")
+_GAS_AUTO = Auto("derived from the others, else 1 (HF's default)")
+
+
+class EngineConfig(Section):
+    """A validated ds_config.json. Build it with `load_config`."""
+
+    train_batch_size: Annotated[ConfigInt, _TRAIN_AUTO] = Field(
+        ge=1, description="Samples per optimizer step over all ranks. " + _BATCH_DOC
+    )
+    train_micro_batch_size_per_gpu: Annotated[ConfigInt, _MICRO_AUTO] = Field(
+        ge=1, description="Samples per forward/backward on one rank. " + _BATCH_DOC
+    )
+    gradient_accumulation_steps: Annotated[ConfigInt, _GAS_AUTO] = Field(
+        ge=1, description="Micro-batches accumulated per optimizer step. " + _BATCH_DOC
+    )
+    world_size: ConfigInt = Field(ge=1, description="Data-parallel ranks the batch rule used (not a file key).")
+    gradient_clipping: Annotated[ConfigFloat, Auto("1.0 (HF's max_grad_norm)")] = Field(
+        0.0, ge=0, description="Clip the global gradient norm to this value; 0 disables clipping."
+    )
+    steps_per_print: ConfigInt | None = Field(
+        None, ge=1, description="Log progress every N optimizer steps; null: never (DeepSpeed's current default)."
+    )
+    wall_clock_breakdown: ConfigBool = Field(False, description="Log forward/backward/step timings.")
+    prescale_gradients: ConfigBool = Field(False, description="Divide gradients before reduction, not after.")
+    gradient_predivide_factor: ConfigFloat = Field(
+        1.0, gt=0, description="Divide gradients by this before reduction and by world/factor after (fp16 range)."
+    )
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="dtype of gradient reductions; null: the compute dtype."
+    )
+    zero_allow_untested_optimizer: ConfigBool = Field(
+        False, description="Allow a client optimizer that ZeRO was not tested with."
+    )
+    zero_force_ds_cpu_optimizer: ConfigBool = Field(
+        True, description="With optimizer offload, require the CPU optimizer of the engine."
+    )
+    dataloader_drop_last: ConfigBool = Field(False, description="Drop the last incomplete batch of the dataloader.")
+    fp16: Fp16Config = Field(default_factory=Fp16Config, description="fp16 mixed precision (see its section).")
+    bf16: Bf16Config = Field(default_factory=Bf16Config, description="bf16 mixed precision (see its section).")
+    optimizer: OptimizerConfig | None = Field(None, description="null: pass an optimizer to initialize().")
+    scheduler: SchedulerConfig | None = Field(None, description="null: no schedule, or pass one to initialize().")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and its knobs.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig, description="Accepted; not acted on."
+    )
+    zero_engine: ZeroEngineSection = Field(
+        default_factory=ZeroEngineSection, description="zero_engine's own settings (DeepSpeed ignores them)."
+    )
+
+    key_aliases = {"bfloat16": "bf16"}
+    not_supported = TOP_LEVEL_NOT_SUPPORTED
+    ignored_keys = HARMLESS_SECTIONS
+    deprecated_keys = {}
+    derived_fields = frozenset({"world_size"})
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _lower_dtype(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str):
+            raise value_error('expected "fp32", "fp16", "bf16" or null')
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> EngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise PydanticCustomError(
+                CONFIG_ERROR_TYPE, "{detail}",
+                {"detail": "true together with bf16.enabled true; enable at most one", "subpath": "fp16.enabled"},
+            )
+        expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
+        if self.train_batch_size != expected:
+            raise PydanticCustomError(
+                CONFIG_ERROR_TYPE, "{detail}",
+                {"detail": f"train_batch_size {self.train_batch_size} != micro {self.train_micro_batch_size_per_gpu}"
+                           f" x gas {self.gradient_accumulation_steps} x world {self.world_size} = {expected}",
+                 "subpath": "train_batch_size"},
+            )
+        return self
+
+    @property
+    def compute_dtype_name(self) -> Literal["fp16", "bf16", "fp32"]:
+        """The dtype forward and backward run in."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"

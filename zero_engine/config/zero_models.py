@@ -1,0 +1,309 @@
+"""The `zero_optimization` section: ZeRO stage, buckets, prefetch/persistence policy and offload.
+
+Defaults are DeepSpeed's (deepspeed/runtime/zero/config.py and offload_config.py), so an existing ds_config.json
+means the same thing here. Fields are named by their short name; the `stage3_*` spellings are aliases.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from zero_engine.config.fields import (
+    Auto,
+    ConfigBool,
+    ConfigFloat,
+    ConfigInt,
+    NotSupported,
+    Section,
+    same_json_value,
+    show,
+)
+from zero_engine.config.notes import LoadNotes
+from zero_engine.errors import ConfigError
+
+_OFFLOAD_DEVICE_NOTE = '"nvme" (ZeRO-Infinity) is not supported yet'
+
+
+def _not_nvme(device: Any) -> bool:
+    return device != "nvme"
+
+
+class OffloadParamConfig(Section):
+    """Where partitioned parameters live between uses (stage 3 only)."""
+
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none",
+        description="Memory that holds the parameter shards: 'none' keeps them on the accelerator; 'cpu' moves "
+        "them to host memory (saves device memory, costs a host-to-device copy per gather); " + _OFFLOAD_DEVICE_NOTE,
+    )
+    nvme_path: str | None = Field(None, description="NVMe directory (NVMe offload only).")
+    buffer_count: ConfigInt = Field(5, ge=0, description="NVMe buffer pool size (NVMe offload only).")
+    buffer_size: Annotated[ConfigInt, Auto("DeepSpeed's default 1e8")] = Field(
+        100_000_000, ge=0, description="Elements per NVMe buffer (NVMe offload only)."
+    )
+    max_in_cpu: ConfigInt = Field(
+        1_000_000_000, ge=0, description="Parameter elements kept in CPU memory under NVMe offload."
+    )
+    pin_memory: ConfigBool = Field(
+        False, description="Page-locked host buffers: faster copies, but pinned memory cannot be swapped."
+    )
+
+    not_supported = {"device": NotSupported("none", "NVMe offload", is_off=_not_nvme, accepted='"none" or "cpu"')}
+
+
+class OffloadOptimizerConfig(Section):
+    """Where the fp32 master weights and optimizer states live, and where the optimizer step runs."""
+
+    device: Literal["none", "cpu", "nvme"] = Field(
+        "none",
+        description="'none' keeps optimizer states on the accelerator; 'cpu' keeps them in host memory and "
+        "runs the step there (removes 12 bytes/parameter from device memory, adds gradient/parameter copies); "
+        + _OFFLOAD_DEVICE_NOTE,
+    )
+    nvme_path: str | None = Field(None, description="NVMe directory (NVMe offload only).")
+    buffer_count: ConfigInt = Field(4, ge=0, description="NVMe buffer pool size (NVMe offload only).")
+    pin_memory: ConfigBool = Field(False, description="Page-locked host buffers for faster copies.")
+    pipeline_read: ConfigBool = Field(False, description="Overlap NVMe reads with the step (NVMe offload only).")
+    pipeline_write: ConfigBool = Field(False, description="Overlap NVMe writes with the step (NVMe offload only).")
+    fast_init: ConfigBool = Field(False, description="Fast optimizer initialisation (NVMe offload only).")
+    ratio: ConfigFloat = Field(
+        1.0, ge=0.0, le=1.0, description="Fraction of optimizer states offloaded; only 1.0 is supported."
+    )
+    super_offload: ConfigBool = Field(False, description="DeepSpeed SuperOffload; not supported yet.")
+    convert_grad_on_cpu: ConfigBool = Field(True, description="Convert gradients to fp32 on the CPU side.")
+    cpuadam_cores_perc: ConfigFloat = Field(
+        0.8, ge=0.0, le=1.0, description="Share of CPU cores the CPU optimizer may use."
+    )
+
+    not_supported = {
+        "device": NotSupported("none", "NVMe offload", is_off=_not_nvme, accepted='"none" or "cpu"'),
+        "ratio": NotSupported(1.0, "partial optimizer offload"),
+        "super_offload": NotSupported(False, "SuperOffload"),
+    }
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == {} or value == []
+
+
+def _leaf_module_off(value: Any) -> bool:
+    return _is_empty(value) or (isinstance(value, dict) and all(_is_empty(v) for v in value.values()))
+
+
+class ZeroConfig(Section):
+    """ZeRO: partition optimizer states (stage 1), gradients (stage 2) and parameters (stage 3) across the
+    data-parallel ranks. Each stage removes a replica from every rank's memory at the cost of communication."""
+
+    stage: ConfigInt = Field(
+        0,
+        ge=0,
+        le=3,
+        description="0: plain data parallel. 1: optimizer states partitioned (4x less optimizer memory at N=4). "
+        "2: gradients too (reduce-scatter instead of all-reduce, same traffic). 3: parameters too "
+        "(per-rank model states ~16 bytes x params / N; 1.5x DDP's traffic: all-gathers in forward and backward).",
+    )
+    contiguous_gradients: ConfigBool = Field(
+        True, description="Copy reduced gradients into one contiguous buffer: less fragmentation, one more copy."
+    )
+    reduce_scatter: ConfigBool = Field(
+        True, description="Average gradients with reduce-scatter (each rank keeps only its shard) not all-reduce."
+    )
+    reduce_bucket_size: Annotated[ConfigInt, Auto("hidden*hidden with a model, else DeepSpeed's default 5e8")] = (
+        Field(
+            500_000_000,
+            ge=0,
+            description="Elements per gradient reduce-scatter bucket. Larger: fewer, more efficient collectives; "
+            "smaller: less transient memory (one bucket in the compute dtype).",
+        )
+    )
+    allgather_partitions: ConfigBool = Field(
+        True, description="Stages 1-2: gather updated parameters with all-gather (true) or a series of broadcasts."
+    )
+    allgather_bucket_size: ConfigInt = Field(
+        500_000_000, ge=0, description="Stages 1-2: elements per parameter all-gather after the step."
+    )
+    overlap_comm: ConfigBool = Field(
+        False,
+        description="Overlap gradient reduction with the backward pass (default: true at stage 3, false below, "
+        "as DeepSpeed). Costs extra bucket memory.",
+    )
+    offload_param: OffloadParamConfig | None = Field(
+        None, description="Parameter offload (stage 3). `false` or absent: off."
+    )
+    offload_optimizer: OffloadOptimizerConfig | None = Field(
+        None, description="Optimizer state offload (stages 1-3). `false` or absent: off."
+    )
+    sub_group_size: ConfigInt = Field(
+        1_000_000_000, ge=0, description="Elements per optimizer-step tile; bounds the step's working memory."
+    )
+    prefetch_bucket_size: Annotated[ConfigInt, Auto("int(0.9*hidden*hidden) with a model, else 5e7")] = Field(
+        50_000_000,
+        ge=0,
+        description="Stage 3: elements fetched ahead of use. Larger hides more all-gather latency and holds more "
+        "gathered parameters at once.",
+    )
+    param_persistence_threshold: Annotated[ConfigInt, Auto("10*hidden with a model, else 1e5")] = Field(
+        100_000,
+        ge=0,
+        description="Stage 3: parameters with fewer elements stay gathered (not partitioned): saves many small, "
+        "latency-bound all-gathers at the cost of their full size on every rank.",
+    )
+    model_persistence_threshold: ConfigInt = Field(
+        sys.maxsize, ge=0, description="Stage 3: cap on the total elements kept persistent by the threshold above."
+    )
+    max_live_parameters: Annotated[ConfigInt, Auto("DeepSpeed's default 1e9")] = Field(
+        1_000_000_000,
+        ge=0,
+        description="Stage 3: most gathered parameter elements alive per rank before releasing; bounds the "
+        "working set, smaller values mean more re-gathering.",
+    )
+    max_reuse_distance: Annotated[ConfigInt, Auto("DeepSpeed's default 1e9")] = Field(
+        1_000_000_000,
+        ge=0,
+        description="Stage 3: keep a parameter gathered if it is used again within this many elements of "
+        "fetching; trades memory for fewer all-gathers.",
+    )
+    allgather_sequential: ConfigBool = Field(
+        False,
+        description="Stage 3: one all-gather per parameter straight into its storage instead of one coalesced "
+        "flat buffer per bucket. Transient memory ~one parameter instead of ~two buckets; more, smaller "
+        "collectives.",
+    )
+    gather_16bit_weights_on_model_save: ConfigBool = Field(
+        False, description="Stage 3: gather full 16-bit weights when saving the model."
+    )
+    round_robin_gradients: ConfigBool = Field(
+        False, description="Stages 1-2 with CPU offload: spread gradient copies across ranks."
+    )
+
+    key_aliases = {
+        "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+        "stage3_param_persistence_threshold": "param_persistence_threshold",
+        "stage3_model_persistence_threshold": "model_persistence_threshold",
+        "stage3_max_live_parameters": "max_live_parameters",
+        "stage3_max_reuse_distance": "max_reuse_distance",
+        "stage3_allgather_sequential": "allgather_sequential",
+        "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save",
+    }
+    not_supported = {
+        "zero_quantized_weights": NotSupported(False, "ZeRO++ quantized weights"),
+        "zero_quantized_nontrainable_weights": NotSupported(False, "ZeRO++ quantized non-trainable weights"),
+        "zero_quantized_gradients": NotSupported(False, "ZeRO++ quantized gradients"),
+        "zero_hpz_partition_size": NotSupported(1, "ZeRO++ hierarchical partitioning (hpZ)"),
+        "zeropp_loco_param": NotSupported(None, "LoCo-ZeRO++", is_off=_is_empty),
+        "mics_shard_size": NotSupported(-1, "MiCS sharding"),
+        "mics_hierarchical_params_gather": NotSupported(False, "MiCS hierarchical gather"),
+        "zenflow": NotSupported(None, "ZenFlow", is_off=_is_empty),
+        "use_multi_rank_bucket_allreduce": NotSupported(True, "multi-rank bucket all-reduce switch"),
+        "load_from_fp32_weights": NotSupported(True, "loading master weights from 16-bit copies"),
+        "elastic_checkpoint": NotSupported(False, "elastic checkpoints"),
+        "legacy_stage1": NotSupported(False, "legacy stage 1"),
+        "ignore_unused_parameters": NotSupported(True, "failing on unused parameters"),
+        "memory_efficient_linear": NotSupported(True, "switching off memory-efficient linear"),
+        "override_module_apply": NotSupported(True, "switching off module.apply override"),
+        "pipeline_loading_checkpoint": NotSupported(False, "pipelined checkpoint loading"),
+        "enable_sanity_checks": NotSupported(False, "DeepSpeed's internal sanity checks"),
+        "save_muon_momentum_buffer_in_memory": NotSupported(False, "Muon optimizer"),
+        "leaf_module": NotSupported(None, "ZeRO-3 leaf modules", is_off=_leaf_module_off),
+        "stage3_module_granularity_threshold": NotSupported(0, "module-granularity fetching"),
+        "module_granularity_threshold": NotSupported(0, "module-granularity fetching"),
+        "stage3_use_all_reduce_for_fetch_params": NotSupported(False, "all-reduce parameter fetch"),
+        "use_all_reduce_for_fetch_params": NotSupported(False, "all-reduce parameter fetch"),
+        "stage3_partition_stream_chunk_size": NotSupported(0, "streamed partitioning"),
+        "partition_stream_chunk_size": NotSupported(0, "streamed partitioning"),
+    }
+    ignored_keys = {"log_trace_cache_warnings": "it only controls DeepSpeed's trace-cache log messages"}
+    deprecated_keys = {
+        "cpu_offload": 'offload_optimizer: {"device": "cpu"}',
+        "cpu_offload_param": 'offload_param: {"device": "cpu"}',
+        "cpu_offload_params": 'offload_param: {"device": "cpu"}',
+        "cpu_offload_use_pin_memory": "pin_memory inside offload_param / offload_optimizer",
+        "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save",
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overlap_comm_default(cls, data: Any) -> Any:
+        # DeepSpeed's default depends on the stage: overlapping pays off when stage 3 gathers in backward.
+        if isinstance(data, dict) and data.get("overlap_comm") is None:
+            data = {**data, "overlap_comm": same_json_value(data.get("stage", 0), 3)}
+        return data
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.device != "none"
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.device != "none"
+
+    @classmethod
+    def prepare(cls, raw: dict[str, Any], path: str, notes: LoadNotes) -> dict[str, Any]:
+        raw = dict(raw)
+        for key in ("offload_param", "offload_optimizer"):
+            if raw.get(key) is False:
+                del raw[key]  # `false` is a common way to write "off"
+            elif raw.get(key) is True:
+                raise ConfigError(
+                    f'{path}.{key}: invalid value true: expected an object such as {{"device": "cpu"}}, or false'
+                )
+        _map_deprecated_cpu_offload(raw, path, notes)
+        _map_deprecated_fp16_gather(raw, path, notes)
+        stage = raw.get("stage", 0)
+        if not same_json_value(stage, 3) and isinstance(raw.get("offload_param"), dict):
+            if raw["offload_param"].get("device", "none") != "none":
+                notes.warn(f"{path}.offload_param only acts at stage 3 (stage is {stage}); DeepSpeed ignores it too.")
+        return raw
+
+
+def _map_deprecated_cpu_offload(raw: dict[str, Any], path: str, notes: LoadNotes) -> None:
+    pin_memory = raw.pop("cpu_offload_use_pin_memory", None)
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise ConfigError(
+            f"{path}.cpu_offload_use_pin_memory: invalid value {show(pin_memory)}: expected true or false"
+        )
+    mapped = []
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"),
+                     ("cpu_offload_params", "offload_param")):
+        if old not in raw:
+            continue
+        value = raw.pop(old)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}.{old}: invalid value {show(value)}: expected true or false")
+        if not value:
+            notes.deprecated(f"{path}.{old}", "nothing (false is the default)")
+            continue
+        if raw.get(new) not in (None, False) and new not in mapped:
+            raise ConfigError(f"{path}.{old}: deprecated key given together with {path}.{new}; keep only {new}")
+        raw[new] = {"device": "cpu", "pin_memory": bool(pin_memory)}
+        mapped.append(new)
+        pin_note = f', "pin_memory": {str(bool(pin_memory)).lower()}' if pin_memory is not None else ""
+        notes.deprecated(f"{path}.{old}", f'{path}.{new} = {{"device": "cpu"{pin_note}}}')
+    if pin_memory is not None:
+        if mapped:
+            notes.deprecated(f"{path}.cpu_offload_use_pin_memory", f"pin_memory of {', '.join(mapped)}")
+        else:
+            notes.warn(
+                f"{path}.cpu_offload_use_pin_memory is deprecated and has no effect here; "
+                "set pin_memory inside offload_param / offload_optimizer."
+            )
+
+
+def _map_deprecated_fp16_gather(raw: dict[str, Any], path: str, notes: LoadNotes) -> None:
+    old = "stage3_gather_fp16_weights_on_model_save"
+    if old not in raw:
+        return
+    value = raw.pop(old)
+    for current in ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"):
+        if current in raw:
+            if not same_json_value(raw[current], value):
+                raise ConfigError(
+                    f"{path}.{old}: deprecated key contradicts {path}.{current} "
+                    f"({show(value)} vs {show(raw[current])}); keep only {current}"
+                )
+            notes.deprecated(f"{path}.{old}", f"{path}.gather_16bit_weights_on_model_save")
+            return
+    raw["gather_16bit_weights_on_model_save"] = value
+    notes.deprecated(f"{path}.{old}", f"{path}.gather_16bit_weights_on_model_save = {show(value)}")
