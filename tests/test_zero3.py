@@ -1,0 +1,346 @@
+"""ZeRO stages 0-3 on simulated ranks: parity with single-process training, sharding, memory, communication.
+
+Bodies named ``_*_body`` run on every rank (module level, so the rank pool can import them); the test functions
+call them through ``run_ranks``.
+
+Tolerances. Every rank sees a different micro-batch and gradients are averaged by reduce-scatter, so the sums run in
+another order than the single-process full-batch reference: fp32 rounding differences of ~1e-7 relative per step.
+Losses must agree to 1e-5 relative. Parameters are compared by relative L2 error over the whole model after the run,
+which must be below 1e-5 with SGD (the update is linear in the gradient) and below 2e-4 with AdamW (which divides by
+sqrt(v): a gradient near zero turns a 1e-7 difference into a visibly different step for that element).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero_engine
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.zero.partition import ParamStatus
+
+TIMEOUT = 120
+
+
+def ds_config(stage, seq=False, gas=2, micro=2, clip=1.0, optimizer="AdamW", lr=1e-3, **zero):
+    zero_section = {"stage": stage, "stage3_allgather_sequential": seq, "reduce_bucket_size": 700,
+                    "stage3_prefetch_bucket_size": 3000, "stage3_param_persistence_threshold": 40,
+                    "stage3_max_reuse_distance": 2000, "overlap_comm": True}
+    zero_section.update(zero)
+    params = {"lr": lr, "weight_decay": 0.1} if optimizer == "AdamW" else {"lr": lr, "momentum": 0.9}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+            "gradient_clipping": clip,
+            "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero_section}
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter whole, gathered from the shards by the test itself (independent of the engine's gathers)."""
+    if engine.stage == 0:
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out = {}
+    for sp in engine.sharded:
+        buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
+        dist.all_gather_into_tensor(buf, sp.shard)
+        out[sp.fqn] = buf[: sp.numel].view(sp.shape)
+    return out
+
+
+def reference_step(model, opt, x, y, clip, **kw):
+    opt.zero_grad()
+    loss = model(x, y, **kw)
+    loss.backward()
+    for p in model.parameters():
+        # A parameter unused this step still gets a (zero) gradient under ZeRO, as in DeepSpeed: its bucket takes
+        # part in the reduce-scatter on every rank. torch would skip it; give the reference the same zeros.
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.item()
+
+
+def make_reference_optimizer(model, optimizer, lr):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "AdamW":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def train_and_compare(model_cfg: GPTConfig, config: dict, steps: int = 5, branch_steps=(), check=None):
+    """Train under the engine and in one process on the full batch; return (max loss rel err, param rel err)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(model_cfg)
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
+    ref_opt = make_reference_optimizer(reference, config["optimizer"]["type"], config["optimizer"]["params"]["lr"])
+    worst_loss = 0.0
+    for step, (x, y) in enumerate(make_batches(model_cfg, steps, world * micro * gas)):
+        kw = {"use_branch": step in branch_steps} if model_cfg.optional_branch else {}
+        ref_loss = reference_step(reference, ref_opt, x, y, config["gradient_clipping"], **kw)
+        total = torch.zeros(())
+        for m in range(gas):
+            lo = (m * world + rank) * micro
+            loss = engine(x[lo: lo + micro], y[lo: lo + micro], **kw)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+            if check is not None:
+                check(engine)
+        dist.all_reduce(total)
+        ours = total.item() / (world * gas)
+        worst_loss = max(worst_loss, abs(ours - ref_loss) / abs(ref_loss))
+    ours = full_params(engine)
+    ref = dict(reference.named_parameters())
+    diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
+    return worst_loss, (diff / norm).item()
+
+
+# ---- parity ------------------------------------------------------------------------------------------------------
+def _parity_body(stage, seq, optimizer, model_kwargs):
+    cfg = GPTConfig(frozen_param=True, reuse_block=True, **model_kwargs)
+    lr = 1e-3 if optimizer == "AdamW" else 0.05
+    return train_and_compare(cfg, ds_config(stage, seq, optimizer=optimizer, lr=lr))
+
+
+PARITY_CASES = [(w, s, seq) for w in (1, 2, 3, 4) for s, seq in ((0, False), (1, False), (2, False), (3, False),
+                                                                  (3, True))]
+
+
+@pytest.mark.parametrize("world,stage,seq", PARITY_CASES)
+def test_parity_with_single_process(world, stage, seq):
+    for loss_err, param_err in run_ranks(_parity_body, world, stage, seq, "SGD", {}, timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+
+
+@pytest.mark.parametrize("world,seq", [(2, False), (3, True)])
+def test_parity_adamw(world, seq):
+    for loss_err, param_err in run_ranks(_parity_body, world, 3, seq, "AdamW", {}, timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < 2e-4, (loss_err, param_err)
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_parity_activation_checkpointing(seq):
+    """Recomputation in backward gathers again; saved views must see the re-gathered storage."""
+    for loss_err, param_err in run_ranks(_parity_body, 2, 3, seq, "SGD", {"checkpoint_blocks": True},
+                                         timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+
+
+def _dynamic_body():
+    cfg = GPTConfig(optional_branch=True)
+    return train_and_compare(cfg, ds_config(3, optimizer="SGD", lr=0.05), steps=6, branch_steps=(2, 3, 5))
+
+
+def test_dynamic_control_flow_trains_and_matches():
+    for loss_err, param_err in run_ranks(_dynamic_body, 2, timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+
+
+# ---- sharding and the parameter state machine --------------------------------------------------------------------
+def _sharding_body(max_live):
+    world = dist.get_world_size()
+    config = ds_config(3, stage3_max_live_parameters=max_live)
+    seen_live = []
+
+    def check(engine):
+        for sp in engine.sharded:
+            assert sp.shard.numel() == -(-sp.numel // world), sp
+            if not sp.is_persistent:
+                assert sp.status is ParamStatus.NOT_AVAILABLE, sp
+                assert sp.param.data.numel() == 0 and sp.full.untyped_storage().size() == 0, sp
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(frozen_param=True))
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    coordinator = engine.coordinator
+    for method in ("fetch", "release"):  # check the live budget at every hook
+        original = getattr(coordinator, method)
+
+        def checked(*args, _original=original):
+            _original(*args)
+            seen_live.append(coordinator.live_numel)
+            assert coordinator.live_numel <= max_live, (coordinator.live_numel, max_live)
+
+        setattr(coordinator, method, checked)
+    for x, y in make_batches(model.cfg, 3, 2):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        check(engine)
+    return max(seen_live), len(seen_live)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shards_status_and_live_budget(world):
+    # Large enough for the biggest module (the tied embedding + lm_head weight, ~3.3k elements) plus prefetch.
+    for peak, events in run_ranks(_sharding_body, world, 6000, timeout=TIMEOUT):
+        assert events > 20 and 0 < peak <= 6000
+
+
+def test_shard_sizes_for_awkward_numels():
+    from zero_engine.zero.partition import ShardedParam
+
+    for numel, world in [(1, 4), (5, 3), (7, 4), (12, 4), (3, 1)]:
+        for rank in range(world):
+            p = nn.Parameter(torch.arange(numel, dtype=torch.float32))
+            sp = ShardedParam(p, "p", 0, rank, world)
+            assert sp.shard.numel() == -(-numel // world)
+            lo = rank * sp.shard_numel
+            expected = torch.cat([torch.arange(numel, dtype=torch.float32), torch.zeros(sp.padded_numel - numel)])
+            assert torch.equal(sp.shard, expected[lo: lo + sp.shard_numel])
+            sp.release()
+            assert p.numel() == 0 and sp.full.untyped_storage().size() == 0
+
+
+def _release_frees_body():
+    """Released parameters give their bytes back even though autograd saved views of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(257, 257) for _ in range(4)])
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, stage3_param_persistence_threshold=0,
+                                                                       stage3_max_reuse_distance=0, gas=1))
+    x = torch.randn(3, 257, requires_grad=True)
+    out = engine(x)  # graph alive: Linear saved weight.t() views for backward
+    sizes = [sp.full.untyped_storage().size() for sp in engine.sharded]
+    gathered_after_forward = engine.memory_stats()["params_gathered"]
+    engine.backward(out.pow(2).mean())
+    engine.step()
+    return sizes, gathered_after_forward
+
+
+def test_release_frees_storage_while_graph_alive():
+    for sizes, gathered in run_ranks(_release_frees_body, 2, timeout=TIMEOUT):
+        assert sizes == [0] * 8 and gathered == 0
+
+
+# ---- communication -----------------------------------------------------------------------------------------------
+def _comm_body(seq):
+    torch.manual_seed(0)
+    sizes = [(37, 29), (29, 41), (41, 23)]
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in sizes])
+    config = ds_config(3, seq, gas=1, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                       stage3_prefetch_bucket_size=10**6)
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    per_step = []
+    for step in range(2):
+        engine.comm.reset_stats()
+        out = engine(torch.randn(4, 37))
+        engine.backward(out.pow(2).mean())
+        engine.step()
+        per_step.append(engine.comm_stats())
+    padded_bytes = sum(sp.padded_numel * 4 for sp in engine.sharded)
+    return per_step, padded_bytes, len(engine.sharded), len(sizes)
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_comm_volume_is_2x_gather_1x_reduce_scatter(seq):
+    for per_step, padded_bytes, n_params, n_modules in run_ranks(_comm_body, 3, seq, timeout=TIMEOUT):
+        for stats in per_step:
+            assert stats["all_gather"]["bytes"] == 2 * padded_bytes
+            assert stats["reduce_scatter"]["bytes"] == padded_bytes
+            assert stats["all_reduce"]["calls"] == 1  # the global grad norm
+        first, second = per_step
+        if seq:  # one collective per parameter, forward and backward
+            assert first["all_gather"]["calls"] == second["all_gather"]["calls"] == 2 * n_params
+        else:  # step 1 (recording): one per module and pass; then prefetch coalesces further
+            assert first["all_gather"]["calls"] == 2 * n_modules
+            assert second["all_gather"]["calls"] <= first["all_gather"]["calls"]
+
+
+# ---- memory ------------------------------------------------------------------------------------------------------
+def _memory_body(seq):
+    torch.manual_seed(0)
+    # One module with many parameters: a coalesced bucket holds all of them at once, sequential one at a time.
+    model = nn.Sequential(nn.Linear(64, 64), _Wide(20, 64), nn.Linear(64, 8))
+    unsharded = sum(p.numel() for p in model.parameters()) * 4 * 4  # params + grads + Adam m, v (fp32)
+    config = ds_config(3, seq, gas=1, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                       stage3_prefetch_bucket_size=10**6)
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    for _ in range(2):
+        engine.reset_memory_peaks()
+        out = engine(torch.randn(4, 64))
+        engine.backward(out.pow(2).mean())
+        engine.step()
+    stats = engine.memory_stats()
+    return stats, unsharded, sum(sp.padded_numel * 16 for sp in engine.sharded) // dist.get_world_size()
+
+
+class _Wide(nn.Module):
+    """One module owning many separate parameters (its own, not its children's)."""
+
+    def __init__(self, n, width):
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(width, width) * 0.01) for _ in range(n))
+
+    def forward(self, x):
+        for w in self.weights:
+            x = x + x @ w
+        return x
+
+
+def test_sequential_gather_lowers_gathered_peak_and_states_are_one_over_world():
+    world = 2
+    coalesced = run_ranks(_memory_body, world, False, timeout=TIMEOUT)
+    sequential = run_ranks(_memory_body, world, True, timeout=TIMEOUT)
+    for (c, unsharded, expected), (s, _, _) in zip(coalesced, sequential):
+        assert s["params_gathered_peak"] < c["params_gathered_peak"]
+        assert s["comm_buffers_peak"] < c["comm_buffers_peak"]
+        for stats in (c, s):
+            states = stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
+            assert states == expected  # 16 bytes per padded element / world: exact
+            assert states <= unsharded / world * 1.02
+
+
+# ---- evaluation and errors ---------------------------------------------------------------------------------------
+def _eval_body():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, stage3_param_persistence_threshold=0))
+    x, y = make_batches(model.cfg, 1, 2)[0]
+    engine.eval()
+    with torch.no_grad():
+        ours = engine(x, y)
+    gathered = engine.memory_stats()["params_gathered"]
+    return abs(ours.item() - reference(x, y).item()), gathered
+
+
+def test_eval_forward_under_no_grad():
+    for err, gathered in run_ranks(_eval_body, 2, timeout=TIMEOUT):
+        assert err < 1e-6 and gathered == 0
+
+
+def _divergent_order_body():
+    """Two branches with identical shapes: collectives line up, only the recorded trace reveals the difference."""
+    torch.manual_seed(0)
+    model = _TwoBranches()
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, gas=1, stage3_param_persistence_threshold=0))
+    out = engine(torch.randn(2, 9), left=dist.get_rank() == 0)
+    engine.backward(out.sum())
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Linear(9, 9)
+        self.right = nn.Linear(9, 9)
+
+    def forward(self, x, left: bool):
+        return (self.left if left else self.right)(x)
+
+
+def test_different_module_order_on_ranks_is_an_error_naming_both():
+    from zero_engine.testing import RankError
+
+    with pytest.raises(RankError) as err:
+        run_ranks(_divergent_order_body, 2, timeout=TIMEOUT)
+    message = str(err.value)
+    assert "different module orders" in message and "rank 0: left" in message and "rank 1: right" in message

@@ -1,0 +1,23 @@
+"""zero_engine: ZeRO-3 memory optimization for PyTorch, configured with DeepSpeed's JSON.
+
+    engine, optimizer, dataloader, lr_scheduler = zero_engine.initialize(model=model, config="ds_config.json")
+    loss = engine(batch); engine.backward(loss); engine.step()
+"""
+
+from . import zero
+from .comm import init_distributed
+from .errors import ConfigError
+from .initialize import initialize
+
+__all__ = ["initialize", "init_distributed", "zero", "config", "ConfigError"]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `zero_engine.config` is a subpackage imported on first use, like the others.
+    if name == "config":
+        import importlib
+
+        return importlib.import_module(".config", __name__)
+    raise AttributeError(f"module 'zero_engine' has no attribute {name!r}")

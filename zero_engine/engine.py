@@ -1,0 +1,304 @@
+"""ZeroEngine: forward, backward and step of a model whose states are partitioned across ranks.
+
+One training step, in order (stage 3):
+  forward   ``engine(batch)``      the coordinator starts a step; module hooks gather parameters just in time
+                                   (prefetching along the recorded trace) and release them after use
+  backward  ``engine.backward(l)`` hooks gather again in reverse; each gradient goes into a bucket that is
+                                   reduce-scattered into this rank's fp32 gradient shards; at the end of the pass
+                                   one callback flushes the last buckets and releases what is still gathered
+  step      ``engine.step()``      at the accumulation boundary only: global grad norm (one all-reduce), clipping,
+                                   the optimizer on fp32 master shards, LR scheduler, logging
+
+Stages 1 and 2 use the same pieces with parameters kept whole (gathered again after each step from the updated
+shards); stage 1 reduces gradients once at the boundary, stage 2 during backward. Stage 0 is plain data parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import Communicator, init_distributed
+from .config import EngineConfig, load_config
+from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
+from .zero.coordinator import ParamCoordinator
+from .zero.gather import CoalescedGather, make_gatherer
+from .zero.grads import GradReducer
+from .zero.hooks import BackwardEndCallback, ModuleHooks
+from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
+from .zero.partition import ShardedParam
+
+log = logging.getLogger("zero_engine.engine")
+
+__all__ = ["ZeroEngine"]
+
+
+def _compute_dtype(config: EngineConfig) -> torch.dtype:
+    if config.fp16.enabled or config.bf16.enabled:
+        raise NotImplementedError("fp16/bf16 training is not supported yet; set fp16.enabled and bf16.enabled to "
+                                  "false (fp32 training)")
+    return torch.float32
+
+
+def _own_parameters(module: nn.Module):
+    """Parameters a module's forward uses itself: its own, and those of ParameterList/ParameterDict children."""
+    yield from module.parameters(recurse=False)
+    for child in module.children():
+        if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+            yield from _own_parameters(child)
+
+
+class ZeroEngine:
+    def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, training_data=None,
+                 lr_scheduler=None, collate_fn=None):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not dist.is_initialized():
+            init_distributed()
+        self.config = config if isinstance(config, EngineConfig) else load_config(
+            config, world_size=dist.get_world_size(), model=model)
+        zc = self.config.zero_optimization
+        self.stage = zc.stage
+        self.module = model
+        self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
+        self.accounting = MemoryAccounting()
+        self.compute_dtype = _compute_dtype(self.config)
+        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._backward_ends = 0
+        self._last_loss: torch.Tensor | None = None
+        self._step_started: float | None = None
+        self.last_step_time: float | None = None
+
+        groups = param_groups_of(model, model_parameters)
+        self.coordinator = None
+        self.reducer = None
+        self._backward_end = BackwardEndCallback(self._on_backward_end)
+        if self.stage == 0:
+            self.sharded = []
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = DataParallelOptimizer(
+                trainable, self.comm, self.config.gradient_clipping, zc.reduce_bucket_size,
+                bind_optimizer(optimizer, self.config.optimizer, groups, {id(p): p for p in trainable}))
+        else:
+            self._partition(model, zc)
+            self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
+                                           optimizer, self.config.optimizer, groups)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.training_dataloader = self._make_dataloader(training_data, collate_fn)
+        if self.comm.rank == 0:
+            log.info("zero_engine: stage %d, world %d, %d parameters (%d elements), gather %s",
+                     self.stage, self.comm.world_size, sum(1 for _ in model.parameters()),
+                     sum(p.numel() for p in model.parameters()) if self.stage == 0 else
+                     sum(sp.numel for sp in self.sharded),
+                     getattr(getattr(self.coordinator, "gatherer", None), "name", "none (params whole)"))
+
+    # ---- construction ------------------------------------------------------------------------------------------
+    def _partition(self, model: nn.Module, zc) -> None:
+        rank, world = self.comm.rank, self.comm.world_size
+        self.sharded = [ShardedParam(p, name, i, rank, world)
+                        for i, (name, p) in enumerate(model.named_parameters())]
+        by_param = {id(sp.param): sp for sp in self.sharded}
+        trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
+        self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size, torch.float32,
+                                   async_op=zc.overlap_comm, accounting=self.accounting)
+        if self.stage >= 2:
+            for sp in trainable:
+                sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
+        if self.stage < 3:
+            for sp in self.sharded:
+                sp.is_persistent = True
+            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting)
+            return
+
+        for sp in self.sharded:
+            sp.is_persistent = sp.numel <= zc.param_persistence_threshold
+            if not sp.is_persistent:
+                sp.release()
+        module_params, module_names = {}, {}
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.ParameterList, nn.ParameterDict)):
+                continue  # never called: its parameters are gathered by the module that owns it
+            own = list({id(p): by_param[id(p)] for p in _own_parameters(module)}.values())
+            if own:
+                module_params[module] = own
+                module_names[module] = name or "<root>"
+        gatherer = make_gatherer(self.comm, zc, self.accounting)
+        self.refresh_gatherer = gatherer
+        self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc)
+        self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
+
+    def _make_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
+                lr_scheduler, "step") else lr_scheduler
+        if self.config.scheduler is None:
+            return None
+        from .schedulers import build_scheduler
+
+        return build_scheduler(self.config.scheduler.type, self.config.scheduler.resolved_params(),
+                               self.optimizer.optimizer)
+
+    def _make_dataloader(self, training_data, collate_fn):
+        if training_data is None:
+            return None
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=self.comm.world_size,
+                                                      rank=self.comm.rank)
+        return torch.utils.data.DataLoader(training_data, batch_size=self.config.train_micro_batch_size_per_gpu,
+                                           sampler=sampler, collate_fn=collate_fn)
+
+    # ---- the training step ---------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        if self.coordinator is not None and self.module.training and torch.is_grad_enabled():
+            self.coordinator.begin_step()
+        return self.module(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
+        self._last_loss = loss.detach()
+        scaled = loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
+        ends = self._backward_ends
+        with torch.profiler.record_function("zero3::backward"):
+            scaled.backward()
+        if self.stage >= 2 and self._backward_ends == ends:
+            self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
+        self.micro_steps += 1
+        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+
+    def _on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:
+        self._backward_end.queue_if_needed()
+        if param.grad is not None:
+            self.reducer.add(sp, param.grad)
+            param.grad = None  # the full gradient is freed as soon as it is in its bucket
+
+    def _on_backward_end(self) -> None:
+        with torch.profiler.record_function("zero3::backward_end"):
+            if self.stage >= 2:
+                self.reducer.finish()
+            if self.coordinator is not None:
+                self.coordinator.end_step()
+        self._backward_ends += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps > 0 and self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does)."""
+        if not self.is_gradient_accumulation_boundary():
+            return
+        if self.stage == 1:  # gradients accumulated whole across micro-steps; reduce once now
+            for bucket in self.reducer.buckets:
+                for sp in bucket.params:
+                    if sp.param.grad is not None:
+                        self.reducer.add(sp, sp.param.grad)
+                        sp.param.grad = None
+            self.reducer.finish()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.stage >= 1:
+            stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from updated shards
+            if stale:
+                self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        if self._step_started is not None:
+            self.last_step_time = time.perf_counter() - self._step_started
+            self._step_started = None
+        if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
+            self._log_step()
+
+    def _log_step(self) -> None:
+        if self.comm.rank != 0:
+            return
+        mem = self.memory_stats()
+        log.info("step %d: loss %.4f, lr %s, grad norm %.4f, step %.3fs, model states %.1f MiB, rss %.1f MiB",
+                 self.global_steps, float(self._last_loss) if self._last_loss is not None else float("nan"),
+                 ", ".join(f"{lr:.3g}" for lr in self.get_lr()), self.get_global_grad_norm() or 0.0,
+                 self.last_step_time or 0.0, self.model_state_bytes(mem) / 2**20, mem["rss"] / 2**20)
+
+    # ---- queries -------------------------------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.global_grad_norm
+
+    def comm_stats(self) -> dict:
+        return self.comm.stats()
+
+    def memory_stats(self) -> dict:
+        """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs)."""
+        esize = torch.empty(0, dtype=self.compute_dtype).element_size()
+        if self.stage == 0:
+            params = [p for p in self.module.parameters()]
+            sharded = 0
+            gathered = peak = sum(p.numel() * p.element_size() for p in params)
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        else:
+            sharded = sum(sp.shard.numel() * sp.shard.element_size() for sp in self.sharded)
+            if self.coordinator is not None:
+                gathered = self.coordinator.live_numel * esize
+                peak = self.coordinator.peak_live_numel * esize
+            else:
+                gathered = peak = sum(sp.full_bytes for sp in self.sharded)
+            grads = self.reducer.grad_bytes + sum(sp.param.grad.numel() * sp.param.grad.element_size()
+                                                  for sp in self.sharded if sp.param.grad is not None)
+        return {
+            "params_sharded": sharded,
+            "params_gathered": gathered,
+            "params_gathered_peak": peak,
+            "master_params": self.optimizer.master_bytes,
+            "grads": grads,
+            "optimizer_states": self.optimizer.state_bytes,
+            "comm_buffers_peak": self.accounting.peak["comm_buffers"],
+            "rss": rss_bytes(),
+            "rss_peak": rss_peak_bytes(),
+        }
+
+    @staticmethod
+    def model_state_bytes(stats: dict) -> int:
+        """Partitioned model states: the quantity the ZeRO formula 16Ψ/N predicts."""
+        return stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
+
+    def reset_memory_peaks(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.peak_live_numel = self.coordinator.live_numel
+        self.accounting.reset_peaks()
+        reset_rss_peak()
+
+    # ---- module-like conveniences ----------------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        raise NotImplementedError("engine.save_checkpoint is not supported yet (checkpointing is its own issue)")
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):
+        raise NotImplementedError("engine.load_checkpoint is not supported yet (checkpointing is its own issue)")

@@ -1,0 +1,243 @@
+"""The parameter coordinator: which parameters are gathered when, and when they are released.
+
+On the first training step it records the order in which modules fetch their parameters (forward, activation
+recomputation and backward alike): the *trace*. All ranks must record the same trace; that is checked once with
+one small exchange and a difference is an error naming the first differing module, not a hang later.
+
+From the next step on, every fetch looks ahead in the trace and issues asynchronous gathers for the parameters the
+next modules will need (up to ``prefetch_bucket_size`` elements; about one parameter ahead with the sequential
+strategy), never holding more than ``max_live_parameters`` gathered elements. A module's parameters are released
+after it ran unless they are persistent (small), still used by another active module (shared weights, nested
+calls), or used again before ``max_reuse_distance`` more elements are gathered (0: never kept).
+
+If a step runs a different order than the trace (data-dependent control flow, the same on every rank), the
+coordinator notices at the first differing fetch, stops prefetching for the rest of that step (on-demand gathers
+are always correct), logs it once, and uses the newly recorded order from then on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .gather import GatherWork
+from .partition import ParamStatus, ShardedParam
+
+log = logging.getLogger("zero_engine.coordinator")
+
+__all__ = ["ParamCoordinator", "TraceEvent"]
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    module: str  # fully qualified module name
+    phase: str  # "forward" or "backward"
+
+
+@dataclass
+class _Trace:
+    events: list[TraceEvent]
+    params: list[list[ShardedParam]]
+    start_numel: list[int] = field(default_factory=list)  # gathered elements fetched before each event
+    uses: dict[int, list[int]] = field(default_factory=dict)  # id(ShardedParam) -> event indices using it
+
+    def __post_init__(self):
+        total = 0
+        for i, params in enumerate(self.params):
+            self.start_numel.append(total)
+            total += sum(p.padded_numel for p in params)
+            for p in params:
+                self.uses.setdefault(id(p), []).append(i)
+
+    def reuse_distance(self, p: ShardedParam, after: int) -> int | None:
+        """Elements fetched between event ``after`` and the next event that uses ``p`` (None: not used again)."""
+        uses = self.uses.get(id(p), [])
+        k = bisect.bisect_right(uses, after)
+        if k == len(uses):
+            return None
+        nxt = uses[k]
+        return self.start_numel[nxt] - self.start_numel[after + 1] if nxt > after else 0
+
+
+class ParamCoordinator:
+    def __init__(self, module_params: dict[nn.Module, list[ShardedParam]], module_names: dict[nn.Module, str],
+                 gatherer, comm, zero_config):
+        self.module_params = module_params
+        self.module_names = module_names
+        self.gatherer = gatherer
+        self.comm = comm
+        self.prefetch_numel = int(zero_config.prefetch_bucket_size)
+        self.max_live = int(zero_config.max_live_parameters)
+        self.max_reuse_distance = int(zero_config.max_reuse_distance)
+        self.prefetch_one_ahead = gatherer.name == "sequential"
+
+        self.trace: _Trace | None = None
+        self._recording: list[tuple[TraceEvent, list[ShardedParam]]] = []
+        self._in_step = False
+        self._following = False  # this step matches the trace so far: prefetching is allowed
+        self._pos = 0
+        self._inflight: dict[int, GatherWork] = {}  # id(ShardedParam) -> the work that gathers it
+        self._kept: dict[int, ShardedParam] = {}  # released by their modules but kept for a near reuse
+        self._warned_deviation = False
+        unique = {id(p): p for params in module_params.values() for p in params}
+        self.live_numel = sum(p.padded_numel for p in unique.values() if p.status is not ParamStatus.NOT_AVAILABLE)
+        self.peak_live_numel = self.live_numel
+        self.fetch_count = 0
+        self.prefetch_count = 0
+
+    # ---- step boundaries -----------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A training forward starts: record (first step) or follow the trace."""
+        if self._in_step:  # a training forward without a backward: drop what it recorded
+            self.end_step(adopt_trace=False)
+        self._in_step = True
+        self._recording = []
+        self._pos = 0
+        self._following = self.trace is not None
+
+    def end_step(self, adopt_trace: bool = True) -> None:
+        """End of backward: wait for stray prefetches, release everything not persistent, settle the trace."""
+        for work in list(self._inflight.values()):
+            self._wait(work)
+        for params in self.module_params.values():
+            for p in params:
+                p.active_users = 0
+                if p.is_available and not p.is_persistent:
+                    self._release(p)
+        if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
+                                                                   or self._pos != len(self.trace.events)):
+            events = [e for e, _ in self._recording]
+            self._check_same_on_all_ranks(events)
+            if self.trace is not None:
+                self._log_deviation_once("the module order changed; prefetching re-recorded")
+            self.trace = _Trace(events, [ps for _, ps in self._recording])
+        self._in_step = False
+        self._following = False
+
+    # ---- hooks call these ----------------------------------------------------------------------------------------
+    def fetch(self, module: nn.Module, phase: str) -> None:
+        params = self.module_params.get(module, [])
+        event = TraceEvent(self.module_names[module], phase)
+        recording = self._in_step
+        if recording:
+            self._recording.append((event, params))
+            if self._following and (self._pos >= len(self.trace.events) or self.trace.events[self._pos] != event):
+                self._following = False
+                self._log_deviation_once(
+                    f"step deviates from the recorded module order at {event.module} ({phase}); "
+                    "gathering on demand for the rest of this step")
+        with torch.profiler.record_function(f"zero3::fetch {event.module}"):
+            for p in params:
+                self._kept.pop(id(p), None)
+            missing = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE]
+            self._make_room(sum(p.padded_numel for p in missing))
+            if missing:
+                self._wait(self._issue(missing, event.module))
+            for p in params:
+                if p.status is ParamStatus.INFLIGHT:
+                    self._wait(self._inflight[id(p)])
+                p.active_users += 1
+            self.fetch_count += 1
+            if self._following:
+                self._prefetch_after(self._pos)
+                self._pos += 1
+
+    def release(self, module: nn.Module) -> None:
+        params = self.module_params.get(module, [])
+        event_index = self._pos - 1 if self._following else None
+        with torch.profiler.record_function(f"zero3::release {self.module_names[module]}"):
+            for p in params:
+                p.active_users = max(0, p.active_users - 1)
+                if p.active_users or p.is_persistent or not p.is_available:
+                    continue
+                if event_index is not None:
+                    distance = self.trace.reuse_distance(p, event_index)
+                    if distance is not None and distance < self.max_reuse_distance:  # 0 turns reuse off
+                        self._kept[id(p)] = p
+                        continue
+                self._release(p)
+
+    def release_all(self) -> None:
+        """Release every gathered non-persistent parameter (after an eval forward, before a checkpoint...)."""
+        self.end_step(adopt_trace=False)
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _issue(self, params: list[ShardedParam], name: str) -> GatherWork:
+        work = self.gatherer.issue(params, name=name)
+        for p in params:
+            self._inflight[id(p)] = work
+        self.live_numel += work.numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        return work
+
+    def _wait(self, work: GatherWork) -> None:
+        work.wait()
+        for p in work.params:
+            self._inflight.pop(id(p), None)
+
+    def _release(self, p: ShardedParam) -> None:
+        p.release()
+        self._kept.pop(id(p), None)
+        self.live_numel -= p.padded_numel
+
+    def _make_room(self, numel: int) -> None:
+        """Give up parameters kept for reuse (oldest first) until ``numel`` more fits under max_live_parameters."""
+        for p in list(self._kept.values()):
+            if self.live_numel + numel <= self.max_live:
+                return
+            if p.active_users == 0 and p.is_available:
+                self._release(p)
+
+    def _prefetch_after(self, index: int) -> None:
+        """Issue gathers for the parameters of the events after ``index``, within the prefetch and live budgets.
+
+        Gathers already in flight count against the prefetch budget; the sequential strategy keeps at most one
+        parameter in flight, as its point is a small transient footprint.
+        """
+        in_flight = {id(w): w.numel for w in self._inflight.values()}
+        budget = (0 if in_flight else 1) if self.prefetch_one_ahead else self.prefetch_numel - sum(in_flight.values())
+        chosen: list[ShardedParam] = []
+        size = 0
+        for p in self._upcoming(index):
+            over_budget = len(chosen) >= budget if self.prefetch_one_ahead else size + p.padded_numel > budget
+            if over_budget or self.live_numel + size + p.padded_numel > self.max_live:
+                break
+            chosen.append(p)
+            size += p.padded_numel
+        if chosen:
+            self.prefetch_count += len(chosen)
+            self._issue(chosen, f"prefetch after {self.trace.events[index].module}")
+
+    def _upcoming(self, index: int):
+        """Not-yet-gathered parameters of the trace events after ``index``, in order of first use."""
+        seen: set[int] = set()
+        for params in self.trace.params[index + 1:]:
+            for p in params:
+                if p.status is ParamStatus.NOT_AVAILABLE and id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def _check_same_on_all_ranks(self, events: list[TraceEvent]) -> None:
+        if self.comm.world_size == 1:
+            return
+        mine = [f"{e.module}:{e.phase}" for e in events]
+        all_traces = self.comm.all_gather_object(mine)
+        if all(t == all_traces[0] for t in all_traces):
+            return
+        for i in range(max(len(t) for t in all_traces)):
+            seen = {r: (t[i] if i < len(t) else "<end of step>") for r, t in enumerate(all_traces)}
+            if len(set(seen.values())) > 1:
+                detail = ", ".join(f"rank {r}: {m}" for r, m in seen.items())
+                raise RuntimeError(
+                    f"ranks ran different module orders; first difference at fetch #{i}: {detail}. Every rank must "
+                    "run the same modules in the same order in a step (ZeRO-3 gathers are collectives); make "
+                    "data-dependent branches agree across ranks (e.g. decide on rank 0 and broadcast).")
+
+    def _log_deviation_once(self, message: str) -> None:
+        if not self._warned_deviation:
+            log.info("rank %d: %s", self.comm.rank, message)
+            self._warned_deviation = True

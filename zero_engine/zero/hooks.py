@@ -1,0 +1,113 @@
+"""Module hooks that tell the coordinator when a module's parameters are needed, in forward and in backward.
+
+forward:  pre-hook  -> gather the module's own parameters (``recurse=False``; children have their own hooks)
+          post-hook -> release them
+backward: a multi-grad hook on the module's outputs fires before the module's backward  -> gather again
+          an identity autograd function on the module's inputs runs after its backward  -> release
+
+[Note: end of backward]
+Not every module's post-backward fires: a module whose inputs need no gradient (the embedding reading token ids,
+a root whose inputs are data) never gets the input-side function run. So the first backward hook of a pass queues
+one callback on autograd's execution engine; it runs when the whole backward is done and flushes the last
+gradient buckets and releases whatever is still gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .coordinator import ParamCoordinator
+
+__all__ = ["ModuleHooks", "BackwardEndCallback"]
+
+
+class BackwardEndCallback:
+    """Runs ``fn`` once when the current backward pass ends. See [Note: end of backward]."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+        self._queued = False
+
+    def queue_if_needed(self) -> None:
+        """Call from inside a backward pass (a hook); later calls in the same pass do nothing."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+
+    def _run(self) -> None:
+        self._queued = False
+        self.fn()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once all gradients w.r.t. those inputs are computed."""
+
+    @staticmethod
+    def forward(ctx, on_backward: Callable[[], None], *inputs: torch.Tensor):
+        ctx.on_backward = on_backward
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_backward()
+        return (None, *grads)
+
+
+def _grad_tensors(obj) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    found = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not found and hasattr(obj, "__dataclass_fields__"):  # plain dataclasses are not pytree nodes
+        found = _grad_tensors(list(vars(obj).values()))
+    return found
+
+
+class ModuleHooks:
+    """Installs and owns the hooks of every module that has parameters of its own."""
+
+    def __init__(self, modules: list[nn.Module], coordinator: ParamCoordinator, backward_end: BackwardEndCallback):
+        self.coordinator = coordinator
+        self.backward_end = backward_end
+        self._handles = []
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- forward -------------------------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args, kwargs):
+        self.coordinator.fetch(module, "forward")
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions:
+            return None  # its release in backward is left to the end-of-backward callback
+        wrapped = _PostBackward.apply(lambda: self._post_backward(module), *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
+
+    def _post_forward(self, module: nn.Module, args, output):
+        self.coordinator.release(module)
+        if torch.is_grad_enabled():
+            tensors = _grad_tensors(output)
+            if tensors:
+                register_multi_grad_hook(tensors, lambda _grad: self._pre_backward(module), mode="any")
+        return None
+
+    # ---- backward ------------------------------------------------------------------------------------------------
+    def _pre_backward(self, module: nn.Module) -> None:
+        self.backward_end.queue_if_needed()
+        self.coordinator.fetch(module, "backward")
+
+    def _post_backward(self, module: nn.Module) -> None:
+        self.coordinator.release(module)
