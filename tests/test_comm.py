@@ -1,0 +1,367 @@
+"""zero_engine.comm: collectives against local references, exact counters, emulated backend gaps, debug mode.
+
+Functions whose names start with an underscore run on simulated ranks (run_ranks sends them by reference).
+"""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zero_engine.comm import CollectiveMismatchError, Communicator, Pending, init_distributed
+from zero_engine.comm import _backend
+from zero_engine.testing import fake_world, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+RANK_TIMEOUT_S = 45.0
+
+
+# -- helpers shared by the rank functions and the local references ----------------------------------------------
+
+def _rank_data(rank: int, numel: int, dtype=torch.float32) -> torch.Tensor:
+    """Distinct, exactly representable values per rank, so sums and averages have exact references."""
+    return (torch.arange(numel, dtype=torch.float32) * (rank + 1) + 10 * rank).to(dtype)
+
+
+def _shard_numel(full_numel: int, world_size: int) -> int:
+    return math.ceil(full_numel / world_size)  # ZeRO-3 padding: the last rank's shard is padded
+
+
+# -- every collective, sync and async, with exact counters ------------------------------------------------------
+
+def _exercise_all_collectives(full_numel: int, debug: bool) -> dict:
+    comm = Communicator(debug=debug)
+    rank, world = comm.rank, comm.world_size
+    shard = _shard_numel(full_numel, world)
+    padded = shard * world
+    results = {}
+
+    for async_op in (False, True):
+        tag = "async" if async_op else "sync"
+        gathered = torch.full((padded,), -1.0)
+        pending = comm.all_gather_into_tensor(gathered, _rank_data(rank, shard), async_op=async_op, name="gather")
+        if not isinstance(pending, Pending):
+            raise TypeError(f"expected Pending, got {type(pending)}")
+        results[f"all_gather_{tag}"] = pending.wait().tolist()
+
+        for op in ("sum", "avg"):
+            shard_out = torch.full((shard,), -1.0)
+            pending = comm.reduce_scatter_tensor(shard_out, _rank_data(rank, padded), op=op, async_op=async_op,
+                                                 name=f"grads {op}")
+            results[f"reduce_scatter_{op}_{tag}"] = pending.wait().tolist()
+
+        for op in ("sum", "avg", "max", "min"):
+            pending = comm.all_reduce(_rank_data(rank, full_numel), op=op, async_op=async_op, name=f"norm {op}")
+            results[f"all_reduce_{op}_{tag}"] = pending.wait().tolist()
+
+        source = world - 1
+        pending = comm.broadcast(_rank_data(rank, full_numel), src=source, async_op=async_op, name="weights")
+        results[f"broadcast_{tag}"] = pending.wait().tolist()
+
+    # bfloat16 to check that bytes follow the element size, not a fixed 4 bytes per element.
+    comm.all_gather_into_tensor(torch.empty(padded, dtype=torch.bfloat16), _rank_data(rank, shard, torch.bfloat16))
+    results["object"] = comm.all_gather_object({"rank": rank})
+    comm.barrier()
+    results["stats"] = comm.stats()
+    comm.reset_stats()
+    results["stats_after_reset"] = comm.stats()
+    return results
+
+
+def _reference(full_numel: int, world: int, rank: int) -> dict:
+    shard = _shard_numel(full_numel, world)
+    padded = shard * world
+    reference = {}
+    gathered = torch.cat([_rank_data(r, shard) for r in range(world)]).tolist()
+    summed_input = sum(_rank_data(r, padded) for r in range(world))
+    my_slice = slice(rank * shard, (rank + 1) * shard)
+    full = torch.stack([_rank_data(r, full_numel) for r in range(world)])
+    for tag in ("sync", "async"):
+        reference[f"all_gather_{tag}"] = gathered
+        reference[f"reduce_scatter_sum_{tag}"] = summed_input[my_slice].tolist()
+        reference[f"reduce_scatter_avg_{tag}"] = (summed_input[my_slice] / world).tolist()
+        reference[f"all_reduce_sum_{tag}"] = full.sum(0).tolist()
+        reference[f"all_reduce_avg_{tag}"] = (full.sum(0) / world).tolist()
+        reference[f"all_reduce_max_{tag}"] = full.max(0).values.tolist()
+        reference[f"all_reduce_min_{tag}"] = full.min(0).values.tolist()
+        reference[f"broadcast_{tag}"] = _rank_data(world - 1, full_numel).tolist()
+    reference["object"] = [{"rank": r} for r in range(world)]
+    return reference
+
+
+@pytest.mark.parametrize("world_size,full_numel,debug", [
+    (1, 7, False),
+    (2, 7, False),   # 7 elements over 2 ranks: padded shards of 4
+    (3, 10, False),  # 10 over 3: padded shards of 4
+    (3, 10, True),   # debug checks must not change results or counters
+])
+def test_collectives_match_local_reference_and_count_exactly(world_size, full_numel, debug):
+    results = run_ranks(_exercise_all_collectives, world_size, full_numel, debug, timeout=RANK_TIMEOUT_S)
+
+    shard = _shard_numel(full_numel, world_size)
+    padded_bytes_fp32 = shard * world_size * 4
+    full_bytes = full_numel * 4
+    expected_stats = {
+        # all_gather counts the gathered output: 2 fp32 calls + 1 bf16 call.
+        "all_gather": {"calls": 3, "bytes": 2 * padded_bytes_fp32 + shard * world_size * 2},
+        # reduce_scatter counts the unreduced input: (sum, avg) x (sync, async).
+        "reduce_scatter": {"calls": 4, "bytes": 4 * padded_bytes_fp32},
+        "all_reduce": {"calls": 8, "bytes": 8 * full_bytes},
+        "broadcast": {"calls": 2, "bytes": 2 * full_bytes},
+    }
+    if (world_size, full_numel) == (3, 10):  # the arithmetic above, spelled out once: shards of 4, padded to 12
+        assert expected_stats["all_gather"]["bytes"] == 48 + 48 + 24
+    for rank, result in enumerate(results):
+        reference = _reference(full_numel, world_size, rank)
+        for key, expected in reference.items():
+            assert result[key] == (expected if key == "object" else pytest.approx(expected)), f"rank {rank} {key}"
+        stats = result["stats"]
+        for kind, counts in expected_stats.items():
+            assert stats[kind] == counts, f"rank {rank} {kind}: {stats[kind]} != {counts}"
+        assert stats["object"]["calls"] == 1 and stats["object"]["bytes"] > 0
+        assert all(counts == {"calls": 0, "bytes": 0} for counts in result["stats_after_reset"].values())
+
+
+# -- emulation of backend gaps ----------------------------------------------------------------------------------
+
+def _exercise_emulated_collectives(full_numel: int) -> dict:
+    """Force every emulation path (as on a gloo without single-tensor collectives or AVG) and compare results."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    shard = _shard_numel(full_numel, world)
+    padded = shard * world
+    support = _backend.support_for(comm.backend)
+    saved = (support.all_gather_single, support.reduce_scatter_single, support.avg)
+    support.all_gather_single = support.reduce_scatter_single = support.avg = False
+    results = {}
+    try:
+        for tag, async_op in (("sync", False), ("async", True)):
+            gathered = torch.empty(padded)
+            results[f"all_gather_{tag}"] = comm.all_gather_into_tensor(
+                gathered, _rank_data(rank, shard), async_op=async_op).wait().tolist()
+            for op in ("sum", "avg"):
+                shard_out = torch.empty(shard)
+                pending = comm.reduce_scatter_tensor(shard_out, _rank_data(rank, padded), op=op, async_op=async_op)
+                pending.wait()
+                results[f"reduce_scatter_{op}_{tag}"] = pending.wait().tolist()  # a second wait must not re-divide
+            pending = comm.all_reduce(_rank_data(rank, full_numel), op="avg", async_op=async_op)
+            pending.wait()
+            results[f"all_reduce_avg_{tag}"] = pending.wait().tolist()
+        results["stats"] = comm.stats()
+    finally:
+        support.all_gather_single, support.reduce_scatter_single, support.avg = saved
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_emulated_collectives_match_native_results_and_counters(world_size):
+    full_numel = 10
+    results = run_ranks(_exercise_emulated_collectives, world_size, full_numel, timeout=RANK_TIMEOUT_S)
+    shard = _shard_numel(full_numel, world_size)
+    for rank, result in enumerate(results):
+        reference = _reference(full_numel, world_size, rank)
+        for key, value in result.items():
+            if key != "stats":
+                assert value == pytest.approx(reference[key]), f"rank {rank} {key}"
+        # The logical collective is counted, not the all_reduce that emulates a reduce_scatter.
+        assert result["stats"]["reduce_scatter"] == {"calls": 4, "bytes": 4 * shard * world_size * 4}
+        assert result["stats"]["all_reduce"] == {"calls": 2, "bytes": 2 * full_numel * 4}
+        assert result["stats"]["all_gather"] == {"calls": 2, "bytes": 2 * shard * world_size * 4}
+
+
+def _backend_refuses_reduce_scatter() -> list:
+    """A backend that refuses the single-tensor reduce-scatter at dispatch makes every rank switch to emulation."""
+    comm = Communicator()
+    support = _backend.support_for(comm.backend)
+    saved_support = support.reduce_scatter_single
+    native = _backend._reduce_scatter_single
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no support for _reduce_scatter_base in Gloo process group")
+
+    support.reduce_scatter_single = None
+    _backend._reduce_scatter_single = refuse
+    try:
+        output = torch.empty(2)
+        comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size) * (comm.rank + 1), op="sum")
+        comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size) * (comm.rank + 1), op="sum")
+        decided = support.reduce_scatter_single
+    finally:
+        _backend._reduce_scatter_single = native
+        support.reduce_scatter_single = saved_support
+    return [output.tolist(), len(calls), decided]
+
+
+def test_unsupported_native_collective_falls_back_once_on_every_rank():
+    results = run_ranks(_backend_refuses_reduce_scatter, 2, timeout=RANK_TIMEOUT_S)
+    for output, native_attempts, decided in results:
+        assert output == [3.0, 3.0]  # 1 + 2
+        assert native_attempts == 1, "the native op is tried once, then the decision is cached"
+        assert decided is False
+
+
+def test_unrelated_backend_errors_are_not_mistaken_for_missing_support():
+    assert _backend._is_unsupported_error(RuntimeError("Cannot use ReduceOp.AVG with Gloo"))
+    assert _backend._is_unsupported_error(RuntimeError("no support for _allgather_base in Gloo process group"))
+    assert not _backend._is_unsupported_error(RuntimeError("invalid tensor size at index 0 (expected (3), got (4))"))
+    assert not _backend._is_unsupported_error(KeyError("support"))
+
+
+# -- debug mode: mismatched collectives become errors on every rank ----------------------------------------------
+
+def _issue_mismatched_collective(mismatch: str) -> dict:
+    comm = Communicator(debug=True)
+    rank = comm.rank
+    numel = 4
+    try:
+        if mismatch == "size" and rank == 1:
+            comm.all_gather_into_tensor(torch.empty(5 * comm.world_size), torch.ones(5), name="layer.weight")
+        elif mismatch == "kind" and rank == 1:
+            comm.all_reduce(torch.ones(numel), name="layer.weight")
+        else:
+            comm.all_gather_into_tensor(torch.empty(numel * comm.world_size), torch.ones(numel), name="layer.weight")
+        outcome = {"raised": False, "message": ""}
+    except CollectiveMismatchError as error:
+        outcome = {"raised": True, "message": str(error)}
+    # The check left every rank in step: the communicator is still usable afterwards.
+    total = comm.all_reduce(torch.ones(1), name="after").wait()
+    outcome["after"] = total.item()
+    return outcome
+
+
+@pytest.mark.parametrize("mismatch", ["size", "kind"])
+def test_debug_mode_turns_mismatched_collective_into_error_on_every_rank(mismatch):
+    results = run_ranks(_issue_mismatched_collective, 3, mismatch, timeout=RANK_TIMEOUT_S)
+    messages = {outcome["message"] for outcome in results}
+    assert all(outcome["raised"] for outcome in results), results
+    assert len(messages) == 1, "every rank reports the same diagnosis"
+    message = messages.pop()
+    assert "ranks [1] issued a different collective than ranks [0, 2]" in message
+    assert "test_comm.py:" in message and "_issue_mismatched_collective" in message  # the call sites
+    if mismatch == "size":
+        assert "numel=5" in message and "numel=4" in message
+    else:
+        assert "all_reduce(" in message and "all_gather(" in message
+    assert all(outcome["after"] == 3.0 for outcome in results)
+
+
+def _debug_mode_accepts_matching_collectives() -> dict:
+    comm = Communicator(debug=True)
+    shard = torch.full((3,), float(comm.rank))
+    gathered = comm.all_gather_into_tensor(torch.empty(3 * comm.world_size), shard, name="w").wait()
+    return {"gathered": gathered.tolist(), "stats": comm.stats()}
+
+
+def test_debug_mode_passes_matching_collectives_through():
+    results = run_ranks(_debug_mode_accepts_matching_collectives, 2, timeout=RANK_TIMEOUT_S)
+    for result in results:
+        assert result["gathered"] == [0.0] * 3 + [1.0] * 3
+        assert result["stats"]["all_gather"] == {"calls": 1, "bytes": 24}  # the check itself is not counted
+
+
+# -- argument checks (shape-only, in this process) ----------------------------------------------------------------
+
+def test_wrong_sizes_and_ops_are_rejected_with_the_rank_and_the_fix():
+    with fake_world(4, rank=2) as comm:
+        with pytest.raises(ValueError, match=r"all_gather 'p' on rank 2 .*expected world_size x input = 4 x 3 = 12"):
+            comm.all_gather_into_tensor(torch.empty(10), torch.empty(3), name="p")
+        with pytest.raises(ValueError, match=r"reduce_scatter.*input has 10 elements"):
+            comm.reduce_scatter_tensor(torch.empty(3), torch.empty(10))
+        with pytest.raises(ValueError, match=r"op='max' is not supported"):
+            comm.reduce_scatter_tensor(torch.empty(3), torch.empty(12), op="max")
+        with pytest.raises(ValueError, match=r"op='mean' is not a reduce op"):
+            comm.all_reduce(torch.empty(3), op="mean")
+        with pytest.raises(ValueError, match=r"op='avg' needs a floating-point tensor"):
+            comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
+        with pytest.raises(ValueError, match=r"dtype"):
+            comm.all_gather_into_tensor(torch.empty(12, dtype=torch.float16), torch.empty(3))
+        with pytest.raises(ValueError, match=r"contiguous"):
+            comm.all_reduce(torch.empty(4, 4).t())
+        with pytest.raises(ValueError, match=r"src=4 is not a rank"):
+            comm.broadcast(torch.empty(2), src=4)
+        assert all(counts["calls"] == 0 for counts in comm.stats().values()), "rejected calls are not counted"
+
+
+def test_communicator_without_process_group_says_how_to_start_one():
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        Communicator()
+
+
+# -- init_distributed ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_process_group_after():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_init_distributed_single_process_without_launcher_is_idempotent(monkeypatch, no_process_group_after):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    init_distributed(timeout_s=30)
+    assert dist.get_world_size() == 1 and dist.get_rank() == 0
+    assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+    group = dist.group.WORLD
+    init_distributed(rank=5, world_size=9)  # already initialized: a quiet no-op, arguments ignored
+    assert dist.group.WORLD is group and dist.get_world_size() == 1
+
+
+def test_init_distributed_reads_torchrun_environment(monkeypatch, no_process_group_after):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    init_distributed(backend="gloo", timeout_s=30)
+    assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+
+
+@pytest.mark.parametrize("kwargs,env,match", [
+    ({"rank": 0}, {}, "give both"),
+    ({"rank": 0, "world_size": 2}, {}, "needs a rendezvous"),
+    ({"rank": 2, "world_size": 2, "init_method": "file:///tmp/never"}, {}, r"rank=2 is not in 0\.\.world_size-1"),
+    ({"timeout_s": 0}, {}, "timeout_s=0 must be positive"),
+    ({}, {"RANK": "x", "WORLD_SIZE": "1"}, "RANK='x' is not an integer"),
+])
+def test_init_distributed_rejects_incomplete_settings(monkeypatch, no_process_group_after, kwargs, env, match):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match):
+        init_distributed(**kwargs)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_init_distributed_refuses_nccl_without_cuda(no_process_group_after):
+    with pytest.raises(ValueError, match="backend='nccl' needs CUDA"):
+        init_distributed(backend="nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:1")
+
+
+def _restart_group_from_environment(master_port: int) -> dict:
+    """Replace the harness's group with one made by init_distributed from torchrun-style variables."""
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))  # RANK/WORLD_SIZE set by the harness
+    init_distributed(timeout_s=30)
+    total = Communicator().all_reduce(torch.tensor([float(rank + 1)])).wait()
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "total": total.item()}
+
+
+def test_init_distributed_from_environment_on_two_ranks():
+    results = run_ranks(_restart_group_from_environment, 2, _free_port(), timeout=RANK_TIMEOUT_S)
+    assert results == [{"rank": 0, "world": 2, "total": 3.0}, {"rank": 1, "world": 2, "total": 3.0}]

@@ -1,0 +1,14 @@
+"""torch.distributed wrappers: start-up from torchrun's environment, counted collectives, debug consistency checks.
+
+    from zero_engine.comm import init_distributed, Communicator
+    init_distributed()                      # torchrun env, or a single process; nccl on GPU, gloo on CPU
+    comm = Communicator(debug=False)
+    comm.all_gather_into_tensor(full, shard, async_op=True, name="blocks.0").wait()
+    comm.stats()                            # {"all_gather": {"calls": 1, "bytes": ...}, ...}
+"""
+
+from zero_engine.comm._communicator import Communicator, Pending
+from zero_engine.comm._consistency import CollectiveMismatchError
+from zero_engine.comm._init import init_distributed
+
+__all__ = ["init_distributed", "Communicator", "Pending", "CollectiveMismatchError"]

@@ -1,0 +1,237 @@
+"""Communicator: the one place zero_engine issues collectives, with counters, profiler ranges and a debug check.
+
+[Note: byte counting convention]
+``stats()`` counts one call per logical collective issued and these bytes (numel * element size):
+
+* ``all_gather``: the OUTPUT, i.e. the full gathered tensor (world_size x the shard);
+* ``reduce_scatter``: the INPUT, i.e. the full unreduced tensor (world_size x the shard);
+* ``all_reduce`` and ``broadcast``: the tensor;
+* ``object``: ``all_gather_object`` calls, with the pickled size of this rank's object.
+
+With this convention one ZeRO-3 step reads as 2x the parameter bytes under all_gather (forward and backward) plus
+1x the gradient bytes under reduce_scatter, the numbers the ZeRO paper quotes. The counts are of the logical
+collective even when the backend emulates it (see ``_backend``), and debug-mode consistency checks are not counted,
+so the counters are the same with ``debug`` on or off.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from zero_engine.comm._backend import CollectiveIssuer, reduce_op
+from zero_engine.comm._consistency import (
+    CollectiveDescriptor,
+    CollectiveMismatchError,
+    caller_outside_comm,
+    hashes_disagree,
+    mismatch_message,
+)
+
+_COUNTED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "object")
+_REDUCE_SCATTER_OPS = ("sum", "avg")
+
+
+class Pending(NamedTuple):
+    """A collective that was issued. ``tensor`` holds the result once ``wait()`` has returned.
+
+    ``work`` is the backend's handle, or None when the collective already completed synchronously. ``finalize`` is
+    what still has to run after the work completes (e.g. dividing by the world size for "avg" on a backend without
+    AVG); it runs at most once. Always call ``wait()`` before reading ``tensor`` of an async collective.
+    """
+
+    work: Optional[Any]
+    tensor: torch.Tensor
+    finalize: Optional[Callable[[], None]] = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        if self.finalize is not None:
+            self.finalize()
+        return self.tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Communicator:
+    """Collectives on one process group (default: the whole world), counted per kind.
+
+    Args:
+        group: the ``torch.distributed`` process group; None means the default (world) group.
+        debug: before each collective, check that every rank is issuing the same one (kind, dtype, size, op, name)
+            and raise ``CollectiveMismatchError`` on every rank otherwise, instead of hanging. Costs one small
+            synchronous all-gather per collective (and serialises async collectives), so use it to find a bug, not
+            in production runs.
+
+    Every collective runs inside ``torch.profiler.record_function("zero3::<kind> <name>")``; ``name`` is free text for
+    profiles and error messages (a module or bucket name). See [Note: byte counting convention] for ``stats()``.
+    """
+
+    def __init__(self, group=None, debug: bool = False) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Communicator needs an initialized torch.distributed process group; call "
+                "zero_engine.init_distributed() first (or use zero_engine.testing.run_ranks / fake_world in tests)"
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.debug = bool(debug)
+        self.backend = str(dist.get_backend(self.group))
+        self._issuer = CollectiveIssuer(self.group, self.backend, self.world_size)
+        self._sequence = 0
+        self._stats: dict[str, dict[str, int]] = {}
+        self.reset_stats()
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}, "
+                f"debug={self.debug})")
+
+    # -- counters ----------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """{"all_gather": {"calls": n, "bytes": b}, "reduce_scatter": ..., "all_reduce": ..., "broadcast": ...,
+        "object": ...} on this rank, since construction or the last ``reset_stats()``. A copy: safe to keep."""
+        return {kind: dict(counts) for kind, counts in self._stats.items()}
+
+    def reset_stats(self) -> None:
+        self._stats = {kind: {"calls": 0, "bytes": 0} for kind in _COUNTED_KINDS}
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self._stats[kind]["calls"] += 1
+        self._stats[kind]["bytes"] += nbytes
+
+    # -- argument checks ---------------------------------------------------------------------------------------
+
+    def _require(self, condition: bool, kind: str, name: str, problem: str) -> None:
+        if not condition:
+            raise ValueError(f"{kind} {name!r} on rank {self.rank} (world {self.world_size}): {problem}")
+
+    def _check_pair(self, kind: str, name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._require(output.dtype == input.dtype, kind, name,
+                      f"output dtype {output.dtype} differs from input dtype {input.dtype}")
+        self._require(output.device == input.device, kind, name,
+                      f"output is on {output.device} but input is on {input.device}")
+        self._require(output.is_contiguous() and input.is_contiguous(), kind, name,
+                      "output and input must be contiguous (use a flat buffer or .contiguous())")
+
+    # -- debug check -------------------------------------------------------------------------------------------
+
+    def _exchange_device(self, tensor: Optional[torch.Tensor]) -> torch.device:
+        if tensor is not None:
+            return tensor.device
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _check_consistency_if_debug(self, kind: str, tensor: Optional[torch.Tensor], input_numel: int,
+                                    output_numel: int, op: str = "", src: int = -1, name: str = "") -> None:
+        """See [Note: why check before every collective] in _consistency.py."""
+        self._sequence += 1
+        if not self.debug:
+            return
+        descriptor = CollectiveDescriptor(
+            kind=kind, dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
+            input_numel=input_numel, output_numel=output_numel, op=op, src=src, name=name,
+            call_site=caller_outside_comm(), sequence=self._sequence,
+        )
+        device = self._exchange_device(tensor)
+        mine = torch.tensor([descriptor.signature_hash()], dtype=torch.int64, device=device)
+        hashes = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        with record_function("zero3::debug_check"):
+            self._issuer.all_gather(hashes, mine, async_op=False)
+        if not hashes_disagree(hashes):
+            return
+        descriptors: list = [None] * self.world_size
+        dist.all_gather_object(descriptors, descriptor, group=self.group)
+        raise CollectiveMismatchError(mismatch_message(descriptors, self.world_size))
+
+    # -- collectives -------------------------------------------------------------------------------------------
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                               name: str = "") -> Pending:
+        """Gather every rank's ``input`` into ``output`` (rank r's data at ``output.view(-1)[r*n:(r+1)*n]``).
+
+        ``output`` must hold world_size x input.numel() elements. Counts the output bytes.
+        """
+        kind = "all_gather"
+        self._check_pair(kind, name, output, input)
+        self._require(output.numel() == input.numel() * self.world_size, kind, name,
+                      f"output has {output.numel()} elements; expected world_size x input = "
+                      f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
+        self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), name=name)
+        with record_function(f"zero3::{kind} {name}"):
+            work, finalize = self._issuer.all_gather(output, input, async_op)
+        self._count(kind, _nbytes(output))
+        return Pending(work, output, finalize)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
+                              async_op: bool = False, name: str = "") -> Pending:
+        """Reduce ``input`` across ranks with ``op`` ("sum" or "avg") and keep this rank's slice in ``output``.
+
+        ``input`` must hold world_size x output.numel() elements; rank r receives the reduced
+        ``input.view(-1)[r*n:(r+1)*n]``. Counts the input bytes.
+        """
+        kind = "reduce_scatter"
+        if op not in _REDUCE_SCATTER_OPS:
+            raise ValueError(f"reduce_scatter {name!r}: op={op!r} is not supported; use one of {_REDUCE_SCATTER_OPS}")
+        self._check_pair(kind, name, output, input)
+        self._require(input.numel() == output.numel() * self.world_size, kind, name,
+                      f"input has {input.numel()} elements; expected world_size x output = "
+                      f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
+        self._require_float_for_avg(kind, name, op, input)
+        self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), op=op, name=name)
+        with record_function(f"zero3::{kind} {name}"):
+            work, finalize = self._issuer.reduce_scatter(output, input, op, async_op)
+        self._count(kind, _nbytes(input))
+        return Pending(work, output, finalize)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, name: str = "") -> Pending:
+        """Reduce ``tensor`` in place across ranks with ``op`` ("sum", "avg", "max" or "min"). Counts its bytes."""
+        kind = "all_reduce"
+        reduce_op(op)  # validates the name before anything is exchanged
+        self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
+        self._require_float_for_avg(kind, name, op, tensor)
+        self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
+        with record_function(f"zero3::{kind} {name}"):
+            work, finalize = self._issuer.all_reduce(tensor, op, async_op)
+        self._count(kind, _nbytes(tensor))
+        return Pending(work, tensor, finalize)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, name: str = "") -> Pending:
+        """Copy ``tensor`` from rank ``src`` (a rank of this communicator's group) to every rank. Counts its bytes."""
+        kind = "broadcast"
+        self._require(0 <= src < self.world_size, kind, name, f"src={src} is not a rank of this group "
+                      f"(0..{self.world_size - 1})")
+        self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
+        self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
+        with record_function(f"zero3::{kind} {name}"):
+            work, finalize = self._issuer.broadcast(tensor, src, async_op)
+        self._count(kind, _nbytes(tensor))
+        return Pending(work, tensor, finalize)
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's picklable ``obj``, indexed by rank. For small metadata (e.g. order checks), not tensors."""
+        self._check_consistency_if_debug("object", None, 0, 0)
+        gathered: list = [None] * self.world_size
+        with record_function("zero3::object"):
+            dist.all_gather_object(gathered, obj, group=self.group)
+        self._count("object", len(pickle.dumps(obj)))
+        return gathered
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group reaches this point. Not counted."""
+        self._check_consistency_if_debug("barrier", None, 0, 0)
+        with record_function("zero3::barrier"):
+            dist.barrier(group=self.group)
+
+    def _require_float_for_avg(self, kind: str, name: str, op: str, tensor: torch.Tensor) -> None:
+        self._require(op != "avg" or tensor.is_floating_point() or tensor.is_complex(), kind, name,
+                      f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide yourself")

@@ -1,0 +1,97 @@
+"""init_distributed: start torch.distributed from torchrun's environment or explicit arguments."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def _env_int(key: str) -> Optional[int]:
+    value = os.environ.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def _free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def init_distributed(backend: Optional[str] = None, init_method: Optional[str] = None, rank: Optional[int] = None,
+                     world_size: Optional[int] = None, timeout_s: float = 300.0) -> None:
+    """Initialize the default process group once; later calls (or a group someone else made) are a quiet no-op.
+
+    Where each value comes from, first match wins:
+
+    * ``rank`` / ``world_size``: the arguments, then torchrun's ``RANK`` / ``WORLD_SIZE``; with neither, a
+      single-process group (rank 0 of 1), so ``python train.py`` works without a launcher.
+    * ``init_method``: the argument, then ``env://`` when ``MASTER_ADDR`` and ``MASTER_PORT`` are set; a
+      single-process group without them rendezvous on a free local port. More than one rank without either is an
+      error (the ranks would have no way to find each other).
+    * ``backend``: the argument, else "nccl" when CUDA is available and "gloo" otherwise.
+    * the CUDA device (when CUDA is available): ``LOCAL_RANK``, else rank modulo the local device count.
+
+    ``timeout_s`` bounds how long a collective may wait for its peers before the backend gives up (a hung rank then
+    becomes an error rather than a silent stall); raise it for very slow first steps (e.g. compilation).
+    """
+    if dist.is_initialized():
+        logger.debug("init_distributed: a process group already exists (rank %d of %d); nothing to do",
+                     dist.get_rank(), dist.get_world_size())
+        return
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed support; install a build with distributed")
+    if timeout_s <= 0:
+        raise ValueError(f"init_distributed: timeout_s={timeout_s} must be positive (seconds)")
+
+    rank = rank if rank is not None else _env_int("RANK")
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+    if rank is None and world_size is None:
+        rank, world_size = 0, 1
+        logger.info("init_distributed: no RANK/WORLD_SIZE in the environment; starting a single-process group")
+    elif rank is None or world_size is None:
+        raise ValueError(
+            f"init_distributed: got rank={rank} and world_size={world_size}; give both (as arguments or as the "
+            "RANK and WORLD_SIZE environment variables torchrun sets), or neither for a single process"
+        )
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"init_distributed: rank={rank} is not in 0..world_size-1 (world_size={world_size})")
+
+    if init_method is None:
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            init_method = "env://"
+        elif world_size == 1:
+            init_method = f"tcp://127.0.0.1:{_free_local_port()}"
+        else:
+            raise ValueError(
+                f"init_distributed: world_size={world_size} needs a rendezvous: set MASTER_ADDR and MASTER_PORT "
+                "(torchrun does), or pass init_method='tcp://host:port' or 'file:///shared/path'"
+            )
+
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ValueError("init_distributed: backend='nccl' needs CUDA, which is not available; use backend='gloo'")
+
+    if cuda:
+        local_rank = _env_int("LOCAL_RANK")
+        device_index = local_rank if local_rank is not None else rank % torch.cuda.device_count()
+        torch.cuda.set_device(device_index)
+
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info("rank %d: initialized torch.distributed (backend %s, world size %d, init %s, timeout %.0fs)",
+                rank, backend, world_size, init_method.split("?")[0], timeout_s)
