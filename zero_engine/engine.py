@@ -22,27 +22,22 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
+from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
 from .zero.gather import CoalescedGather, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
-from .zero.partition import ShardedParam
+from .zero.partition import ShardedParam, sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
 
 __all__ = ["ZeroEngine"]
-
-
-def _compute_dtype(config: EngineConfig) -> torch.dtype:
-    if config.fp16.enabled or config.bf16.enabled:
-        raise NotImplementedError("fp16/bf16 training is not supported yet; set fp16.enabled and bf16.enabled to "
-                                  "false (fp32 training)")
-    return torch.float32
 
 
 def _own_parameters(module: nn.Module):
@@ -67,7 +62,12 @@ class ZeroEngine:
         self.module = model
         self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
         self.accounting = MemoryAccounting()
-        self.compute_dtype = _compute_dtype(self.config)
+        self.compute_dtype = compute_dtype_of(self.config)
+        if self.stage == 0 and self.compute_dtype != torch.float32:
+            raise NotImplementedError("fp16/bf16 at zero_optimization.stage 0 is not supported yet; use stage 1, "
+                                      "which keeps fp32 master weights sharded")
+        self.loss_scaler = make_loss_scaler(self.config.fp16)
+        self.skipped_steps = 0
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
@@ -90,7 +90,7 @@ class ZeroEngine:
         else:
             self._partition(model, zc)
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
-                                           optimizer, self.config.optimizer, groups)
+                                           optimizer, self.config.optimizer, groups, zc.sub_group_size)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
         if self.comm.rank == 0:
@@ -102,13 +102,17 @@ class ZeroEngine:
 
     # ---- construction ------------------------------------------------------------------------------------------
     def _partition(self, model: nn.Module, zc) -> None:
-        rank, world = self.comm.rank, self.comm.world_size
-        self.sharded = [ShardedParam(p, name, i, rank, world)
-                        for i, (name, p) in enumerate(model.named_parameters())]
+        self.sharded = [self._sharded_param(p, name, i) for i, (name, p) in enumerate(model.named_parameters())]
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(self.compute_dtype)
         by_param = {id(sp.param): sp for sp in self.sharded}
         trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
-        self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size, torch.float32,
-                                   async_op=zc.overlap_comm, accounting=self.accounting)
+        comm_dtype = self.config.communication_data_type
+        self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
+                                   reduce_dtype=DTYPES[comm_dtype] if comm_dtype else self.compute_dtype,
+                                   grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
+                                   accounting=self.accounting)
         if self.stage >= 2:
             for sp in trainable:
                 sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
@@ -116,11 +120,14 @@ class ZeroEngine:
             for sp in self.sharded:
                 sp.is_persistent = True
             self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting)
+            partitioned = [sp for sp in self.sharded if not sp.is_available]  # built under zero.Init
+            if partitioned:
+                self.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
             return
 
         for sp in self.sharded:
             sp.is_persistent = sp.numel <= zc.param_persistence_threshold
-            if not sp.is_persistent:
+            if not sp.is_persistent and sp.is_available:
                 sp.release()
         module_params, module_names = {}, {}
         for name, module in model.named_modules():
@@ -134,6 +141,19 @@ class ZeroEngine:
         self.refresh_gatherer = gatherer
         self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc)
         self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
+
+    def _sharded_param(self, param: nn.Parameter, name: str, index: int) -> ShardedParam:
+        """A new ShardedParam, or the one zero.Init made when the model was built (adopted, cast, named)."""
+        dtype = self.compute_dtype if param.is_floating_point() else param.dtype
+        sp = sharded_param_of(param)
+        if sp is None:
+            return ShardedParam(param, name, index, self.comm.rank, self.comm.world_size, dtype=dtype)
+        if sp.world_size != self.comm.world_size:
+            raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine runs on "
+                             f"{self.comm.world_size}")
+        sp.fqn, sp.index = name, index
+        sp.cast_(dtype)
+        return sp
 
     def _make_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
@@ -160,7 +180,12 @@ class ZeroEngine:
             self._step_started = time.perf_counter()
         if self.coordinator is not None and self.module.training and torch.is_grad_enabled():
             self.coordinator.begin_step()
+        if self.compute_dtype != torch.float32:  # float inputs follow the parameters' dtype; outputs are as computed
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
         return self.module(*args, **kwargs)
+
+    def _cast_input(self, x):
+        return x.to(self.compute_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     __call__ = forward
 
@@ -168,7 +193,9 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         self._last_loss = loss.detach()
-        scaled = loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        scaled = loss.float() * (scale / self.gradient_accumulation_steps) if scale != 1.0 or \
+            self.gradient_accumulation_steps > 1 else loss
         ends = self._backward_ends
         with torch.profiler.record_function("zero3::backward"):
             scaled.backward()
@@ -205,14 +232,24 @@ class ZeroEngine:
                         self.reducer.add(sp, sp.param.grad)
                         sp.param.grad = None
             self.reducer.finish()
-        self.optimizer.step()
+        result = self.optimizer.step(
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0,
+            skip_if_nonfinite=self.loss_scaler is not None or self.config.bf16.check_grad_overflow)
         self.optimizer.zero_grad()
-        if self.stage >= 1:
-            stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from updated shards
-            if stale:
-                self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(result.overflow)
+        if result.overflow and (self.loss_scaler is not None or self.config.bf16.check_grad_overflow):
+            self.skipped_steps += 1  # parameters, optimizer states and the LR schedule are untouched
+            if self.loss_scaler is None:
+                log.warning("rank %d: non-finite gradients at step %d: step skipped (bf16.check_grad_overflow)",
+                            self.comm.rank, self.global_steps)
+        else:
+            if self.stage >= 1:
+                stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from new shards
+                if stale:
+                    self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.global_steps += 1
         if self._step_started is not None:
             self.last_step_time = time.perf_counter() - self._step_started

@@ -1,5 +1,10 @@
-"""ZeRO partitioning: parameters, gathers, the coordinator, hooks, gradient buckets, the partitioned optimizer."""
+"""ZeRO partitioning: parameters, gathers, the coordinator, hooks, gradient buckets, the partitioned optimizer.
 
-from .partition import ParamStatus, ShardedParam
+Public here: ``Init`` (partition while building a model) and ``GatheredParameters`` (full parameters for a block).
+"""
 
-__all__ = ["ParamStatus", "ShardedParam"]
+from .gathered import GatheredParameters
+from .init import Init
+from .partition import ParamStatus, ShardedParam, ZeroParameter
+
+__all__ = ["Init", "GatheredParameters", "ParamStatus", "ShardedParam", "ZeroParameter"]

@@ -1,4 +1,4 @@
-"""Gradient buckets: full gradients in, this rank's fp32 gradient shards out.
+"""Gradient buckets: full gradients in, this rank's gradient shards out.
 
 Buckets are composed once, from the fixed parameter order (reverse registration order, which is roughly the order
 backward produces gradients), never from the order gradients happen to arrive. A bucket is reduce-scattered when
@@ -9,6 +9,10 @@ order whatever its data did.
 A bucket's send buffer is laid out ``[world, elements per rank]``: row ``r`` holds, for every parameter of the
 bucket, the slice of its padded gradient that rank ``r`` owns. ``reduce_scatter_tensor`` then hands each rank its
 row, which is exactly its gradient shards back to back.
+
+Gradient shards are kept in ``grad_dtype``: fp32 in fp32 training, the 16-bit compute dtype in mixed precision (as
+DeepSpeed does: 2 bytes per parameter instead of 4, which is what keeps model states at 16Ψ/N); the optimizer
+converts them to fp32 one sub-group at a time.
 """
 
 from __future__ import annotations
@@ -36,21 +40,22 @@ class _Bucket:
         self.received: set[int] = set()
         self.pending = None  # comm Pending of the launched reduce-scatter
         self.recv: torch.Tensor | None = None
-        self.shard_grads: torch.Tensor | None = None  # fp32 [per_rank]: this rank's accumulated gradient shards
+        self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
         self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
 
 
 class GradReducer:
-    """Reduce-scatters gradients bucket by bucket into persistent fp32 gradient shards.
+    """Reduce-scatters gradients bucket by bucket into persistent gradient shards.
 
     ``add(p, grad)`` during backward (stages 2 and 3) or for every parameter at the accumulation boundary
     (stage 1); ``finish()`` at the end of each backward pass; ``shard_grad(p)`` is what the optimizer reads.
     """
 
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
-                 async_op: bool = True, accounting=None):
+                 grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None):
         self.comm = comm
         self.reduce_dtype = reduce_dtype
+        self.grad_dtype = grad_dtype
         self.async_op = async_op
         self.accounting = accounting
         self.buckets: list[_Bucket] = []
@@ -115,16 +120,10 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.has_grads = False
 
-    def free_grads(self) -> None:
-        for bucket in self.buckets:
-            if bucket.shard_grads is not None:
-                self._track(-bucket.shard_grads.numel() * 4, category="grads")
-            bucket.shard_grads = None
-            bucket.has_grads = False
-
     @property
     def grad_bytes(self) -> int:
-        return sum(b.shard_grads.numel() * 4 for b in self.buckets if b.shard_grads is not None)
+        return sum(b.shard_grads.numel() * b.shard_grads.element_size() for b in self.buckets
+                   if b.shard_grads is not None)
 
     # ---- internals ---------------------------------------------------------------------------------------------
     def _alloc_send(self, bucket: _Bucket) -> None:
@@ -141,10 +140,9 @@ class GradReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.shard_grads is None:
-            bucket.shard_grads = torch.zeros(bucket.per_rank, dtype=torch.float32, device=bucket.send.device)
-            self._track(bucket.per_rank * 4, category="grads")
+            bucket.shard_grads = torch.zeros(bucket.per_rank, dtype=self.grad_dtype, device=bucket.send.device)
         # Reduce straight into the shards when nothing is accumulated there and no cast is needed.
-        direct = not bucket.has_grads and self.reduce_dtype == torch.float32
+        direct = not bucket.has_grads and self.reduce_dtype == self.grad_dtype
         bucket.recv = bucket.shard_grads if direct else torch.empty(bucket.per_rank, dtype=self.reduce_dtype,
                                                                      device=bucket.send.device)
         bucket.pending = self.comm.reduce_scatter_tensor(bucket.recv, bucket.send, op="avg", async_op=self.async_op,
@@ -169,9 +167,9 @@ class GradReducer:
         bucket.send = bucket.recv = bucket.pending = None
         bucket.received.clear()
 
-    def _track(self, nbytes: int, category: str = "comm_buffers") -> None:
+    def _track(self, nbytes: int) -> None:
         if self.accounting is not None:
-            self.accounting.add(category, nbytes)
+            self.accounting.add("comm_buffers", nbytes)
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int) -> None:

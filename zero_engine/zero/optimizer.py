@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 import torch
 import torch.nn as nn
 
@@ -22,7 +23,7 @@ from .partition import ShardedParam
 
 log = logging.getLogger("zero_engine.optimizer")
 
-__all__ = ["ZeroOptimizer", "DataParallelOptimizer", "bind_optimizer", "build_torch_optimizer", "param_groups_of"]
+__all__ = ["ZeroOptimizer", "StepResult", "DataParallelOptimizer", "bind_optimizer", "build_torch_optimizer", "param_groups_of"]
 
 _SUPPORTED_TYPES = ("adam", "adamw", "sgd")
 
@@ -93,19 +94,27 @@ def bind_optimizer(optimizer, opt_config, groups: list[dict], substitute: dict[i
     return build_torch_optimizer(opt_config, swapped)
 
 
+class StepResult(NamedTuple):
+    grad_norm: float  # global L2 norm of the (unscaled) gradients, before clipping
+    overflow: bool  # non-finite gradients on some rank: the update was skipped everywhere
+
+
 class ZeroOptimizer:
     """Owns the masters and the wrapped torch optimizer; ``step()`` is the whole sharded update."""
 
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
-                 optimizer, opt_config, groups: list[dict]):
+                 optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9):
         self.reducer = reducer
         self.comm = comm
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.sharded = [sp for sp in sharded if sp.param.requires_grad]
         self.masters: dict[int, nn.Parameter] = {}  # id(original param) -> master
         for sp in self.sharded:
-            data = sp.shard if sp.shard.dtype == torch.float32 else sp.shard.float()
-            self.masters[id(sp.param)] = nn.Parameter(data)
+            # fp32 training: the master IS the compute shard. 16-bit: a separate fp32 copy of the exact value.
+            master = nn.Parameter(sp.master_init if sp.master_init is not None else sp.shard)
+            sp.master, sp.master_init = master.data, None
+            self.masters[id(sp.param)] = master
+        self.sub_groups = _sub_groups(self.sharded, sub_group_size)
         self.optimizer = bind_optimizer(optimizer, opt_config, groups, self.masters)
         self.global_grad_norm: float | None = None
 
@@ -119,32 +128,53 @@ class ZeroOptimizer:
         return self.optimizer.state
 
     # ---- the step ----------------------------------------------------------------------------------------------
-    def step(self) -> float:
-        """Clip by the global norm, update the masters, refresh separate compute shards. Returns the norm."""
+    def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
+        """Unscale, clip by the global norm, update the masters, refresh separate compute shards.
+
+        [Note: sub-groups] In 16-bit training the gradient shards are 16-bit; the optimizer needs fp32. Converting
+        them all at once would cost 4 bytes per parameter more for the length of the step, so the update runs
+        over sub-groups of at most ``sub_group_size`` elements: only one sub-group's fp32 gradients exist at a
+        time. A torch optimizer skips parameters whose grad is None, which is what makes this work.
+        """
         with torch.profiler.record_function("zero3::optimizer_step"):
-            for sp in self.sharded:
-                self.masters[id(sp.param)].grad = self.reducer.shard_grad(sp)
-            norm = self._global_grad_norm()
-            if self.gradient_clipping > 0 and norm > self.gradient_clipping:
-                coef = self.gradient_clipping / (norm + 1e-6)
-                for bucket in self.reducer.buckets:
-                    if bucket.shard_grads is not None:
-                        bucket.shard_grads.mul_(coef)
-            self.optimizer.step()
-            for sp in self.sharded:
-                master = self.masters[id(sp.param)]
-                if master.data_ptr() != sp.shard.data_ptr():
-                    sp.shard.copy_(master.detach())
+            scaled_norm = self._global_grad_norm()
+            overflow = not math.isfinite(scaled_norm)
+            norm = scaled_norm / loss_scale
             self.global_grad_norm = norm
-            return norm
+            if overflow and skip_if_nonfinite:
+                return StepResult(norm, True)
+            coef = 1.0 / loss_scale
+            if self.gradient_clipping > 0 and norm > self.gradient_clipping:
+                coef *= self.gradient_clipping / (norm + 1e-6)
+            for group in self.sub_groups:
+                for sp in group:
+                    self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
+                self.optimizer.step()
+                for sp in group:
+                    master = self.masters[id(sp.param)]
+                    master.grad = None
+                    if master.data_ptr() != sp.shard.data_ptr():
+                        sp.shard.copy_(master.detach())
+            return StepResult(norm, overflow)
+
+    def _fp32_grad(self, sp: ShardedParam, coef: float) -> torch.Tensor | None:
+        grad = self.reducer.shard_grad(sp)
+        if grad is None:
+            return None
+        if grad.dtype != torch.float32:
+            grad = grad.float()  # a new tensor: scaling it leaves the 16-bit shard alone
+        if coef != 1.0:
+            grad.mul_(coef)
+        return grad
 
     def _global_grad_norm(self) -> float:
+        """One all-reduce of the summed squares; inf/nan on any rank makes the result non-finite everywhere."""
         sq = torch.zeros((), dtype=torch.float64)
         for bucket in self.reducer.buckets:
             if bucket.shard_grads is not None:
                 sq += bucket.shard_grads.double().pow(2).sum()
         self.comm.all_reduce(sq, op="sum", name="grad norm")
-        return math.sqrt(sq.item())
+        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("inf")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for master in self.masters.values():
@@ -164,8 +194,18 @@ class ZeroOptimizer:
     @property
     def master_bytes(self) -> int:
         """fp32 masters that are separate copies (in fp32 training the master is the compute shard itself)."""
-        return sum(m.numel() * 4 for sp, m in ((sp, self.masters[id(sp.param)]) for sp in self.sharded)
-                   if m.data_ptr() != sp.shard.data_ptr())
+        return sum(sp.master.numel() * 4 for sp in self.sharded if sp.master.data_ptr() != sp.shard.data_ptr())
+
+
+def _sub_groups(sharded: list[ShardedParam], sub_group_size: int) -> list[list[ShardedParam]]:
+    groups, current, size = [], [], 0
+    for sp in sharded:
+        if current and size + sp.shard_numel > sub_group_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(sp)
+        size += sp.shard_numel
+    return groups + [current] if current else groups
 
 
 class DataParallelOptimizer:
@@ -189,14 +229,17 @@ class DataParallelOptimizer:
     def state_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer)
 
-    def step(self) -> float:
+    def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
+        """fp32 only (the engine refuses 16-bit at stage 0), so ``loss_scale`` is always 1."""
         all_reduce_grads(self.params, self.comm, self.bucket_numel)
         # Gradients are identical on every rank now, so the local norm is the global one.
         norm = float(torch.nn.utils.clip_grad_norm_(
             self.params, self.gradient_clipping if self.gradient_clipping > 0 else float("inf")))
-        self.optimizer.step()
         self.global_grad_norm = norm
-        return norm
+        if skip_if_nonfinite and not math.isfinite(norm):
+            return StepResult(norm, True)
+        self.optimizer.step()
+        return StepResult(norm, not math.isfinite(norm))
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -21,7 +21,48 @@ import math
 import torch
 import torch.nn as nn
 
-__all__ = ["ParamStatus", "ShardedParam", "shard_numel_for"]
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["ParamStatus", "ShardedParam", "ZeroParameter", "shard_numel_for", "sharded_param_of"]
+
+# nn.Parameter -> its ShardedParam, so zero.Init, GatheredParameters and the engine find a parameter's state
+# without attaching anything to the parameter object (weak: a dropped model frees its entries).
+_REGISTRY = WeakIdKeyDictionary()
+
+
+def sharded_param_of(param: torch.Tensor) -> "ShardedParam | None":
+    return _REGISTRY.get(param)
+
+
+class ZeroParameter(nn.Parameter):
+    """The class a partitioned ``nn.Parameter`` takes: using it while released is a clear error, not a silent 0.
+
+    While released a parameter's data is a 0-element tensor, so ``model.lm_head.weight.sum()`` in user code would
+    quietly return 0. Attribute access (``.grad``, ``.data``, ``.requires_grad``...) and metadata queries stay
+    allowed; any other torch function on a released parameter raises, saying to use GatheredParameters. Inside the
+    engine's hooks the parameter is gathered, so the check passes at the cost of one dictionary lookup per op.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            if getattr(func, "__name__", "") not in _ALWAYS_ALLOWED:
+                for arg in args:
+                    if type(arg) is ZeroParameter and arg.numel() == 0:
+                        sp = _REGISTRY.get(arg)
+                        if sp is not None and sp.status is not ParamStatus.AVAILABLE:
+                            raise RuntimeError(
+                                f"{sp.fqn or 'parameter'} is partitioned (ZeRO-3): this rank holds only its shard, "
+                                f"so {getattr(func, '__name__', func)}() on it would see no data. Read or edit it "
+                                "inside `with zero_engine.zero.GatheredParameters(param):` (pass modifier_rank= to "
+                                "keep edits).")
+            return func(*args, **(kwargs or {}))
+
+
+_ALWAYS_ALLOWED = {"__get__", "__set__", "__delete__", "__repr__", "__format__", "numel", "dim", "size",
+                   "element_size", "is_floating_point", "is_complex", "requires_grad_", "register_hook",
+                   "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "__reduce_ex__",
+                   "__deepcopy__", "__hash__", "__eq__"}
 
 
 class ParamStatus(enum.Enum):
@@ -41,13 +82,15 @@ class ShardedParam:
     parameter object itself.
     """
 
-    def __init__(self, param: nn.Parameter, fqn: str, index: int, rank: int, world_size: int):
+    def __init__(self, param: nn.Parameter, fqn: str, index: int, rank: int, world_size: int,
+                 dtype: torch.dtype | None = None):
+        """Shard ``param`` (its current full data) for ``rank``; ``dtype``: the compute dtype to cast to."""
         self.param = param
         self.fqn = fqn
         self.index = index  # position in the fixed parameter order: gradient buckets are built from it
         self.shape = param.shape
         self.numel = param.numel()
-        self.dtype = param.dtype
+        self.dtype = dtype or param.dtype
         self.shard_numel = shard_numel_for(self.numel, world_size)
         self.padded_numel = self.shard_numel * world_size
         self.rank = rank
@@ -55,20 +98,25 @@ class ShardedParam:
         self.is_persistent = False  # kept gathered between uses (small params; stages 1 and 2: all params)
         self.active_users = 0  # modules between their pre- and post- (forward or backward) hooks
         self.status = ParamStatus.NOT_AVAILABLE
+        self.master: torch.Tensor | None = None  # the fp32 master shard, once an optimizer owns one
         self._empty = torch.empty(0, dtype=self.dtype, device=param.device)
 
         flat = param.detach().reshape(-1)
-        start = rank * self.shard_numel
-        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=param.device)
-        end = min(start + self.shard_numel, self.numel)
-        if end > start:
-            self.shard[: end - start].copy_(flat[start:end])
+        exact = torch.zeros(self.shard_numel, dtype=param.dtype, device=param.device)
+        local = self.local_slice()
+        exact[: local.stop - local.start].copy_(flat[local])
+        # The master starts from the full-precision value, not from its 16-bit rounding.
+        self.master_init = exact.float() if self.dtype != torch.float32 and param.is_floating_point() else None
+        self.shard = exact.to(self.dtype)
         # The full buffer starts with the parameter's own data; `release()` frees it.
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=param.device)
         self.full[: self.numel].copy_(flat)
-        self.full[self.numel :].zero_()
+        self.full[self.numel:].zero_()
         param.data = self.full[: self.numel].view(self.shape)
         self.status = ParamStatus.AVAILABLE
+        _REGISTRY[param] = self
+        if type(param) is nn.Parameter:  # subclasses of users' own are left as they are
+            param.__class__ = ZeroParameter
 
     # ---- state transitions -------------------------------------------------------------------------------------
     def to_inflight(self, refresh: bool = False) -> None:
@@ -98,6 +146,30 @@ class ShardedParam:
         self.param.data = self._empty
         self.full.untyped_storage().resize_(0)
         self.status = ParamStatus.NOT_AVAILABLE
+
+    def take_full_into_shard(self) -> None:
+        """After the full data was edited (GatheredParameters, zero.Init): keep this rank's slice of it."""
+        if self.status is not ParamStatus.AVAILABLE:
+            raise AssertionError(f"{self.fqn}: resharding needs the full data; status {self.status.name}")
+        local = self.local_slice()
+        for target in (self.shard, self.master):
+            if target is not None:
+                target.zero_()
+                target[: local.stop - local.start].copy_(self.full[local])
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Change the compute dtype of a released parameter (zero.Init builds in fp32; the engine casts)."""
+        if dtype == self.dtype:
+            return
+        if self.status is not ParamStatus.NOT_AVAILABLE:
+            raise AssertionError(f"{self.fqn}: cast while {self.status.name}")
+        self.master_init = self.shard.float() if dtype != torch.float32 else None
+        self.shard = self.shard.to(dtype)
+        self.dtype = dtype
+        self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
+        self.full.untyped_storage().resize_(0)
+        self._empty = torch.empty(0, dtype=dtype, device=self.shard.device)
+        self.param.data = self._empty
 
     # ---- views -------------------------------------------------------------------------------------------------
     @property

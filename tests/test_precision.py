@@ -1,0 +1,281 @@
+"""Mixed precision (fp16 with loss scaling, bf16), zero.Init and GatheredParameters on simulated ranks.
+
+Reference for mixed precision: one process keeps fp32 master weights; each step it makes a 16-bit copy of the
+model, runs forward and backward on the full batch in that dtype, and applies the fp32 gradient to the masters
+(what DeepSpeed's fp16/bf16 modes compute). Tolerance: our ranks run micro-batches of a quarter of the batch, reduce
+gradients in 16-bit across ranks and accumulate two micro-steps in 16-bit; every one of those roundings is ~2^-8
+(bf16) or 2^-11 (fp16) relative, so per-step losses agree to 2e-2 (bf16) / 5e-3 (fp16) relative. The fp32 masters
+agree to 1e-2 (bf16) / 5e-3 (fp16) relative L2 after 4 AdamW steps: observed ~1.1e-3 and ~1.4e-3, the same order for
+both dtypes because AdamW's division by sqrt(v) amplifies tiny gradient differences where v is small (see
+test_zero3.py). Both bounds are far below what a wrong scale, a missed unscale or stale shards produce (order 1).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero_engine
+from zero_engine.testing import RankError, run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.zero import GatheredParameters, Init
+from zero_engine.zero.partition import sharded_param_of
+
+TIMEOUT = 120
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def config(stage, precision, gas=2, micro=2, **fp16):
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "stage3_prefetch_bucket_size": 3000,
+                                 "stage3_param_persistence_threshold": 40}}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, **fp16}
+    elif precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def masters_whole(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for sp in engine.sharded:
+        src = sp.master if sp.master is not None else sp.shard.float()
+        buf = torch.empty(sp.padded_numel, dtype=torch.float32)
+        dist.all_gather_into_tensor(buf, src.float().contiguous())
+        out[sp.fqn] = buf[: sp.numel].view(sp.shape)
+    return out
+
+
+def _mixed_parity_body(stage, precision):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[precision]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(frozen_param=True))
+    master = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config=config(stage, precision))
+    opt = torch.optim.AdamW([p for p in master.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+    worst = 0.0
+    for x, y in make_batches(model.cfg, 4, world * 4):
+        compute = copy.deepcopy(master).to(dtype)
+        ref_loss = compute(x, y)
+        ref_loss.float().backward()
+        for pm, pc in zip(master.parameters(), compute.parameters()):
+            if pm.requires_grad:
+                pm.grad = pc.grad.float()
+        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        total = torch.zeros(())
+        for m in range(2):
+            lo = (m * world + rank) * 2
+            loss = engine(x[lo: lo + 2], y[lo: lo + 2])
+            assert loss.dtype == dtype, loss.dtype
+            engine.backward(loss)
+            engine.step()
+            total += loss.float().detach()
+        dist.all_reduce(total)
+        worst = max(worst, abs(total.item() / (2 * world) - ref_loss.item()) / ref_loss.item())
+    ours, ref = masters_whole(engine), dict(master.named_parameters())
+    diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
+    shard_dtypes = {sp.shard.dtype for sp in engine.sharded}
+    return worst, (diff / norm).item(), shard_dtypes, engine.memory_stats()
+
+
+@pytest.mark.parametrize("world,stage,precision", [(2, 1, "bf16"), (2, 2, "fp16"), (2, 3, "bf16"), (2, 3, "fp16"),
+                                                   (3, 3, "bf16"), (3, 2, "bf16"), (3, 1, "fp16")])
+def test_mixed_precision_parity(world, stage, precision):
+    loss_tol, param_tol = (2e-2, 1e-2) if precision == "bf16" else (5e-3, 5e-3)
+    for loss_err, param_err, dtypes, stats in run_ranks(_mixed_parity_body, world, stage, precision,
+                                                        timeout=TIMEOUT):
+        assert loss_err < loss_tol and param_err < param_tol, (loss_err, param_err)
+        assert dtypes == {DTYPES[precision]}
+        # 16-bit shards (2) + 16-bit grads (2) + fp32 master (4) + Adam m, v (8) = 16 bytes per element.
+        states = stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
+        assert states <= 16 * stats["params_sharded"] / 2 * 1.02, stats
+
+
+# ---- loss scaling --------------------------------------------------------------------------------------------------
+def _overflow_body():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    cfg = config(3, "fp16", gas=1, hysteresis=2, loss_scale_window=2)
+    engine, *_ = zero_engine.initialize(model=model, config=cfg)
+    poison = {"on": False}
+    target = engine.sharded[3].param  # only rank 1's gradient goes bad
+    target.register_hook(lambda g: g * float("inf") if poison["on"] and rank == 1 else g)
+    batches = make_batches(model.cfg, 8, 2)
+    scales, events = [], []
+
+    def snapshot():
+        return ([sp.shard.clone() for sp in engine.sharded], [sp.master.clone() for sp in engine.sharded
+                                                               if sp.master is not None],
+                [t.clone() for s in engine.optimizer.state.values() for t in s.values()])
+
+    def train(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        scales.append(engine.loss_scaler.scale)
+
+    train(*batches[0])
+    for i in (1, 2):  # two overflows: the first is absorbed by hysteresis, the second halves the scale
+        before = snapshot()
+        poison["on"] = True
+        train(*batches[i])
+        poison["on"] = False
+        after = snapshot()
+        events.append(all(torch.equal(a, b) for xs, ys in zip(before, after) for a, b in zip(xs, ys)))
+    for x, y in batches[3:7]:
+        train(x, y)
+    return scales, events, engine.skipped_steps, engine.global_steps
+
+
+def test_overflow_on_one_rank_skips_step_everywhere_and_scale_follows_deepspeed():
+    for scales, untouched, skipped, steps in run_ranks(_overflow_body, 2, timeout=TIMEOUT):
+        assert untouched == [True, True]  # shards, masters and Adam states bit-identical across a skipped step
+        assert skipped == 2 and steps == 7
+        # 256 -> (good step: window 2 counts from the start) ... hysteresis 2: first overflow keeps the scale,
+        # second halves it; then it doubles every loss_scale_window=2 good steps.
+        assert scales[1] == scales[0] and scales[2] == scales[0] / 2, scales
+        assert scales[-1] == scales[2] * 4, scales
+
+
+def test_dynamic_scaler_unit():
+    from zero_engine.precision import DynamicLossScaler
+
+    s = DynamicLossScaler(init_scale=2**4, scale_window=3, hysteresis=1, min_scale=4)
+    for overflow, expected in [(True, 8), (False, 8), (False, 8), (False, 16), (True, 8), (True, 4)]:
+        s.update(overflow)
+        assert s.scale == expected
+    with pytest.raises(RuntimeError, match="minimum loss scale"):
+        s.update(True)
+
+
+# ---- zero.Init ----------------------------------------------------------------------------------------------------
+class _Stack(nn.Module):
+    def __init__(self, n=8, width=1024):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+        self.scale = nn.Parameter(torch.ones(width))  # registered on the root: partitioned on exit
+        self.apply(self._reinit)  # a parent re-initialising built children (nanoGPT / HF style)
+
+    @staticmethod
+    def _reinit(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * self.scale
+
+
+def _build_peak(use_init: bool):
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD: big tensors come from mmap and go back on free (RSS tracks them)
+    from zero_engine.memory import reset_rss_peak, rss_bytes, rss_peak_bytes
+
+    torch.manual_seed(0)
+    base = rss_bytes()
+    reset_rss_peak()
+    if use_init:
+        with Init():
+            model = _Stack()
+    else:
+        model = _Stack()
+    return model, rss_peak_bytes() - base
+
+
+def _init_body():
+    world = dist.get_world_size()
+    model, peak_init = _build_peak(True)
+    reference, peak_plain = _build_peak(False)
+    full_bytes = sum(p.numel() * 4 for p in reference.parameters())
+    held = sum(sharded_param_of(p).shard.numel() * 4 for p in model.parameters())
+    same = True
+    for p, q in zip(model.parameters(), reference.parameters()):
+        with GatheredParameters(p):
+            same &= torch.equal(p, q)
+    engine, *_ = zero_engine.initialize(model=model, config=config(3, "fp32", gas=1, micro=4))
+    for _ in range(2):
+        loss = engine(torch.randn(4, 1024)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    return peak_init, peak_plain, full_bytes, held, world, same, math.isfinite(loss.item())
+
+
+def test_zero_init_builds_partitioned_with_identical_weights_and_trains():
+    for peak_init, peak_plain, full, held, world, same, finite in run_ranks(_init_body, 2, timeout=TIMEOUT):
+        largest_module = 1024 * 1025 * 4
+        assert same and finite
+        assert held <= full / world + 4 * world * 10  # only the shards stay (plus padding)
+        assert peak_plain >= 0.95 * full, (peak_plain, full)  # the plain build really holds the whole model
+        # sharded total + one module whole (+ one module's broadcast / gather buffers of slack)
+        assert peak_init <= full / world + 2.5 * largest_module, (peak_init, full)
+
+
+# ---- GatheredParameters ---------------------------------------------------------------------------------------------
+def _gathered_body(precision):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    engine, *_ = zero_engine.initialize(model=model, config=config(3, precision, gas=1,
+                                                                   stage3_param_persistence_threshold=0)
+                                        if precision == "fp16" else config(3, precision, gas=1))
+    w = model.lm_head.weight
+    results = {}
+    try:
+        w.sum()
+    except RuntimeError as e:
+        results["read_error"] = str(e)
+    with GatheredParameters(w):
+        results["shape_inside"] = tuple(w.shape)
+        with GatheredParameters([w, model.blocks[0].mlp.fc.weight]):  # nested
+            results["nested_sum"] = w.float().sum().item()
+        results["still_full"] = w.numel()
+    results["released_after"] = w.numel()
+    with GatheredParameters(w, modifier_rank=1):
+        if rank == 1:
+            with torch.no_grad():
+                w.fill_(0.5)
+    sp = sharded_param_of(w)
+    results["shard_after_edit"] = bool((sp.shard[: sp.local_slice().stop - sp.local_slice().start] == 0.5).all())
+    results["master_after_edit"] = bool((sp.master[: sp.local_slice().stop - sp.local_slice().start] == 0.5).all())
+    try:
+        with GatheredParameters(w):
+            with torch.no_grad():
+                w.mul_(2)
+    except RuntimeError as e:
+        results["edit_error"] = str(e)
+    x, y = make_batches(model.cfg, 1, 2)[0]
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return results
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gathered_parameters(precision):
+    for r in run_ranks(_gathered_body, 2, precision, timeout=TIMEOUT):
+        assert "GatheredParameters" in r["read_error"] and "wte.weight" in r["read_error"]
+        assert r["shape_inside"] == (97, 33) and r["still_full"] == 97 * 33 and r["released_after"] == 0
+        assert r["shard_after_edit"] and r["master_after_edit"]
+        assert "modifier_rank" in r["edit_error"] and "wte.weight" in r["edit_error"]
+
+
+def test_fp16_at_stage_0_is_refused_clearly():
+    with pytest.raises(RankError, match="stage 0 is not supported yet"):
+        run_ranks(_stage0_fp16_body, 1, timeout=TIMEOUT)
+
+
+def _stage0_fp16_body():
+    zero_engine.initialize(model=GPT(GPTConfig()), config=config(0, "fp16"))
