@@ -8,16 +8,18 @@ from . import zero
 from .comm import init_distributed
 from .errors import ConfigError
 from .initialize import initialize
+from .memory import estimate_zero3_model_states_mem_needs_all_live
 
-__all__ = ["initialize", "init_distributed", "zero", "config", "ConfigError"]
+__all__ = ["initialize", "init_distributed", "zero", "config", "ConfigError",
+           "estimate_zero3_model_states_mem_needs_all_live"]
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # `zero_engine.config` is a subpackage imported on first use, like the others.
-    if name == "config":
+    # `zero_engine.config` and `zero_engine.checkpoint` are subpackages imported on first use.
+    if name in ("config", "checkpoint"):
         import importlib
 
-        return importlib.import_module(".config", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'zero_engine' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
     zero-engine schema          print the JSON Schema of ds_config.json as we accept it
     zero-engine ops             which fused optimizer ops can be built here, and why not
+    zero-engine estimate        per-rank memory of model states per ZeRO stage and precision
 """
 
 from __future__ import annotations
@@ -26,11 +27,63 @@ def _ops(_args) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """A parameter count as written by people: 7000000000, 7_000_000_000 or 7e9."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r} (write e.g. 7e9 or 7_000_000_000)") from None
+    if value != int(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"not a whole non-negative count: {text!r}")
+    return int(value)
+
+
+def _estimate(args) -> int:
+    import importlib
+
+    import torch
+
+    from .memory.estimator import estimate_from_counts, estimate_zero3_model_states_mem_needs_all_live
+
+    if (args.model is None) == (args.params is None):
+        raise SystemExit("zero-engine estimate: give a model (pkg.module:factory) or --params N --largest-layer M")
+    zero_config = None
+    if args.config is not None:
+        from .config import load_config
+
+        zero_config = load_config(args.config, world_size=args.ranks_per_node * args.nodes).zero_optimization
+    common = dict(num_ranks_per_node=args.ranks_per_node, num_nodes=args.nodes, zero_config=zero_config)
+    if args.params is not None:
+        if args.largest_layer is None:
+            raise SystemExit("zero-engine estimate: --params needs --largest-layer (the most parameters one "
+                             "module owns; it bounds the ZeRO-3 gathered working set)")
+        estimate_from_counts(args.params, args.largest_layer, **common)
+        return 0
+    module_name, _, factory_name = args.model.partition(":")
+    if not module_name or not factory_name:
+        raise SystemExit(f"zero-engine estimate: model {args.model!r} must look like pkg.module:factory")
+    sys.path.insert(0, "")  # as `python -m` does: modules of the current directory can be named
+    factory = getattr(importlib.import_module(module_name), factory_name)
+    with torch.device("meta"):  # shapes only: a 70B model costs no memory here
+        model = factory()
+    estimate_zero3_model_states_mem_needs_all_live(model, **common)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero-engine", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("schema", help="print the config JSON Schema").set_defaults(run=_schema)
     sub.add_parser("ops", help="report which fused optimizer ops are available").set_defaults(run=_ops)
+    est = sub.add_parser("estimate", help="per-rank memory of model states per ZeRO stage and precision")
+    est.add_argument("model", nargs="?", help="pkg.module:factory, called with no arguments on the meta device")
+    est.add_argument("--params", type=_count, help="total parameters (instead of a model)")
+    est.add_argument("--largest-layer", type=_count, help="parameters of the largest module (with --params)")
+    est.add_argument("--ranks-per-node", type=int, default=1, help="ranks (GPUs) per node (default 1)")
+    est.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    est.add_argument("--config", help="ds_config.json whose zero_optimization sets the stage-3 gather policy "
+                     "(default: DeepSpeed's defaults)")
+    est.set_defaults(run=_estimate)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -112,7 +112,7 @@ class ZeroOptimizer:
         for sp in self.sharded:
             # fp32 training: the master IS the compute shard. 16-bit: a separate fp32 copy of the exact value.
             master = nn.Parameter(sp.master_init if sp.master_init is not None else sp.shard)
-            sp.master, sp.master_init = master.data, None
+            sp.master, sp.master_is_shard, sp.master_init = master.data, sp.master_init is None, None
             self.masters[id(sp.param)] = master
         self.sub_groups = _sub_groups(self.sharded, sub_group_size)
         self.optimizer = bind_optimizer(optimizer, opt_config, groups, self.masters)
@@ -153,7 +153,7 @@ class ZeroOptimizer:
                 for sp in group:
                     master = self.masters[id(sp.param)]
                     master.grad = None
-                    if master.data_ptr() != sp.shard.data_ptr():
+                    if not sp.master_is_shard:
                         sp.shard.copy_(master.detach())
             return StepResult(norm, overflow)
 
@@ -194,7 +194,7 @@ class ZeroOptimizer:
     @property
     def master_bytes(self) -> int:
         """fp32 masters that are separate copies (in fp32 training the master is the compute shard itself)."""
-        return sum(sp.master.numel() * 4 for sp in self.sharded if sp.master.data_ptr() != sp.shard.data_ptr())
+        return sum(sp.master.numel() * 4 for sp in self.sharded if not sp.master_is_shard)
 
 
 def _sub_groups(sharded: list[ShardedParam], sub_group_size: int) -> list[list[ShardedParam]]:

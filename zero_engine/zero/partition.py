@@ -99,6 +99,7 @@ class ShardedParam:
         self.active_users = 0  # modules between their pre- and post- (forward or backward) hooks
         self.status = ParamStatus.NOT_AVAILABLE
         self.master: torch.Tensor | None = None  # the fp32 master shard, once an optimizer owns one
+        self.master_is_shard = False  # fp32 training: the master and the compute shard are one tensor
         self._empty = torch.empty(0, dtype=self.dtype, device=param.device)
 
         flat = param.detach().reshape(-1)
@@ -152,7 +153,7 @@ class ShardedParam:
         if self.status is not ParamStatus.AVAILABLE:
             raise AssertionError(f"{self.fqn}: resharding needs the full data; status {self.status.name}")
         local = self.local_slice()
-        for target in (self.shard, self.master):
+        for target in (self.shard, None if self.master_is_shard else self.master):
             if target is not None:
                 target.zero_()
                 target[: local.stop - local.start].copy_(self.full[local])
