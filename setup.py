@@ -13,7 +13,7 @@ setup(
     include_package_data=True,
     install_requires=["torch>=2.4", "pydantic>=2", "psutil", "ninja"],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "jsonschema", "numpy"],
+        "dev": ["pytest", "pytest-timeout", "jsonschema", "numpy", "matplotlib"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["zero-engine=zero_engine.cli:main"]},

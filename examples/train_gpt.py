@@ -9,6 +9,7 @@ rank without sharding (fp32 AdamW: 16 bytes per parameter for parameters, gradie
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import sys
@@ -30,6 +31,8 @@ def parse_args():
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--timeline", default=None,
+                        help="record a memory timeline to TIMELINE.rankN.jsonl (draw it with `zero-engine plot`)")
     return parser.parse_args()
 
 
@@ -61,7 +64,10 @@ def main() -> None:
                     n_embd=args.n_embd)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    engine, optimizer, _, _ = zero_engine.initialize(model=model, config=args.config)
+    config = json.load(open(args.config))
+    if args.timeline:
+        config.setdefault("zero_engine", {})["memory_timeline"] = {"enabled": True, "path": args.timeline}
+    engine, optimizer, _, _ = zero_engine.initialize(model=model, config=config)
     micro = engine.config.train_micro_batch_size_per_gpu
     gas = engine.gradient_accumulation_steps
     batches = make_batches(cfg, args.steps, micro * gas * world, seed=1)

@@ -3,6 +3,7 @@
     zero-engine schema          print the JSON Schema of ds_config.json as we accept it
     zero-engine ops             which fused optimizer ops can be built here, and why not
     zero-engine estimate        per-rank memory of model states per ZeRO stage and precision
+    zero-engine plot            draw memory timelines (zero_engine.memory_timeline) into a PNG
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ def _ops(_args) -> int:
     from .ops import op_report_text
 
     print(op_report_text())
+    return 0
+
+
+def _plot(args) -> int:
+    from .memory.timeline import plot_timelines
+
+    print(plot_timelines(args.timelines, args.output))
     return 0
 
 
@@ -84,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--config", help="ds_config.json whose zero_optimization sets the stage-3 gather policy "
                      "(default: DeepSpeed's defaults)")
     est.set_defaults(run=_estimate)
+    plot = sub.add_parser("plot", help="draw memory timeline files (one panel each) into a PNG")
+    plot.add_argument("timelines", nargs="+", help="*.rankN.jsonl files written by memory_timeline")
+    plot.add_argument("-o", "--output", default="memory_timeline.png")
+    plot.set_defaults(run=_plot)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
+from .memory.timeline import MemoryTimeline
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
 from .zero.gather import CoalescedGather, make_gatherer
@@ -77,6 +78,9 @@ class ZeroEngine:
         self._step_started: float | None = None
         self.last_step_time: float | None = None
 
+        timeline = self.config.zero_engine.memory_timeline
+        self.timeline = MemoryTimeline(timeline.path or "memory_timeline", self.comm.rank) if timeline.enabled \
+            else None
         groups = param_groups_of(model, model_parameters)
         self.coordinator = None
         self.reducer = None
@@ -139,7 +143,8 @@ class ZeroEngine:
                 module_names[module] = name or "<root>"
         gatherer = make_gatherer(self.comm, zc, self.accounting)
         self.refresh_gatherer = gatherer
-        self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc)
+        self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
+                                            on_event=self._record_timeline if self.timeline else None)
         self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
 
     def _sharded_param(self, param: nn.Parameter, name: str, index: int) -> ShardedParam:
@@ -251,6 +256,9 @@ class ZeroEngine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.global_steps += 1
+        if self.timeline is not None:
+            self._record_timeline("step")
+            self.timeline.flush()
         if self._step_started is not None:
             self.last_step_time = time.perf_counter() - self._step_started
             self._step_started = None
@@ -265,6 +273,13 @@ class ZeroEngine:
                  self.global_steps, float(self._last_loss) if self._last_loss is not None else float("nan"),
                  ", ".join(f"{lr:.3g}" for lr in self.get_lr()), self.get_global_grad_norm() or 0.0,
                  self.last_step_time or 0.0, self.model_state_bytes(mem) / 2**20, mem["rss"] / 2**20)
+
+    def _record_timeline(self, event: str) -> None:
+        esize = torch.empty(0, dtype=self.compute_dtype).element_size()
+        gathered = self.coordinator.live_numel * esize if self.coordinator is not None else 0
+        self.timeline.record(self.global_steps, event, {
+            "params_gathered": gathered, "grads": self.reducer.grad_bytes if self.reducer is not None else 0,
+            "comm_buffers": self.accounting.current["comm_buffers"]})
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -333,9 +348,23 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    # ---- checkpoints (zero_engine/checkpoint/ does the work) --------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
-        raise NotImplementedError("engine.save_checkpoint is not supported yet (checkpointing is its own issue)")
+        """Collective: every rank calls it. Atomic; see zero_engine.checkpoint."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
                         load_module_only=False):
-        raise NotImplementedError("engine.load_checkpoint is not supported yet (checkpointing is its own issue)")
+        """Collective. Returns ``(path, client_state)``; works at a different world size than the save."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
+        """Collective: gathers layer by layer onto rank 0, which writes a plain state dict in the compute dtype."""
+        from .checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename=save_filename)

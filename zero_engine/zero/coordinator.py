@@ -65,7 +65,7 @@ class _Trace:
 
 class ParamCoordinator:
     def __init__(self, module_params: dict[nn.Module, list[ShardedParam]], module_names: dict[nn.Module, str],
-                 gatherer, comm, zero_config):
+                 gatherer, comm, zero_config, on_event=None):
         self.module_params = module_params
         self.module_names = module_names
         self.gatherer = gatherer
@@ -74,6 +74,7 @@ class ParamCoordinator:
         self.max_live = int(zero_config.max_live_parameters)
         self.max_reuse_distance = int(zero_config.max_reuse_distance)
         self.prefetch_one_ahead = gatherer.name == "sequential"
+        self.on_event = on_event  # called with "fetch <module>" / "release <module>" (memory timeline)
 
         self.trace: _Trace | None = None
         self._recording: list[tuple[TraceEvent, list[ShardedParam]]] = []
@@ -145,6 +146,8 @@ class ParamCoordinator:
             if self._following:
                 self._prefetch_after(self._pos)
                 self._pos += 1
+        if self.on_event is not None:
+            self.on_event(f"fetch {event.module} ({phase})")
 
     def release(self, module: nn.Module) -> None:
         params = self.module_params.get(module, [])
@@ -160,6 +163,8 @@ class ParamCoordinator:
                         self._kept[id(p)] = p
                         continue
                 self._release(p)
+        if self.on_event is not None:
+            self.on_event(f"release {self.module_names[module]}")
 
     def release_all(self) -> None:
         """Release every gathered non-persistent parameter (after an eval forward, before a checkpoint...)."""
