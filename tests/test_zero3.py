@@ -344,3 +344,24 @@ def test_different_module_order_on_ranks_is_an_error_naming_both():
         run_ranks(_divergent_order_body, 2, timeout=TIMEOUT)
     message = str(err.value)
     assert "different module orders" in message and "rank 0: left" in message and "rank 1: right" in message
+
+
+def _divergent_shapes_body():
+    """Ranks run different modules whose gathers differ in size: debug_collectives names the ranks, no hang."""
+    torch.manual_seed(0)
+    model = _TwoBranches()
+    model.right = nn.Linear(9, 17)
+    config = ds_config(3, gas=1, stage3_param_persistence_threshold=0)
+    config["zero_engine"] = {"debug_collectives": True}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    out = engine(torch.randn(2, 9), left=dist.get_rank() == 0)
+    engine.backward(out.sum())
+
+
+def test_mismatched_collectives_raise_on_every_rank_in_debug_mode():
+    from zero_engine.testing import RankError
+
+    with pytest.raises(RankError) as err:
+        run_ranks(_divergent_shapes_body, 2, timeout=60)
+    assert err.value.ranks == [0, 1]  # every rank raised, none hung
+    assert "CollectiveMismatchError" in str(err.value) and "ranks [1]" in str(err.value)
