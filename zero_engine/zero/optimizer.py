@@ -171,8 +171,8 @@ class ZeroOptimizer:
         """One all-reduce of the summed squares; inf/nan on any rank makes the result non-finite everywhere."""
         sq = torch.zeros((), dtype=torch.float64)
         for bucket in self.reducer.buckets:
-            if bucket.shard_grads is not None:
-                sq += bucket.shard_grads.double().pow(2).sum()
+            if bucket.shard_grads is not None:  # fp32 accumulation per bucket, as clip_grad_norm_; no copy
+                sq += torch.linalg.vector_norm(bucket.shard_grads, dtype=torch.float32).double() ** 2
         self.comm.all_reduce(sq, op="sum", name="grad norm")
         return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("inf")
 
