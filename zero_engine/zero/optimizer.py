@@ -39,15 +39,28 @@ def param_groups_of(model: nn.Module, model_parameters) -> list[dict]:
 
 
 def build_torch_optimizer(opt_config, groups: list[dict]) -> torch.optim.Optimizer:
-    """An optimizer from the config's ``optimizer`` block (type + params), over ``groups``."""
+    """An optimizer from the config's ``optimizer`` block (type + params), over ``groups``.
+
+    Adam/AdamW use zero_engine's fused kernels (CPUAdam on CPU, FusedAdam on CUDA) unless ``torch_adam: true``;
+    when a kernel cannot be built, torch's fused/foreach AdamW is used after one warning (zero_engine.ops).
+    """
     kind = opt_config.type.lower()
     params = dict(opt_config.params)
     if kind in ("adam", "adamw"):
-        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
-        decoupled = kind == "adamw" or params.pop("adam_w_mode", True)
-        params.pop("torch_adam", None)
+        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false (the config lifts both flags out of params).
+        decoupled = kind == "adamw" or opt_config.adam_w_mode
+        use_torch = opt_config.torch_adam
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
+        if not use_torch:
+            from ..ops import make_adam
+
+            device = next((p.device.type for g in groups for p in g["params"]), "cpu")
+            optimizer, _description = make_adam(groups, device, adamw_mode=decoupled, **params)
+            return optimizer
+        if not params.pop("bias_correction", True):
+            raise NotImplementedError("optimizer.params.bias_correction: false with torch_adam: true is not "
+                                      "supported yet (torch's Adam always corrects); drop torch_adam")
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         return cls(groups, foreach=True, **params)
     if kind == "sgd":
@@ -117,6 +130,12 @@ class ZeroOptimizer:
         self.sub_groups = _sub_groups(self.sharded, sub_group_size)
         self.optimizer = bind_optimizer(optimizer, opt_config, groups, self.masters)
         self.global_grad_norm: float | None = None
+        # CPUAdam writes the updated 16-bit compute shard in the same pass as the fp32 master (one memory pass).
+        self.fused_shard_copy = hasattr(self.optimizer, "set_low_precision_copy")
+        if self.fused_shard_copy:
+            for sp in self.sharded:
+                if not sp.master_is_shard:
+                    self.optimizer.set_low_precision_copy(self.masters[id(sp.param)], sp.shard)
 
     # Let LR schedulers and users read hyper-parameters as on any optimizer.
     @property
@@ -153,7 +172,7 @@ class ZeroOptimizer:
                 for sp in group:
                     master = self.masters[id(sp.param)]
                     master.grad = None
-                    if not sp.master_is_shard:
+                    if not sp.master_is_shard and not self.fused_shard_copy:
                         sp.shard.copy_(master.detach())
             return StepResult(norm, overflow)
 

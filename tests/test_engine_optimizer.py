@@ -1,0 +1,82 @@
+"""Which optimizer the engine builds from the config, and what it accepts from the user."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zero_engine
+from zero_engine.testing import RankError, run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+
+def _built_optimizer_body(opt_params, disable_ops, precision):
+    os.environ.pop("ZERO_ENGINE_DISABLE_OPS", None)
+    if disable_ops:
+        os.environ["ZERO_ENGINE_DISABLE_OPS"] = "1"
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig())
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, **opt_params}}}
+        if precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        engine, optimizer, *_ = zero_engine.initialize(model=model, config=config)
+        x, y = make_batches(model.cfg, 1, 2)[0]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        # The compute shard follows the master (written by the kernel itself with CPUAdam in bf16).
+        in_sync = all(torch.equal(sp.shard, sp.master.to(sp.shard.dtype)) for sp in engine.sharded
+                      if sp.master is not None)
+        return type(optimizer.optimizer).__name__, in_sync
+    finally:
+        os.environ.pop("ZERO_ENGINE_DISABLE_OPS", None)
+
+
+@pytest.mark.parametrize("opt_params,disable,precision,expected", [
+    ({}, False, "fp32", "CPUAdam"),
+    ({}, False, "bf16", "CPUAdam"),
+    ({"torch_adam": True}, False, "fp32", "AdamW"),
+    ({}, True, "bf16", "AdamW"),  # the op "fails to build": torch's AdamW, one warning
+])
+def test_config_adamw_uses_cpu_adam_unless_told_or_unavailable(opt_params, disable, precision, expected):
+    for name, in_sync in run_ranks(_built_optimizer_body, 2, opt_params, disable, precision, timeout=180):
+        assert name == expected and in_sync
+
+
+def _user_optimizer_body():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
+    user_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(user_opt, lambda step: 0.5 ** step)  # built before initialize
+    engine, optimizer, _, lr_scheduler = zero_engine.initialize(
+        model=model, optimizer=user_opt, lr_scheduler=sched,
+        config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+    x, y = make_batches(model.cfg, 1, 2)[0]
+    for _ in range(2):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    return optimizer.optimizer is user_opt, [g["weight_decay"] for g in optimizer.param_groups], engine.get_lr()
+
+
+def test_user_optimizer_groups_and_scheduler_survive():
+    for same, decays, lrs in run_ranks(_user_optimizer_body, 2, timeout=120):
+        assert same and decays == [0.1, 0.0] and lrs == [2.5e-4, 2.5e-4]
+
+
+def _amsgrad_body():
+    zero_engine.initialize(model=GPT(GPTConfig()), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True}}})
+
+
+def test_amsgrad_is_refused_clearly():
+    with pytest.raises(RankError, match="amsgrad"):
+        run_ranks(_amsgrad_body, 1, timeout=120)
