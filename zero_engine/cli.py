@@ -4,6 +4,7 @@
     zero-engine ops             which fused optimizer ops can be built here, and why not
     zero-engine estimate        per-rank memory of model states per ZeRO stage and precision
     zero-engine plot            draw memory timelines (zero_engine.memory_timeline) into a PNG
+    zero-engine to-fp32         a sharded checkpoint as one fp32 state dict (torch or safetensors file), offline
 """
 
 from __future__ import annotations
@@ -78,6 +79,18 @@ def _estimate(args) -> int:
     return 0
 
 
+def _to_fp32(args) -> int:
+    from .checkpoint import CheckpointError, convert_zero_checkpoint_to_fp32_state_dict
+
+    try:
+        result = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output, tag=args.tag,
+                                                            fmt=args.format, verify=not args.no_verify)
+    except CheckpointError as error:
+        raise SystemExit(f"zero-engine to-fp32: {error}") from None
+    print(f"wrote {result.path}: {result.tensors} tensors, {result.nbytes / 2**20:.1f} MiB ({result.format})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero-engine", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--config", help="ds_config.json whose zero_optimization sets the stage-3 gather policy "
                      "(default: DeepSpeed's defaults)")
     est.set_defaults(run=_estimate)
+    fp32 = sub.add_parser("to-fp32", help="consolidate a sharded checkpoint into one fp32 state dict, offline")
+    fp32.add_argument("checkpoint_dir", help="the directory given to save_checkpoint (or one checkpoint in it)")
+    fp32.add_argument("output", help="file to write; a .safetensors name writes safetensors, any other torch.save")
+    fp32.add_argument("--tag", help="checkpoint to convert (default: the one named by `latest`)")
+    fp32.add_argument("--format", choices=("torch", "safetensors"), help="override the choice by file name")
+    fp32.add_argument("--no-verify", action="store_true", help="skip checking every file's SHA-256 first")
+    fp32.set_defaults(run=_to_fp32)
     plot = sub.add_parser("plot", help="draw memory timeline files (one panel each) into a PNG")
     plot.add_argument("timelines", nargs="+", help="*.rankN.jsonl files written by memory_timeline")
     plot.add_argument("-o", "--output", default="memory_timeline.png")

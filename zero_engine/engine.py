@@ -16,6 +16,7 @@ shards); stage 1 reduces gradients once at the boundary, stage 2 during backward
 from __future__ import annotations
 
 import logging
+import os
 import time
 from functools import partial
 
@@ -54,10 +55,14 @@ class ZeroEngine:
                  lr_scheduler=None, collate_fn=None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self.config = config if isinstance(config, EngineConfig) else load_config(config, world_size=world,
+                                                                                   model=model)
         if not dist.is_initialized():
-            init_distributed()
-        self.config = config if isinstance(config, EngineConfig) else load_config(
-            config, world_size=dist.get_world_size(), model=model)
+            init_distributed(timeout_s=self.config.zero_engine.collective_timeout_s)
+        if self.config.world_size != dist.get_world_size():
+            raise ValueError(f"config: resolved for a world of {self.config.world_size} ranks, running on "
+                             f"{dist.get_world_size()}; load it with world_size={dist.get_world_size()}")
         zc = self.config.zero_optimization
         self.stage = zc.stage
         self.module = model

@@ -107,7 +107,8 @@ class ShardedParam:
         local = self.local_slice()
         exact[: local.stop - local.start].copy_(flat[local])
         # The master starts from the full-precision value, not from its 16-bit rounding.
-        self.master_init = exact.float() if self.dtype != torch.float32 and param.is_floating_point() else None
+        needs_master = param.requires_grad and param.is_floating_point() and self.dtype != torch.float32
+        self.master_init = exact.float() if needs_master else None  # frozen params: no master, no copy
         self.shard = exact.to(self.dtype)
         # The full buffer starts with the parameter's own data; `release()` frees it.
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=param.device)
@@ -164,7 +165,7 @@ class ShardedParam:
             return
         if self.status is not ParamStatus.NOT_AVAILABLE:
             raise AssertionError(f"{self.fqn}: cast while {self.status.name}")
-        self.master_init = self.shard.float() if dtype != torch.float32 else None
+        self.master_init = self.shard.float() if dtype != torch.float32 and self.param.requires_grad else None
         self.shard = self.shard.to(dtype)
         self.dtype = dtype
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)

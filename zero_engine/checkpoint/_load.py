@@ -1,0 +1,282 @@
+"""engine.load_checkpoint: check everything, then read each rank's new shards from whichever saved shards hold them.
+
+Order (every check is agreed across ranks before anything in the engine changes, so a refused checkpoint leaves
+the engine as it was):
+1. find the directory (``latest`` or the tag) and read ``metadata.json``; check stage, dtype, parameter and buffer
+   names and shapes, optimizer type and param groups against this engine;
+2. verify every file's size and SHA-256 (the files are split across ranks, each hashed once);
+3. read this rank's range of every parameter, master and optimizer-state tensor (see _partition.py): at the same
+   world size one piece per tensor, at another world size the overlapping pieces of the saved shards;
+4. refresh whole parameters (stages 1-2, persistent ones at stage 3) from the new shards, then restore param
+   groups, LR scheduler, loss scaler, gradient-accumulation state, step counters and RNG states.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import pickle
+import random
+
+import torch
+
+from ._atomic import resolve_checkpoint
+from ._collective import agree
+from ._errors import CheckpointError
+from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, GRADS_LOCAL, GRADS_NONE, GRADS_SHARDED,
+                        CheckpointMeta, check_buffers_match, check_params_match, read_metadata)
+from ._reader import CheckpointReader, verify_files
+from ._views import ParamView, buffer_items, param_views
+
+log = logging.getLogger("zero_engine.checkpoint")
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Collective: restore a checkpoint saved by save_checkpoint, at this or another world size.
+
+    Returns ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and ``load_dir`` has no ``latest``
+    (nothing saved yet, as DeepSpeed does). ``load_module_only``: weights (fp32 masters when saved) and buffers only,
+    for fine-tuning: optimizer, scheduler, counters and RNG keep this engine's values, and the stage and dtype may
+    differ from the saved ones. ``load_optimizer_states=False``: weights, scheduler and counters, fresh optimizer.
+    Raises CheckpointError on every rank, naming the file or parameter, when the checkpoint is missing, corrupt or
+    does not fit this engine; the engine is then unchanged.
+    """
+    comm = engine.comm
+    located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(load_dir, tag))
+    if located is None:
+        if comm.rank == 0:
+            log.warning("load_checkpoint: no 'latest' file in %s: nothing loaded (pass tag= to name a checkpoint)",
+                        os.path.abspath(os.fspath(load_dir)))
+        return None, None
+    path, tag = located
+    views = param_views(engine)
+    full_resume = not load_module_only
+    with_optimizer = full_resume and load_optimizer_states
+    meta, engine_state = agree(comm, f"reading {path}", lambda: _read_and_check(
+        engine, views, path, with_optimizer, load_module_only))
+    agree(comm, f"verifying {path}", lambda: verify_files(path, meta, sorted(meta.files)[comm.rank::comm.world_size]))
+    reader = CheckpointReader(path, meta)
+    try:
+        optimizer_state = agree(comm, f"reading optimizer states of {path}", lambda: _optimizer_state_dict(
+            engine, views, reader, engine_state)) if with_optimizer else None
+        # From here the engine changes. Reads of verified files should not fail, but if one does (an I/O error),
+        # every rank still raises together instead of leaving the others in the refresh gather.
+        agree(comm, f"reading {path}", lambda: (_load_weights(engine, views, reader, meta),
+                                                _load_buffers(engine, reader)))
+        _refresh_whole_params(engine)
+        client_state = agree(comm, f"restoring the training state of {path}", lambda: _restore_training_state(
+            engine, views, reader, meta, engine_state, optimizer_state, full_resume, load_lr_scheduler_states))
+    finally:
+        reader.close()
+    if comm.rank == 0:
+        log.info("loaded checkpoint %s (saved at stage %d on %d ranks, %s) on %d ranks", path, meta.stage,
+                 meta.world_size, meta.compute_dtype, comm.world_size)
+    return path, client_state
+
+
+def _restore_training_state(engine, views, reader, meta, engine_state, optimizer_state, full_resume: bool,
+                            load_lr_scheduler_states: bool):
+    """Everything but the weights (local to this rank); returns the client_state."""
+    _reset_gradients(engine, views)
+    if optimizer_state is not None:
+        engine.optimizer.optimizer.load_state_dict(optimizer_state)
+        if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(engine_state["loss_scaler"])
+        _load_gradients(engine, views, reader, meta)
+    elif full_resume and meta.gradients != GRADS_NONE and engine.comm.rank == 0:
+        log.warning("load_checkpoint: %s was saved mid-accumulation; with load_optimizer_states=False the "
+                    "accumulated gradients are dropped", reader.directory)
+    if full_resume:
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+        for key, value in meta.counters.items():
+            setattr(engine, key, int(value))
+        _load_rng_states(engine, reader, meta)
+    return _client_state(reader.directory)
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------------
+def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: bool,
+                    module_only: bool) -> tuple[CheckpointMeta, dict]:
+    meta = read_metadata(path)
+    ours = engine.config.compute_dtype_name
+    if not module_only and (meta.stage, meta.compute_dtype) != (engine.stage, ours):
+        what = [f"ZeRO stage {meta.stage} (this engine: {engine.stage})" if meta.stage != engine.stage else "",
+                f"dtype {meta.compute_dtype} (this engine: {ours})" if meta.compute_dtype != ours else ""]
+        raise CheckpointError(f"checkpoint {path} was saved with {' and '.join(w for w in what if w)}; resuming "
+                              "needs the same stage and dtype. Pass load_module_only=True to take the weights only "
+                              "(optimizer states, scheduler and counters are then not restored)")
+    check_params_match(meta, [(v.info.name, v.info.shape) for v in views], path)
+    check_buffers_match(meta, [(info.name, info.shape) for info, _ in buffer_items(engine.module)], path)
+    engine_state = _load_engine_state(path, meta)
+    if with_optimizer:
+        ours_opt = type(engine.optimizer.optimizer).__name__
+        if meta.optimizer != ours_opt:
+            raise CheckpointError(f"checkpoint {path} holds {meta.optimizer} state; this engine's optimizer is "
+                                  f"{ours_opt}. Use the same optimizer, or load_optimizer_states=False")
+        if meta.gradients == GRADS_LOCAL and meta.world_size != engine.comm.world_size:
+            raise CheckpointError(
+                f"checkpoint {path} was saved in the middle of gradient accumulation at stage {meta.stage} on "
+                f"{meta.world_size} ranks: each rank's unreduced gradients cannot be split over "
+                f"{engine.comm.world_size}. Save at an accumulation boundary, or load with "
+                "load_optimizer_states=False (the partial accumulation is then dropped)")
+        if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
+            copy.copy(engine.loss_scaler).load_state_dict(engine_state["loss_scaler"])  # raises if incompatible
+    return meta, engine_state
+
+
+def _load_engine_state(path: str, meta: CheckpointMeta) -> dict:
+    file = os.path.join(path, ENGINE_STATE_FILE)
+    if ENGINE_STATE_FILE not in meta.files:
+        raise CheckpointError(f"{os.path.join(path, 'metadata.json')} does not list {ENGINE_STATE_FILE}")
+    verify_files(path, meta, [ENGINE_STATE_FILE])  # small; checked before it is unpickled
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError:  # a user's LR scheduler whose state holds other types; our own file, verified
+        return torch.load(file, weights_only=False)
+
+
+def _optimizer_state_dict(engine, views: list[ParamView], reader: CheckpointReader, engine_state: dict) -> dict:
+    """The torch optimizer's state_dict for this rank's shards, read from the checkpoint, indexed as it expects."""
+    optimizer = engine.optimizer.optimizer
+    saved_groups = engine_state["param_groups"]
+    name_of = {id(v.opt_param): v.info.name for v in views if v.opt_param is not None}
+    current = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if len(saved_groups) != len(current):
+        raise CheckpointError(f"checkpoint {reader.directory}: the optimizer had {len(saved_groups)} param groups; "
+                              f"this one has {len(current)}")
+    for index, (saved, names) in enumerate(zip(saved_groups, current)):
+        if set(saved["params"]) != set(names):
+            moved = sorted(set(saved["params"]) ^ set(names))
+            raise CheckpointError(f"checkpoint {reader.directory}: param group {index} differs from this "
+                                  f"optimizer's in {len(moved)} parameter(s): {', '.join(moved[:6])}")
+    by_name = {v.info.name: v for v in views}
+    values = reader.optimizer_values()
+    state, groups, position = {}, [], 0
+    for saved, names in zip(saved_groups, current):
+        groups.append(dict({k: val for k, val in saved.items() if k != "params"},
+                           params=list(range(position, position + len(names)))))
+        for name in names:
+            entry = _param_optimizer_state(reader, by_name[name], values.get(name, {}))
+            if entry:
+                state[position] = entry
+            position += 1
+    return {"state": state, "param_groups": groups}
+
+
+def _param_optimizer_state(reader: CheckpointReader, v: ParamView, values: dict) -> dict:
+    name, keys = v.info.name, reader.state_keys(v.info.name)
+    entry = dict(values)
+    for key in keys["optim"]:
+        dtype = reader.file(0).entry(f"optim/{key}/{name}").dtype
+        flat = torch.zeros(v.opt_param.numel(), dtype=dtype)  # padding stays zero, as it was when saved
+        reader.read_range(f"optim/{key}", name, v.start, v.stop, flat[: v.stop - v.start])
+        entry[key] = flat.view(v.opt_param.shape)
+    for key in keys["optim_scalar"]:
+        entry[key] = reader.file(0).read(f"optim_scalar/{key}/{name}")
+    return entry
+
+
+# ---- applying ------------------------------------------------------------------------------------------------------
+def _load_weights(engine, views: list[ParamView], reader: CheckpointReader, meta: CheckpointMeta) -> None:
+    """Shards (and masters) from the saved values: exact when dtypes match, else cast from the fp32 master."""
+    for v in views:
+        name, n = v.info.name, v.stop - v.start
+        same_dtype = meta.param(name).dtype == v.info.dtype
+        precise = "master" if reader.has("master", name) else "param"  # the most precise saved value
+        if engine.stage == 0:
+            data = v.param.data
+            target = data.view(-1) if data.is_contiguous() else torch.empty(data.numel(), dtype=data.dtype)
+            reader.read_range("param" if same_dtype else precise, name, 0, v.info.numel, target)
+            if target.data_ptr() != data.data_ptr():
+                data.copy_(target.view(data.shape))
+            continue
+        if v.master is not None:
+            v.master.zero_()
+            reader.read_range(precise, name, v.start, v.stop, v.master[:n])
+        if same_dtype or v.master is None:
+            v.shard.zero_()
+            reader.read_range("param" if same_dtype else precise, name, v.start, v.stop, v.shard[:n])
+        else:
+            v.shard.copy_(v.master)
+
+
+def _load_buffers(engine, reader: CheckpointReader) -> None:
+    for info, buffer in buffer_items(engine.module):
+        buffer.data.copy_(reader.file(0).read(f"buffer/{info.name}").view(buffer.shape))
+
+
+def _refresh_whole_params(engine) -> None:
+    """Parameters kept whole (stages 1-2; persistent ones at stage 3) are re-gathered from the new shards."""
+    if engine.stage == 0:
+        return
+    whole = [sp for sp in engine.sharded if sp.is_available]
+    if whole:
+        engine.refresh_gatherer.issue(whole, name="refresh after load_checkpoint", refresh=True).wait()
+
+
+def _reset_gradients(engine, views: list[ParamView]) -> None:
+    """Gradients of whatever ran before the load must not leak into the restored accumulation window."""
+    engine.optimizer.zero_grad()
+    for v in views:
+        v.param.grad = None
+
+
+def _load_gradients(engine, views: list[ParamView], reader: CheckpointReader, meta: CheckpointMeta) -> None:
+    if meta.gradients == GRADS_SHARDED:
+        if engine.stage < 2:  # stages match unless load_module_only, which does not come here
+            raise AssertionError(f"sharded gradients in a stage-{meta.stage} checkpoint loaded at stage {engine.stage}")
+        by_name = {v.info.name: v for v in views}
+        for bucket in engine.reducer.buckets:
+            if bucket.shard_grads is None:
+                bucket.shard_grads = torch.zeros(bucket.per_rank, dtype=engine.reducer.grad_dtype,
+                                                 device=bucket.params[0].shard.device)
+            else:
+                bucket.shard_grads.zero_()
+            for sp in bucket.params:
+                if reader.has("grad", sp.fqn):
+                    v = by_name[sp.fqn]
+                    target = engine.reducer.shard_grad(sp)[: v.stop - v.start]
+                    reader.read_range("grad", sp.fqn, v.start, v.stop, target)
+            bucket.has_grads = True
+    elif meta.gradients == GRADS_LOCAL:
+        own = reader.file(engine.comm.rank)
+        for v in views:
+            if f"local_grad/{v.info.name}" in own:
+                v.param.grad = own.read(f"local_grad/{v.info.name}").to(v.param.device, v.param.dtype).view(
+                    v.param.shape)
+
+
+def _load_rng_states(engine, reader: CheckpointReader, meta: CheckpointMeta) -> None:
+    comm = engine.comm
+    if meta.world_size != comm.world_size:
+        if comm.rank == 0:
+            log.info("load_checkpoint: RNG states not restored (saved on %d ranks, loading on %d)", meta.world_size,
+                     comm.world_size)
+        return
+    own = reader.file(comm.rank)
+    torch.set_rng_state(own.read("rng/torch"))
+    cuda_states = sorted(n for n in own.entries if n.startswith("rng/cuda/"))
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([own.read(n) for n in sorted(cuda_states, key=lambda n: int(n.split("/")[-1]))])
+    version, state, gauss = json.loads(own.metadata["rng_python"])
+    random.setstate((version, tuple(state), gauss))
+    if "rng_numpy" in own.metadata:
+        import numpy
+
+        kind, position, has_gauss, cached = json.loads(own.metadata["rng_numpy"])
+        numpy.random.set_state((kind, own.read("rng/numpy").numpy().astype(numpy.uint32), position, has_gauss,
+                                cached))
+
+
+def _client_state(path: str):
+    file = os.path.join(path, CLIENT_STATE_FILE)
+    if not os.path.isfile(file):
+        return {}
+    # The user's own objects (checksum verified above); unpickling them needs the full pickle.
+    return torch.load(file, weights_only=False)

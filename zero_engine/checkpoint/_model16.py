@@ -1,0 +1,76 @@
+"""engine.save_16bit_model: one plain state dict in the compute dtype, gathered onto rank 0 one parameter at a time.
+
+At stage 3 this needs ``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` (as in DeepSpeed);
+without it nothing is written and False is returned, since no rank holds whole weights. Each partitioned
+parameter is all-gathered on its own and released right after rank 0 copied it, so the transient cost on every
+rank is one parameter; rank 0 ends up holding the whole model once in the compute dtype (2 bytes per parameter
+for bf16/fp16), which is what it writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..zero.gather import SequentialGather
+from ._atomic import fsync_dir
+from ._collective import agree, rendezvous
+from ._metadata import state_dict_layout
+from ._views import buffer_items
+
+log = logging.getLogger("zero_engine.checkpoint")
+
+__all__ = ["save_16bit_model"]
+
+
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+    """Collective: rank 0 writes ``save_dir/save_filename`` (torch.save of a state dict); returns True if saved.
+
+    Every rank must call it. A rank that does not makes the others raise within
+    ``zero_engine.collective_timeout_s`` seconds (naming it, on gloo) instead of waiting forever.
+    """
+    comm = engine.comm
+    if engine.stage == 3 and not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
+        if comm.rank == 0:
+            log.warning("save_16bit_model: did not save %s: at ZeRO stage 3 it needs "
+                        "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (no rank holds whole "
+                        "weights otherwise); use save_checkpoint + `zero-engine to-fp32` instead",
+                        os.path.join(os.fspath(save_dir), save_filename))
+        return False
+    rendezvous(comm, "save_16bit_model", engine.config.zero_engine.collective_timeout_s)
+    values: dict[str, torch.Tensor] = {}
+    gatherer = SequentialGather(comm)
+    if engine.stage == 0 and comm.rank == 0:
+        values = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    for sp in engine.sharded:
+        if sp.is_available:  # stages 1-2, and persistent parameters at stage 3: already whole everywhere
+            if comm.rank == 0:
+                values[sp.fqn] = sp.full[: sp.numel].view(sp.shape).clone()
+            continue
+        gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
+        try:
+            if comm.rank == 0:
+                values[sp.fqn] = sp.full[: sp.numel].view(sp.shape).clone()
+        finally:
+            sp.release()
+    for info, buffer in buffer_items(engine.module):
+        values[info.name] = buffer.detach().clone()
+    path = os.path.join(os.path.abspath(os.fspath(save_dir)), save_filename)
+    agree(comm, f"writing {path}", lambda: _write(path, values, state_dict_layout(engine.module))
+          if comm.rank == 0 else None)
+    return True
+
+
+def _write(path: str, values: dict[str, torch.Tensor], layout) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    state_dict = {key: values[name] for key, _, name in layout}  # tied names share one tensor, as in state_dict()
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state_dict, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+    log.info("save_16bit_model: wrote %s (%d tensors)", path, len(values))

@@ -1,0 +1,198 @@
+"""engine.save_checkpoint: every rank writes its shards; the checkpoint appears at once when all are durable.
+
+Phases (each agreed across ranks, see [Note: why every phase is agreed]):
+1. ranks agree on the tag, the directory and a staging name; rank 0 creates the staging directory;
+2. every rank writes ``rank_<r>.safetensors`` (rank 0 also ``engine_state.pt`` and ``client_state.pt``), fsyncs
+   it and reports its size and SHA-256;
+3. rank 0 writes ``metadata.json``, renames the staging directory into place and updates ``latest``
+   (see [Note: crash consistency] in _atomic.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+
+import torch
+
+from ._atomic import check_tag, publish, remove_stale_staging, staging_dir, write_latest
+from ._collective import agree
+from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, FORMAT, GRADS_LOCAL, GRADS_NONE, GRADS_SHARDED,
+                        CheckpointMeta, rank_file_name, state_dict_layout, write_metadata)
+from ._tensorfile import FileDigest, sha256_of_file, write_tensor_file
+from ._views import ParamView, buffer_items, param_views
+
+log = logging.getLogger("zero_engine.checkpoint")
+
+__all__ = ["save_checkpoint"]
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
+    """Collective: save everything needed to resume bit-identically; returns the checkpoint directory.
+
+    Args:
+        save_dir: the directory holding checkpoints (one subdirectory per tag, and ``latest``); every rank must see
+            the same directory (a shared filesystem across nodes).
+        tag: the subdirectory name; default ``global_step<N>``. Saving an existing tag replaces it atomically.
+        client_state: a dict of your own (data-loader position, epoch...), returned by load_checkpoint. Saved by
+            rank 0 with torch.save (pickle), so it may hold any picklable object.
+        save_latest: point ``latest`` at this checkpoint once it is complete.
+
+    Cost: each rank writes its own states once (no gather, no copy): 2 bytes per parameter / world for bf16/fp16
+    shards, plus 4 for the fp32 master (not separate in fp32 training) and the optimizer's state (8 for Adam).
+    """
+    comm = engine.comm
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    started = time.perf_counter()
+    proposals = comm.all_gather_object((tag, save_dir, uuid.uuid4().hex[:16]))
+    for rank, (other_tag, other_dir, _) in enumerate(proposals):
+        if (other_tag, other_dir) != (tag, save_dir):
+            raise ValueError(f"save_checkpoint: rank {rank} saves tag {other_tag!r} in {other_dir} but rank "
+                             f"{comm.rank} saves {tag!r} in {save_dir}; every rank must pass the same save_dir and "
+                             "tag (it is one checkpoint written by all ranks together)")
+    check_tag(tag)  # after the agreement: every rank raises or none does
+    staging = staging_dir(save_dir, tag, proposals[0][2])
+    agree(comm, "creating the checkpoint directory", lambda: _prepare(save_dir, staging) if comm.rank == 0 else None)
+    try:
+        views = param_views(engine)
+        reports = agree(comm, f"writing checkpoint {tag}",
+                        lambda: _write_rank(engine, views, staging, client_state), share=True)
+        final = agree(comm, f"publishing checkpoint {tag}",
+                      lambda: _finish(engine, views, reports, save_dir, staging, tag, save_latest)
+                      if comm.rank == 0 else None, share=True)[0]
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if comm.rank == 0:
+        written = sum(d.nbytes for digests, _ in reports for d in digests)
+        log.info("saved checkpoint %s: %.1f MiB in %d files, %.2fs", final, written / 2**20,
+                 sum(len(d) for d, _ in reports) + 1, time.perf_counter() - started)
+    return final
+
+
+def _prepare(save_dir: str, staging: str) -> None:
+    os.makedirs(save_dir, exist_ok=True)
+    remove_stale_staging(save_dir)
+    os.mkdir(staging)
+
+
+def _gradient_mode(engine, views: list[ParamView]) -> str:
+    if engine.stage >= 2:
+        return GRADS_SHARDED if any(b.has_grads for b in engine.reducer.buckets) else GRADS_NONE
+    return GRADS_LOCAL if any(v.param.grad is not None for v in views) else GRADS_NONE
+
+
+def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> tuple[list[FileDigest], str]:
+    rank = engine.comm.rank
+    tensors: dict[str, torch.Tensor] = {}
+    file_meta = {"format": FORMAT, "rank": str(rank)}
+    optimizer = engine.optimizer.optimizer
+    values: dict[str, dict] = {}
+    for v in views:
+        if v.shard is None:  # stage 0: only rank 0 saves the (replicated) parameters and optimizer state
+            continue
+        name = v.info.name
+        tensors[f"param/{name}"] = v.shard
+        if v.master is not None:
+            tensors[f"master/{name}"] = v.master
+        for key, value in optimizer.state.get(v.opt_param, {}).items() if v.opt_param is not None else ():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == v.opt_param.numel():
+                tensors[f"optim/{key}/{name}"] = value.reshape(-1)  # shaped like the shard: resharded like it
+            elif rank == 0 and isinstance(value, torch.Tensor):
+                tensors[f"optim_scalar/{key}/{name}"] = value
+            elif rank == 0:
+                _require_json(value, f"optimizer state {key!r} of {name}")
+                values.setdefault(name, {})[key] = value
+    mode = _gradient_mode(engine, views)
+    if mode == GRADS_SHARDED:
+        for bucket in engine.reducer.buckets:
+            if bucket.has_grads:
+                for sp in bucket.params:
+                    tensors[f"grad/{sp.fqn}"] = engine.reducer.shard_grad(sp)
+    elif mode == GRADS_LOCAL:
+        for v in views:
+            if v.param.grad is not None:
+                tensors[f"local_grad/{v.info.name}"] = v.param.grad
+    if rank == 0:
+        for info, buffer in buffer_items(engine.module):
+            tensors[f"buffer/{info.name}"] = buffer
+        file_meta["optim_values"] = json.dumps(values)
+    _add_rng_states(tensors, file_meta)
+    digests = [write_tensor_file(os.path.join(staging, rank_file_name(rank)), tensors, file_meta)]
+    if rank == 0:
+        digests.append(_torch_save(os.path.join(staging, ENGINE_STATE_FILE), _engine_state(engine, views)))
+        if client_state is not None:
+            digests.append(_torch_save(os.path.join(staging, CLIENT_STATE_FILE), client_state))
+    return digests, mode
+
+
+def _require_json(value, what: str) -> None:
+    try:
+        json.dumps(value)
+    except TypeError:
+        raise NotImplementedError(f"cannot checkpoint {what}: a {type(value).__name__} is neither a tensor nor a "
+                                  "JSON value") from None
+
+
+def _add_rng_states(tensors: dict, file_meta: dict) -> None:
+    tensors["rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{index}"] = state
+    file_meta["rng_python"] = json.dumps(random.getstate())
+    if "numpy" in sys.modules:  # only when the program uses numpy; never imported for this
+        kind, keys, position, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        tensors["rng/numpy"] = torch.from_numpy(keys.astype("int64"))
+        file_meta["rng_numpy"] = json.dumps([kind, int(position), int(has_gauss), float(cached)])
+
+
+def _engine_state(engine, views: list[ParamView]) -> dict:
+    name_of = {id(v.opt_param): v.info.name for v in views if v.opt_param is not None}
+    groups = [dict({k: val for k, val in g.items() if k != "params"}, params=[name_of[id(p)] for p in g["params"]])
+              for g in engine.optimizer.optimizer.param_groups]
+    return {
+        "param_groups": groups,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+    }
+
+
+def _torch_save(path: str, obj) -> FileDigest:
+    with open(path, "xb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    nbytes, digest = sha256_of_file(path)
+    return FileDigest(os.path.basename(path), nbytes, digest)
+
+
+def _finish(engine, views, reports, save_dir: str, staging: str, tag: str, save_latest: bool) -> str:
+    """Rank 0, once every rank's files are durable: metadata, then the rename, then ``latest``."""
+    from .. import __version__
+
+    files = {d.name: {"bytes": d.nbytes, "sha256": d.sha256} for digests, _ in reports for d in digests}
+    world = engine.comm.world_size
+    meta = CheckpointMeta(
+        tag=tag, world_size=world, partition_world_size=1 if engine.stage == 0 else world, stage=engine.stage,
+        compute_dtype=engine.config.compute_dtype_name, params=tuple(v.info for v in views),
+        buffers=tuple(info for info, _ in buffer_items(engine.module)),
+        state_dict_keys=tuple(state_dict_layout(engine.module)),
+        masters=any(v.master is not None for v in views), gradients=reports[0][1],
+        optimizer=type(engine.optimizer.optimizer).__name__,
+        counters={"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                  "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
+        files=files, config=engine.config.model_dump(mode="json"),
+        versions={"zero_engine": __version__, "torch": torch.__version__})
+    write_metadata(staging, meta)
+    final = publish(save_dir, staging, tag)
+    if save_latest:
+        write_latest(save_dir, tag)
+    return final

@@ -1,0 +1,63 @@
+"""What an engine holds of each parameter on this rank, in one shape for every ZeRO stage.
+
+Stages 1-3 keep a ``ShardedParam`` per parameter: a flat padded shard in the compute dtype, and for trainable
+parameters an fp32 master (the shard itself in fp32 training). Stage 0 keeps whole parameters on every rank; it is
+described as a partition over one rank (rank 0's copy is the one saved), so saving, resharding and consolidation
+need no stage-0 special case beyond where the values live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ._metadata import BufferInfo, ParamInfo, state_dict_layout
+
+__all__ = ["ParamView", "param_views", "buffer_items", "dtype_name"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class ParamView:
+    info: ParamInfo
+    start: int  # this rank's range [start, stop) of the parameter's real (unpadded) flat elements
+    stop: int
+    param: nn.Parameter
+    shard: torch.Tensor | None  # flat, padded to info.shard_numel, compute dtype; None: this rank saves no copy
+    master: torch.Tensor | None  # a separate fp32 master shard (16-bit training); None when the shard is the master
+    opt_param: torch.Tensor | None  # the tensor the torch optimizer keys this parameter's state by
+    sharded: object = None  # the ShardedParam (stages 1-3)
+
+
+def param_views(engine) -> list[ParamView]:
+    """One view per parameter, in the engine's fixed order (``model.named_parameters()``, tied ones once)."""
+    views = []
+    if engine.stage == 0:
+        trainable = {id(p) for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
+        for name, p in engine.module.named_parameters():
+            info = ParamInfo(name, tuple(p.shape), p.numel(), max(1, p.numel()), dtype_name(p.dtype),
+                             p.requires_grad)
+            views.append(ParamView(info, 0, p.numel(), p, p.detach().reshape(-1) if engine.comm.rank == 0 else None,
+                                   None, p if id(p) in trainable else None))
+        return views
+    masters = engine.optimizer.masters
+    for sp in engine.sharded:
+        info = ParamInfo(sp.fqn, tuple(sp.shape), sp.numel, sp.shard_numel, dtype_name(sp.dtype),
+                         sp.param.requires_grad)
+        local = sp.local_slice()
+        master = sp.master if sp.master is not None and not sp.master_is_shard else None
+        views.append(ParamView(info, local.start, local.stop, sp.param, sp.shard, master,
+                               masters.get(id(sp.param)), sp))
+    return views
+
+
+def buffer_items(module: nn.Module) -> list[tuple[BufferInfo, torch.Tensor]]:
+    """The persistent buffers ``state_dict()`` would hold, each once, by name."""
+    by_name = dict(module.named_buffers())
+    return [(BufferInfo(key, tuple(by_name[key].shape), dtype_name(by_name[key].dtype)), by_name[key])
+            for key, kind, name in state_dict_layout(module) if kind == "buffer" and key == name]
