@@ -96,6 +96,23 @@ def optimizer_type_problem(type_name: Any) -> str | None:
     return f"{show(type_name)} is not supported yet; supported: {SUPPORTED_OPTIMIZERS}"
 
 
+def _params_model(table: dict[str, type[Section]], type_name: str | None) -> dict[str, type[Section]]:
+    """The model that validates ``params`` for this ``type`` (optimizer and scheduler sections alike)."""
+    params_model = table.get(type_name) if type_name is not None else None
+    return {"params": params_model} if params_model is not None else {}
+
+
+def _check_type(raw: dict[str, Any], path: str, notes: LoadNotes, type_problem) -> dict[str, Any]:
+    """A ``type`` we lack is noted as "not supported yet"; any other bad ``type`` is an error right away."""
+    problem = type_problem(raw.get("type")) if "type" in raw else None
+    if problem is not None:
+        message = f"{path}.type: {problem}"
+        if "not supported yet" not in problem:
+            raise ConfigError(message)
+        notes.not_supported(message)
+    return raw
+
+
 class OptimizerConfig(Section):
     """The optimizer zero_engine builds when `initialize` gets no optimizer object."""
 
@@ -114,19 +131,11 @@ class OptimizerConfig(Section):
     @classmethod
     def subsection_models(cls, raw: dict[str, Any]) -> dict[str, type[Section]]:
         type_name = raw.get("type")
-        params_model = OPTIMIZER_PARAMS.get(type_name.lower()) if isinstance(type_name, str) else None
-        return {"params": params_model} if params_model is not None else {}
+        return _params_model(OPTIMIZER_PARAMS, type_name.lower() if isinstance(type_name, str) else None)
 
     @classmethod
     def prepare(cls, raw: dict[str, Any], path: str, notes: LoadNotes) -> dict[str, Any]:
-        problem = optimizer_type_problem(raw.get("type")) if "type" in raw else None
-        if problem is not None:
-            message = f"{path}.type: {problem}"
-            if "not supported yet" in problem:
-                notes.not_supported(message)
-            else:
-                raise ConfigError(message)
-        return raw
+        return _check_type(raw, path, notes, optimizer_type_problem)
 
     @model_validator(mode="before")
     @classmethod
@@ -239,19 +248,11 @@ class SchedulerConfig(Section):
     @classmethod
     def subsection_models(cls, raw: dict[str, Any]) -> dict[str, type[Section]]:
         type_name = raw.get("type")
-        params_model = SCHEDULER_PARAMS.get(type_name) if isinstance(type_name, str) else None
-        return {"params": params_model} if params_model is not None else {}
+        return _params_model(SCHEDULER_PARAMS, type_name if isinstance(type_name, str) else None)
 
     @classmethod
     def prepare(cls, raw: dict[str, Any], path: str, notes: LoadNotes) -> dict[str, Any]:
-        problem = scheduler_type_problem(raw.get("type")) if "type" in raw else None
-        if problem is not None:
-            message = f"{path}.type: {problem}"
-            if "not supported yet" in problem:
-                notes.not_supported(message)
-            else:
-                raise ConfigError(message)
-        return raw
+        return _check_type(raw, path, notes, scheduler_type_problem)
 
     @model_validator(mode="before")
     @classmethod
