@@ -13,6 +13,7 @@ sqrt(v): a gradient near zero turns a 1e-7 difference into a visibly different s
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_engine
+import zero_engine.schedulers
 from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.zero.partition import ParamStatus
@@ -365,3 +367,79 @@ def test_mismatched_collectives_raise_on_every_rank_in_debug_mode():
         run_ranks(_divergent_shapes_body, 2, timeout=60)
     assert err.value.ranks == [0, 1]  # every rank raised, none hung
     assert "CollectiveMismatchError" in str(err.value) and "ranks [1]" in str(err.value)
+
+
+# ---- structured outputs, nested containers, scheduler from the config --------------------------------------------
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+    aux: torch.Tensor
+
+
+class _DictBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(11, 11)
+
+    def forward(self, x):
+        return {"h": torch.tanh(self.lin(x)), "skip": x}
+
+
+class _TupleBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.ModuleDict({"a": nn.Sequential(nn.Linear(11, 13), nn.Tanh(), nn.Linear(13, 11))})
+
+    def forward(self, d):
+        return self.inner["a"](d["h"]), d["skip"]
+
+
+class _DataclassBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(11, 5)
+
+    def forward(self, t):
+        h, skip = t
+        return _Out(hidden=self.lin(h + skip), aux=h.sum(-1))
+
+
+def _structured_body():
+    torch.manual_seed(0)
+    model = nn.Sequential(_DictBlock(), _TupleBlock(), _DataclassBlock())
+    reference = copy.deepcopy(model)
+    config = ds_config(3, gas=1, optimizer="SGD", lr=0.1, stage3_param_persistence_threshold=0)
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
+                                                          "warmup_num_steps": 4, "warmup_type": "linear"}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ref_sched = zero_engine.schedulers.build_scheduler("WarmupLR", config["scheduler"]["params"], ref_opt)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    worst, lrs = 0.0, []
+    for _ in range(3):
+        x = torch.randn(2 * world, 11, generator=g)
+        out = reference(x)
+        ref_loss = out.hidden.pow(2).mean() + out.aux.mean()
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_sched.step()
+        ours = engine(x[2 * rank: 2 * rank + 2])
+        loss = ours.hidden.pow(2).mean() + ours.aux.mean()
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst = max(worst, abs(total.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+        lrs.append((engine.get_lr()[0], ref_sched.get_last_lr()[0]))
+    ours = full_params(engine)
+    err = max((ours[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return worst, err, lrs
+
+
+def test_dict_tuple_dataclass_outputs_nested_containers_and_config_scheduler():
+    for loss_err, param_err, lrs in run_ranks(_structured_body, 2, timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < 1e-6, (loss_err, param_err)
+        assert all(ours == ref for ours, ref in lrs) and lrs[-1][0] > 0, lrs  # DeepSpeed: step 1 stays at min
