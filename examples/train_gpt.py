@@ -93,6 +93,8 @@ def main() -> None:
     stats = engine.memory_stats()
     states = engine.model_state_bytes(stats)
     all_stats = [None] * world
+    if engine.stage in (1, 2):  # parameters are whole on every rank, besides the partitioned states
+        states += stats["params_gathered"]
     dist.all_gather_object(all_stats, (states, stats["params_gathered_peak"], stats["rss_peak"]))
     if rank == 0:
         stage = engine.stage

@@ -327,7 +327,11 @@ class ZeroEngine:
 
     @staticmethod
     def model_state_bytes(stats: dict) -> int:
-        """Partitioned model states: the quantity the ZeRO formula 16Ψ/N predicts."""
+        """Partitioned model states (shards, masters, gradient shards, optimizer states): what 16Ψ/N predicts.
+
+        At stages 1 and 2 every rank also holds the whole parameters; they are ``stats["params_gathered"]``, not
+        included here (at stage 3 that figure is the transient gathered working set).
+        """
         return stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
 
     def reset_memory_peaks(self) -> None:

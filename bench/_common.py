@@ -1,0 +1,161 @@
+"""What every system in the comparison shares: model sizes, data, optimizer hyper-parameters, ZeRO knobs.
+
+This module is imported by the driver (``compare.py``) and by the workers, including a worker running in another
+Python that has DeepSpeed but not necessarily zero_engine. So it imports neither zero_engine nor torch at module
+level, and the GPT model is loaded from its source file rather than through the ``zero_engine`` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODELS_FILE = REPO_ROOT / "zero_engine" / "testing" / "models.py"
+
+DATA_SEED = 1
+MODEL_SEED = 0
+
+# One AdamW for everyone (torch.optim.AdamW, foreach), no LR schedule, clipping by the global grad norm.
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+GRADIENT_CLIPPING = 1.0
+
+# Bytes of model state per parameter for AdamW in the ZeRO formula: 4 (fp32 param) + 4 (grad) + 8 (two moments);
+# with 16-bit compute it is 2 + 2 + 12, the same 16 (DESIGN.md "Numbers").
+MODEL_STATE_BYTES_PER_PARAM = 16
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ZeroKnobs:
+    """The ZeRO settings given identically to zero_engine and DeepSpeed (DeepSpeed's key names, in elements)."""
+
+    reduce_bucket_size: int
+    prefetch_bucket_size: int
+    param_persistence_threshold: int
+    max_live_parameters: int
+    max_reuse_distance: int
+    allgather_bucket_size: int  # stages 1 and 2: the post-step refresh of whole parameters
+
+
+@dataclass(frozen=True)
+class BenchSize:
+    name: str
+    gpt: dict  # GPTConfig keyword arguments
+    global_batch: int  # sequences per step over all ranks; each rank takes global_batch / world of them
+    knobs: ZeroKnobs
+    warmup: int  # timed pass: steps before timing starts
+    steps: int  # timed pass: timed steps
+    note: str = ""
+    memory_measured_steps: int = 2  # memory pass: steps after one warm-up step
+
+    def micro_batch(self, world: int) -> int:
+        if self.global_batch % world:
+            raise ValueError(f"size {self.name}: global batch {self.global_batch} is not divisible by world {world}; "
+                             "choose world sizes that divide it")
+        return self.global_batch // world
+
+
+SIZES: dict[str, BenchSize] = {
+    # The demo model (examples/train_gpt.py), with the ZeRO knobs of examples/configs/zero3.json.
+    "demo": BenchSize(
+        name="demo",
+        gpt=dict(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256),
+        global_batch=16,
+        knobs=ZeroKnobs(reduce_bucket_size=500_000, prefetch_bucket_size=500_000, param_persistence_threshold=1_000,
+                        max_live_parameters=1_000_000, max_reuse_distance=100_000, allgather_bucket_size=500_000),
+        warmup=3, steps=10,
+    ),
+    # GPT-2-small-like blocks with a 16k vocabulary: 97.7M parameters. Buckets of about 2/3 of a block; the live
+    # budget holds the tied embedding (12.6M) plus a prefetch bucket.
+    "100m": BenchSize(
+        name="100m",
+        gpt=dict(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768),
+        global_batch=8,
+        knobs=ZeroKnobs(reduce_bucket_size=5_000_000, prefetch_bucket_size=5_000_000,
+                        param_persistence_threshold=10_000, max_live_parameters=20_000_000,
+                        max_reuse_distance=100_000, allgather_bucket_size=5_000_000),
+        warmup=1, steps=3, memory_measured_steps=1,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class System:
+    key: str  # command-line name
+    label: str  # table name
+    short: str  # chart name
+    family: str  # "torch", "ours" or "deepspeed"
+    stage: int | None = None
+    sequential: bool = False
+    fully_sharded: bool = False  # params, grads and optimizer states all sharded: the 16Ψ/N formula applies
+
+
+SYSTEMS: dict[str, System] = {s.key: s for s in (
+    System("ddp", "torch DDP", "DDP", "torch"),
+    System("fsdp2", "torch FSDP2", "FSDP2", "torch", fully_sharded=True),
+    System("zero3", "ours ZeRO-3 coalesced", "ours Z3\ncoalesced", "ours", stage=3, fully_sharded=True),
+    System("zero3-seq", "ours ZeRO-3 sequential", "ours Z3\nsequential", "ours", stage=3, sequential=True,
+           fully_sharded=True),
+    System("zero2", "ours ZeRO-2", "ours Z2", "ours", stage=2),
+    System("zero1", "ours ZeRO-1", "ours Z1", "ours", stage=1),
+    System("deepspeed", "DeepSpeed ZeRO-3", "DeepSpeed\nZ3", "deepspeed", stage=3, fully_sharded=True),
+)}
+
+
+def load_gpt_module():
+    """zero_engine/testing/models.py as a standalone module (it needs only torch), so every Python runs the same
+    model source whether or not zero_engine is importable there."""
+    spec = importlib.util.spec_from_file_location("bench_gpt_models", MODELS_FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def zero_engine_config(size: BenchSize, system: System, world: int) -> dict:
+    """A DeepSpeed-style config dict for zero_engine; the same knobs DeepSpeed gets (see deepspeed_config)."""
+    k = size.knobs
+    zero = {"stage": system.stage, "overlap_comm": True, "reduce_bucket_size": k.reduce_bucket_size,
+            "allgather_bucket_size": k.allgather_bucket_size}
+    if system.stage == 3:
+        zero.update({
+            "stage3_prefetch_bucket_size": k.prefetch_bucket_size,
+            "stage3_param_persistence_threshold": k.param_persistence_threshold,
+            "stage3_max_live_parameters": k.max_live_parameters,
+            "stage3_max_reuse_distance": k.max_reuse_distance,
+            "stage3_allgather_sequential": system.sequential,
+        })
+    return {
+        "train_micro_batch_size_per_gpu": size.micro_batch(world),
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,  # no progress logging inside timed steps
+    }
+
+
+def deepspeed_config(size: BenchSize, world: int) -> dict:
+    """DeepSpeed ZeRO-3 in fp32 with the same knobs; the optimizer is passed in (torch AdamW), hence the flag."""
+    k = size.knobs
+    return {
+        "train_micro_batch_size_per_gpu": size.micro_batch(world),
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": k.reduce_bucket_size,
+            "stage3_prefetch_bucket_size": k.prefetch_bucket_size,
+            "stage3_param_persistence_threshold": k.param_persistence_threshold,
+            "stage3_max_live_parameters": k.max_live_parameters,
+            "stage3_max_reuse_distance": k.max_reuse_distance,
+        },
+    }
