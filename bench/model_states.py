@@ -3,8 +3,9 @@
     python bench/model_states.py                  # demo GPT, worlds 2 and 4, fp32/bf16/fp16
     python bench/model_states.py --worlds 2 --precisions bf16
 
-Each (world, precision) runs in fresh processes via torch.distributed.run: two ZeRO-3 training steps of the demo
-GPT with AdamW, then engine.memory_stats(). Model states = params_sharded + master_params + grads +
+Each (world, precision) runs in fresh processes via torch.distributed.run: ZeRO-3 training steps of the demo GPT
+with AdamW until two optimizer steps were taken (fp16 skips steps while its loss scale settles), then
+engine.memory_stats(). Model states = params_sharded + master_params + grads +
 optimizer_states (exact bytes from the engine's accounting). Ψ counts every parameter once (tied weights once);
 N is the world size. Prints a markdown table.
 """
@@ -41,11 +42,13 @@ def worker(precision: str, out: str) -> None:
         config[precision] = {"enabled": True}
     engine, *_ = zero_engine.initialize(model=model, config=config)
     world = dist.get_world_size()
-    for x, y in make_batches(cfg, 2, 2 * world):
+    for x, y in make_batches(cfg, 20, 2 * world):  # fp16 skips steps while the loss scale settles
         r = dist.get_rank()
         loss = engine(x[2 * r: 2 * r + 2], y[2 * r: 2 * r + 2])
         engine.backward(loss)
         engine.step()
+        if engine.global_steps - engine.skipped_steps >= 2:  # optimizer states exist once a step was taken
+            break
     stats = engine.memory_stats()
     rows = [None] * world
     dist.all_gather_object(rows, {k: stats[k] for k in ("params_sharded", "master_params", "grads",

@@ -52,10 +52,10 @@ def build_torch_optimizer(opt_config, groups: list[dict]) -> torch.optim.Optimiz
         use_torch = opt_config.torch_adam
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
-        if not use_torch:
+        device = next((p.device.type for g in groups for p in g["params"]), "cpu")
+        if not use_torch and device in ("cpu", "cuda"):  # meta (shape-only runs) has no kernel: torch's Adam
             from ..ops import make_adam
 
-            device = next((p.device.type for g in groups for p in g["params"]), "cpu")
             optimizer, _description = make_adam(groups, device, adamw_mode=decoupled, **params)
             return optimizer
         if not params.pop("bias_correction", True):
