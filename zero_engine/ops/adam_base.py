@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .builder import load_op
+
 
 class BatchedTensors:
     """Tensors of one kernel call: the parameters of one group that share a step count (and a key)."""
@@ -58,6 +60,7 @@ class OpAdamBase(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
                         adamw_mode=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
+        self._op = load_op(self.op_name)  # raises OpBuildError when the op cannot be built (caller falls back)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

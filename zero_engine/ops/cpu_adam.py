@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from .adam_base import BatchedTensors, OpAdamBase
-from .builder import load_op
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COPY_DTYPES = (torch.bfloat16, torch.float16)
@@ -38,7 +37,6 @@ class CPUAdam(OpAdamBase):
                  bias_correction: bool = True) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, adamw_mode=adamw_mode,
                          bias_correction=bias_correction)
-        self._op = load_op(self.op_name)
         # Kept out of state_dict(): these are views into buffers the caller owns, not optimizer state.
         self._low_precision_copies: dict[torch.Tensor, torch.Tensor] = {}
 

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from .adam_base import BatchedTensors, OpAdamBase
-from .builder import load_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -27,13 +26,6 @@ class FusedAdam(OpAdamBase):
     """
 
     op_name = "fused_adam"
-
-    def __init__(self, params: Any, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01, amsgrad: bool = False, *, adamw_mode: bool = True,
-                 bias_correction: bool = True) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, adamw_mode=adamw_mode,
-                         bias_correction=bias_correction)
-        self._op = load_op(self.op_name)
 
     def _check_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         if param.device.type != "cuda" or param.dtype not in _DTYPES or not param.is_contiguous():
