@@ -3,7 +3,7 @@
 Reference for mixed precision: one process keeps fp32 master weights; each step it makes a 16-bit copy of the
 model, runs forward and backward on the full batch in that dtype, and applies the fp32 gradient to the masters
 (what DeepSpeed's fp16/bf16 modes compute). Tolerance: our ranks run micro-batches of a quarter of the batch, reduce
-gradients in 16-bit across ranks and accumulate two micro-steps in 16-bit; every one of those roundings is ~2^-8
+gradients across ranks in fp32 and accumulate two micro-steps in 16-bit shards; every 16-bit rounding is ~2^-8
 (bf16) or 2^-11 (fp16) relative, so per-step losses agree to 2e-2 (bf16) / 5e-3 (fp16) relative. The fp32 masters
 agree to 1e-2 (bf16) / 5e-3 (fp16) relative L2 after 4 AdamW steps: observed ~1.1e-3 and ~1.4e-3, the same order for
 both dtypes because AdamW's division by sqrt(v) amplifies tiny gradient differences where v is small (see

@@ -119,7 +119,9 @@ class ZeroEngine:
         trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
         comm_dtype = self.config.communication_data_type
         self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
-                                   reduce_dtype=DTYPES[comm_dtype] if comm_dtype else self.compute_dtype,
+                                   # fp32 unless communication_data_type says otherwise: averaging 16-bit
+                                   # gradients in 16-bit loses bits at every hop of the reduction
+                                   reduce_dtype=DTYPES[comm_dtype] if comm_dtype else torch.float32,
                                    grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
                                    accounting=self.accounting)
         if self.stage >= 2:
