@@ -10,7 +10,7 @@ from .errors import ConfigError
 from .initialize import initialize
 from .memory import estimate_zero3_model_states_mem_needs_all_live
 
-__all__ = ["initialize", "init_distributed", "zero", "config", "ConfigError",
+__all__ = ["initialize", "init_distributed", "zero", "config", "checkpoint", "ConfigError",
            "estimate_zero3_model_states_mem_needs_all_live"]
 
 __version__ = "0.1.0"
