@@ -37,9 +37,14 @@ def parse_args():
 
 
 def progress(step: int, total: int, loss: float, seconds: float) -> None:
+    """A redrawn bar on a terminal; one line every 10 steps when the output goes to a file or a pipe."""
     width = 30
     done = int(width * step / total)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  {seconds:.2f}s/step")
+    line = f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  {seconds:.2f}s/step"
+    if sys.stdout.isatty():
+        sys.stdout.write("\r" + line)
+    elif step % 10 == 0 or step == total:
+        sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
 
@@ -87,7 +92,7 @@ def main() -> None:
         losses.append(total.item() / (world * gas))
         if rank == 0:
             progress(step, args.steps, losses[-1], times[-1])
-    if rank == 0:
+    if rank == 0 and sys.stdout.isatty():
         print()
 
     stats = engine.memory_stats()
