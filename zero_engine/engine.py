@@ -282,7 +282,7 @@ class ZeroEngine:
                  self.last_step_time or 0.0, self.model_state_bytes(mem) / 2**20, mem["rss"] / 2**20)
 
     def _record_timeline(self, event: str) -> None:
-        esize = torch.empty(0, dtype=self.compute_dtype).element_size()
+        esize = self.compute_dtype.itemsize
         gathered = self.coordinator.live_numel * esize if self.coordinator is not None else 0
         self.timeline.record(self.global_steps, event, {
             "params_gathered": gathered, "grads": self.reducer.grad_bytes if self.reducer is not None else 0,
@@ -300,7 +300,7 @@ class ZeroEngine:
 
     def memory_stats(self) -> dict:
         """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs)."""
-        esize = torch.empty(0, dtype=self.compute_dtype).element_size()
+        esize = self.compute_dtype.itemsize
         if self.stage == 0:
             params = [p for p in self.module.parameters()]
             sharded = 0

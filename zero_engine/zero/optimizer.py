@@ -112,7 +112,31 @@ class StepResult(NamedTuple):
     overflow: bool  # non-finite gradients on some rank: the update was skipped everywhere
 
 
-class ZeroOptimizer:
+class _OptimizerWrapper:
+    """What both wrappers expose of the torch optimizer they drive (schedulers and users read these)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    @property
+    def state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer)
+
+
+class ZeroOptimizer(_OptimizerWrapper):
     """Owns the masters and the wrapped torch optimizer; ``step()`` is the whole sharded update."""
 
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
@@ -136,15 +160,6 @@ class ZeroOptimizer:
             for sp in self.sharded:
                 if not sp.master_is_shard:
                     self.optimizer.set_low_precision_copy(self.masters[id(sp.param)], sp.shard)
-
-    # Let LR schedulers and users read hyper-parameters as on any optimizer.
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
@@ -200,16 +215,6 @@ class ZeroOptimizer:
             master.grad = None
         self.reducer.zero_grad()
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-    @property
-    def state_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer)
-
     @property
     def master_bytes(self) -> int:
         """fp32 masters that are separate copies (in fp32 training the master is the compute shard itself)."""
@@ -227,7 +232,7 @@ def _sub_groups(sharded: list[ShardedParam], sub_group_size: int) -> list[list[S
     return groups + [current] if current else groups
 
 
-class DataParallelOptimizer:
+class DataParallelOptimizer(_OptimizerWrapper):
     """Stage 0: every rank holds everything; gradients are averaged across ranks, then a plain optimizer step."""
 
     def __init__(self, params: list[nn.Parameter], comm, gradient_clipping: float, bucket_numel: int,
@@ -239,14 +244,6 @@ class DataParallelOptimizer:
         self.optimizer = optimizer
         self.global_grad_norm: float | None = None
         self.master_bytes = 0
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer)
 
     def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
         """fp32 only (the engine refuses 16-bit at stage 0), so ``loss_scale`` is always 1."""
@@ -262,9 +259,3 @@ class DataParallelOptimizer:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
