@@ -1,6 +1,25 @@
-"""Exception types shared across zero_engine."""
+"""Exception types shared across zero_engine: one family per kind of problem.
+
+    ConfigError            a ds_config problem (key path, bad value, what is allowed, did-you-mean)
+    DistributedError       ranks could not complete a collective step together
+      RankDivergenceError  ranks issued different collectives, or ran different work in one step
+      RankLostError        a rank stopped (killed, crashed, unreachable) while the others waited for it
+"""
 
 
 class ConfigError(ValueError):
     """Every problem with a ds_config: the message names the full key path, the bad value, what is allowed,
     and for an unknown key the closest known key."""
+
+
+class DistributedError(RuntimeError):
+    """Ranks could not finish a collective piece of work together. Raised on every surviving rank; the message
+    names the ranks, the module, the phase and the step involved, and says what to do."""
+
+
+class RankDivergenceError(DistributedError):
+    """Ranks disagreed: different collectives at the same position, or a different step fingerprint."""
+
+
+class RankLostError(DistributedError):
+    """A rank stopped taking part (process killed, crashed, or unreachable)."""
