@@ -10,8 +10,8 @@ from .errors import ConfigError, DistributedError, RankDivergenceError, RankLost
 from .initialize import initialize
 from .memory import estimate_zero3_model_states_mem_needs_all_live
 
-__all__ = ["initialize", "init_distributed", "zero", "config", "checkpoint", "ConfigError", "DistributedError", "RankDivergenceError",
-           "RankLostError",            "estimate_zero3_model_states_mem_needs_all_live"]
+__all__ = ["initialize", "init_distributed", "zero", "config", "checkpoint", "ConfigError", "DistributedError",
+           "RankDivergenceError", "RankLostError", "estimate_zero3_model_states_mem_needs_all_live"]
 
 __version__ = "0.1.0"
 
