@@ -111,11 +111,12 @@ class ZeroEngineRunner:
         stats = self.engine.memory_stats()
         if self.engine.stage < 3:
             # Stages 1 and 2 keep every parameter whole (params_gathered, persistent) and update a separate fp32
-            # shard of it (params_sharded; the master IS that shard in fp32): both are model state.
+            # shard of it (params_sharded; the master IS that shard in fp32): both are model state. Gradient shards
+            # live only within an accumulation window: counted at their peak (grads_peak).
             return {"params": stats["params_gathered"], "master_params": stats["params_sharded"],
-                    "grads": stats["grads"], "optimizer_states": stats["optimizer_states"]}
+                    "grads": stats["grads_peak"], "optimizer_states": stats["optimizer_states"]}
         return {"params": stats["params_sharded"], "master_params": stats["master_params"],
-                "grads": stats["grads"], "optimizer_states": stats["optimizer_states"]}
+                "grads": stats["grads_peak"], "optimizer_states": stats["optimizer_states"]}
 
     def reset_peaks(self) -> None:
         self.engine.reset_memory_peaks()

@@ -35,7 +35,7 @@ from .zero.gather import CoalescedGather, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
-from .zero.partition import ShardedParam, sharded_param_of
+from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
 
@@ -116,6 +116,9 @@ class ZeroEngine:
             if buffer.is_floating_point():
                 buffer.data = buffer.data.to(self.compute_dtype)
         by_param = {id(sp.param): sp for sp in self.sharded}
+        # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
+        bucket = zc.prefetch_bucket_size if self.stage == 3 else zc.allgather_bucket_size
+        self.shard_buckets = flatten_shards(self.sharded, max(1, int(bucket) // self.comm.world_size))
         trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
         comm_dtype = self.config.communication_data_type
         self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
@@ -305,7 +308,7 @@ class ZeroEngine:
             params = [p for p in self.module.parameters()]
             sharded = 0
             gathered = peak = sum(p.numel() * p.element_size() for p in params)
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+            grads = grads_peak = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
         else:
             sharded = sum(sp.shard.numel() * sp.shard.element_size() for sp in self.sharded)
             if self.coordinator is not None:
@@ -313,14 +316,17 @@ class ZeroEngine:
                 peak = self.coordinator.peak_live_numel * esize
             else:
                 gathered = peak = sum(sp.full_bytes for sp in self.sharded)
-            grads = self.reducer.grad_bytes + sum(sp.param.grad.numel() * sp.param.grad.element_size()
-                                                  for sp in self.sharded if sp.param.grad is not None)
+            whole = sum(sp.param.grad.numel() * sp.param.grad.element_size()
+                        for sp in self.sharded if sp.param.grad is not None)  # stage 1 accumulates whole grads
+            grads = self.reducer.grad_bytes + whole
+            grads_peak = max(self.accounting.peak["grads"] + whole, grads)
         return {
             "params_sharded": sharded,
             "params_gathered": gathered,
             "params_gathered_peak": peak,
             "master_params": self.optimizer.master_bytes,
             "grads": grads,
+            "grads_peak": grads_peak,
             "optimizer_states": self.optimizer.state_bytes,
             "comm_buffers_peak": self.accounting.peak["comm_buffers"],
             "rss": rss_bytes(),
@@ -331,10 +337,14 @@ class ZeroEngine:
     def model_state_bytes(stats: dict) -> int:
         """Partitioned model states (shards, masters, gradient shards, optimizer states): what 16Ψ/N predicts.
 
+        Gradient shards exist only inside an accumulation window (see [Note: gradient shard lifetime] in
+        zero/grads.py), so they are counted at their peak (``grads_peak``): this is the model states' peak, the
+        quantity the formula bounds; between windows a rank holds 16Ψ/N minus the gradient shards.
         At stages 1 and 2 every rank also holds the whole parameters; they are ``stats["params_gathered"]``, not
         included here (at stage 3 that figure is the transient gathered working set).
         """
-        return stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
+        return (stats["params_sharded"] + stats["master_params"] + stats.get("grads_peak", stats["grads"])
+                + stats["optimizer_states"])
 
     def reset_memory_peaks(self) -> None:
         if self.coordinator is not None:

@@ -8,7 +8,8 @@ From the next step on, every fetch looks ahead in the trace and issues asynchron
 next modules will need (up to ``prefetch_bucket_size`` elements; about one parameter ahead with the sequential
 strategy), never holding more than ``max_live_parameters`` gathered elements. A module's parameters are released
 after it ran unless they are persistent (small), still used by another active module (shared weights, nested
-calls), or used again before ``max_reuse_distance`` more elements are gathered (0: never kept).
+calls), used again before ``max_reuse_distance`` more elements are gathered (0: never kept), or shared by several
+modules and used again later in the same pass (see [Note: shared parameters stay within a pass]).
 
 If a step runs a different order than the trace (data-dependent control flow, the same on every rank), the
 coordinator notices at the first differing fetch, stops prefetching for the rest of that step (on-demand gathers
@@ -44,14 +45,26 @@ class _Trace:
     params: list[list[ShardedParam]]
     start_numel: list[int] = field(default_factory=list)  # gathered elements fetched before each event
     uses: dict[int, list[int]] = field(default_factory=dict)  # id(ShardedParam) -> event indices using it
+    shared: set[int] = field(default_factory=set)  # id(ShardedParam) of parameters used by several modules
 
     def __post_init__(self):
         total = 0
+        users: dict[int, set[str]] = {}
         for i, params in enumerate(self.params):
             self.start_numel.append(total)
             total += sum(p.padded_numel for p in params)
             for p in params:
                 self.uses.setdefault(id(p), []).append(i)
+                users.setdefault(id(p), set()).add(self.events[i].module)
+        self.shared = {key for key, modules in users.items() if len(modules) > 1}
+
+    def used_again_in_pass(self, p: ShardedParam, after: int) -> bool:
+        """A shared parameter used again by a later event of the same pass (forward or backward) as ``after``."""
+        if id(p) not in self.shared:
+            return False
+        uses = self.uses[id(p)]
+        k = bisect.bisect_right(uses, after)
+        return k < len(uses) and self.events[uses[k]].phase == self.events[after].phase
 
     def reuse_distance(self, p: ShardedParam, after: int) -> int | None:
         """Elements fetched between event ``after`` and the next event that uses ``p`` (None: not used again)."""
@@ -158,8 +171,12 @@ class ParamCoordinator:
                 if p.active_users or p.is_persistent or not p.is_available:
                     continue
                 if event_index is not None:
+                    # [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept
+                    # between its uses inside one forward or one backward, so it is gathered once per pass; the
+                    # live budget still rules: _make_room gives kept parameters up first when a fetch needs room.
                     distance = self.trace.reuse_distance(p, event_index)
-                    if distance is not None and distance < self.max_reuse_distance:  # 0 turns reuse off
+                    if (distance is not None and distance < self.max_reuse_distance) or \
+                            self.trace.used_again_in_pass(p, event_index):
                         self._kept[id(p)] = p
                         continue
                 self._release(p)
