@@ -518,3 +518,19 @@ def test_gradient_buffer_layout_large_and_small(world):
     for ok, freed in run_ranks(_grad_layout_body, world, timeout=TIMEOUT):
         assert all(ok), ok
         assert freed
+
+
+def test_released_parameter_raises_and_gathered_one_has_no_python_hook():
+    from zero_engine.zero.partition import GatheredZeroParameter, ShardedParam, ZeroParameter
+
+    p = nn.Parameter(torch.arange(6, dtype=torch.float32))
+    sp = ShardedParam(p, "blocks.0.w", 0, rank=0, world_size=1)
+    assert type(p) is GatheredZeroParameter and isinstance(p, ZeroParameter) and float(p.sum()) == 15.0
+    sp.release()
+    assert type(p) is ZeroParameter and p.numel() == 0
+    with pytest.raises(RuntimeError, match="blocks.0.w is partitioned"):
+        p.sum()
+    sp.to_inflight()
+    sp.alloc_full().copy_(sp.shard)  # world 1: the shard is the whole parameter
+    sp.to_available()
+    assert type(p) is GatheredZeroParameter and float(p.sum()) == 15.0

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
@@ -212,7 +213,7 @@ class ZeroEngine:
         scaled = loss.float() * (scale / self.gradient_accumulation_steps) if scale != 1.0 or \
             self.gradient_accumulation_steps > 1 else loss
         ends = self._backward_ends
-        with torch.profiler.record_function("zero3::backward"):
+        with profile_range("zero3::backward"):
             scaled.backward()
         if self.stage >= 2 and self._backward_ends == ends:
             self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
@@ -226,7 +227,7 @@ class ZeroEngine:
             param.grad = None  # the full gradient is freed as soon as it is in its bucket
 
     def _on_backward_end(self) -> None:
-        with torch.profiler.record_function("zero3::backward_end"):
+        with profile_range("zero3::backward_end"):
             if self.stage >= 2:
                 self.reducer.finish()
             if self.coordinator is not None:

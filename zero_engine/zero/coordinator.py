@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .gather import GatherWork
+from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
 
 log = logging.getLogger("zero_engine.coordinator")
@@ -144,7 +145,7 @@ class ParamCoordinator:
                 self._log_deviation_once(
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
-        with torch.profiler.record_function(f"zero3::fetch {event.module}"):
+        with profile_range(f"zero3::fetch {event.module}"):
             for p in params:
                 self._kept.pop(id(p), None)
             missing = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE]
@@ -165,7 +166,7 @@ class ParamCoordinator:
     def release(self, module: nn.Module) -> None:
         params = self.module_params.get(module, [])
         event_index = self._pos - 1 if self._following else None
-        with torch.profiler.record_function(f"zero3::release {self.module_names[module]}"):
+        with profile_range(f"zero3::release {self.module_names[module]}"):
             for p in params:
                 p.active_users = max(0, p.active_users - 1)
                 if p.active_users or p.is_persistent or not p.is_available:
