@@ -49,7 +49,7 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
     comm = engine.comm
     path = os.path.abspath(os.fspath(path))
     entries = _tensors_to_save(model, engine, dtype)
-    plan = plan_shards([(name, out_dtype, tuple(t.shape)) for name, t, out_dtype in entries],
+    plan = plan_shards([(name, out_dtype, _shape(t)) for name, t, out_dtype in entries],
                        parse_size(max_shard_size))
     error = None
     if comm.rank == 0:
@@ -106,6 +106,11 @@ def _tensors_to_save(model, engine, dtype) -> list[tuple[str, torch.Tensor, torc
         current = sp.dtype if sp is not None else tensor.dtype
         out.append((name, tensor, dtype if dtype is not None and current.is_floating_point else current))
     return out
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    sp = sharded_param_of(tensor)
+    return tuple(sp.shape if sp is not None else tensor.shape)
 
 
 def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm) -> torch.Tensor | None:
