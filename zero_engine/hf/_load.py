@@ -128,7 +128,7 @@ def from_pretrained(model_class, path, config=None, **hf_kwargs):
     model.eval()
     _load_generation_config(model, path, transformers)
     if rank == 0:
-        log.info("zero_engine.hf: loaded %s from %s into shards over %d ranks (%s, %d tensors, dtype %s)",
+        log.info("loaded %s from %s into shards over %d ranks (%s, %d tensors, dtype %s)",
                  model_class.__name__, path, world, files.fmt, len(plan.sources), str(dtype).removeprefix("torch."))
     if output_loading_info:
         return model, plan.info.to_dict()
