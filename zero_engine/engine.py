@@ -29,10 +29,11 @@ from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
+from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
-from .zero.gather import CoalescedGather, make_gatherer
+from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
@@ -153,10 +154,23 @@ class ZeroEngine:
                 module_params[module] = own
                 module_names[module] = name or "<root>"
         gatherer = make_gatherer(self.comm, zc, self.accounting)
+        if zc.allgather_sequential is True:
+            for sp in self.sharded:
+                sp.gather_sequential = True
+        elif zc.allgather_sequential == "auto":
+            self._choose_gather_per_bucket()
         self.refresh_gatherer = gatherer
         self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
                                             on_event=self._record_timeline if self.timeline else None)
         self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
+
+    def _choose_gather_per_bucket(self) -> None:
+        """See [Note: auto gather strategy] in zero/gather.py."""
+        budget = memory_budget(self.sharded[0].shard.device, self.config.zero_engine.memory_limit)
+        per_element = self.compute_dtype.itemsize + 8 + (4 if self.compute_dtype != torch.float32 else 0)
+        states_to_come = per_element * sum(sp.shard_numel for sp in self.sharded if sp.param.requires_grad)
+        self.sequential_buckets = choose_sequential_buckets(self.shard_buckets, budget.headroom, states_to_come,
+                                                            self.comm, budget.source)
 
     def _sharded_param(self, param: nn.Parameter, name: str, index: int) -> ShardedParam:
         """A new ShardedParam, or the one zero.Init made when the model was built (adopted, cast, named)."""

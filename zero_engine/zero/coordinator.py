@@ -87,7 +87,6 @@ class ParamCoordinator:
         self.prefetch_numel = int(zero_config.prefetch_bucket_size)
         self.max_live = int(zero_config.max_live_parameters)
         self.max_reuse_distance = int(zero_config.max_reuse_distance)
-        self.prefetch_one_ahead = gatherer.name == "sequential"
         self.on_event = on_event  # called with "fetch <module>" / "release <module>" (memory timeline)
 
         self.trace: _Trace | None = None
@@ -218,16 +217,22 @@ class ParamCoordinator:
     def _prefetch_after(self, index: int) -> None:
         """Issue gathers for the parameters of the events after ``index``, within the prefetch and live budgets.
 
-        Gathers already in flight count against the prefetch budget; the sequential strategy keeps at most one
-        parameter in flight, as its point is a small transient footprint.
+        Gathers already in flight count against the prefetch budget. A parameter gathered sequentially
+        (``stage3_allgather_sequential``, or its bucket under "auto") is prefetched alone and only when nothing else
+        is in flight, as the point of that strategy is a small transient footprint.
         """
-        in_flight = {id(w): w.numel for w in self._inflight.values()}
-        budget = (0 if in_flight else 1) if self.prefetch_one_ahead else self.prefetch_numel - sum(in_flight.values())
+        in_flight = sum({id(w): w.numel for w in self._inflight.values()}.values())
+        budget = self.prefetch_numel - in_flight
         chosen: list[ShardedParam] = []
         size = 0
         for p in self._upcoming(index):
-            over_budget = len(chosen) >= budget if self.prefetch_one_ahead else size + p.padded_numel > budget
-            if over_budget or self.live_numel + size + p.padded_numel > self.max_live:
+            if self.live_numel + size + p.padded_numel > self.max_live:
+                break
+            if p.gather_sequential:
+                if not chosen and not in_flight:
+                    chosen.append(p)
+                break
+            if size + p.padded_numel > budget:
                 break
             chosen.append(p)
             size += p.padded_numel

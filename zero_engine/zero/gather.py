@@ -19,9 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .partition import DIRECT_GATHER_NUMEL, ShardedParam
+import logging
 
-__all__ = ["GatherWork", "CoalescedGather", "SequentialGather", "make_gatherer"]
+from .partition import DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam
+
+log = logging.getLogger("zero_engine.gather")
+
+__all__ = ["GatherWork", "CoalescedGather", "SequentialGather", "make_gatherer", "choose_sequential_buckets"]
 
 
 @dataclass
@@ -134,3 +138,40 @@ def make_gatherer(comm, zero_config, accounting=None):
     if zero_config.allgather_sequential is True:
         return SequentialGather(comm)
     return CoalescedGather(comm, zero_config.prefetch_bucket_size, accounting)
+
+
+def choose_sequential_buckets(buckets: list[ShardBucket], headroom_bytes: int, states_to_come: int, comm,
+                              source: str = "") -> list[ShardBucket]:
+    """``stage3_allgather_sequential: "auto"``: mark the buckets that must be gathered one parameter at a time.
+
+    [Note: auto gather strategy]
+    Decided once, at initialize, per shard bucket (fixed: see [Note: flat shard storage]). The budget is this
+    rank's headroom (memory_budget) minus the model states still to come (gradient shards, optimizer states,
+    fp32 masters: allocated at the first backward and step). Gathering a bucket coalesced can hold it twice (the
+    prefetched bucket while the previous one is in use); sequentially it holds its largest parameter beside the
+    module running. A bucket whose coalesced cost does not fit in what is left is gathered sequentially (its
+    parameters are prefetched one at a time, alone), the others coalesced. Every rank must issue the same
+    collectives, so the smallest headroom over the ranks decides (one all-reduce). Logged once, on rank 0.
+    """
+    left = torch.tensor([float(headroom_bytes - states_to_come)], dtype=torch.float64,
+                        device=buckets[0].flat.device if buckets else "cpu")
+    if comm.world_size > 1:
+        comm.all_reduce(left, op="min", name="auto gather budget")
+    left = float(left.item())
+    chosen = []
+    for bucket in buckets:
+        coalesced = 2 * sum(p.full_bytes for p in bucket.params if not p.is_persistent)
+        if coalesced > left:
+            chosen.append(bucket)
+            for p in bucket.params:
+                p.gather_sequential = True
+    if comm.rank == 0:
+        if chosen:
+            log.info("stage3_allgather_sequential=auto: %.1f MiB left after model states (%s); %d of %d buckets "
+                     "gathered sequentially (coalesced they would need up to %.1f MiB), the rest coalesced",
+                     left / 2**20, source, len(chosen), len(buckets),
+                     max(2 * sum(p.full_bytes for p in b.params) for b in chosen) / 2**20)
+        else:
+            log.info("stage3_allgather_sequential=auto: %.1f MiB left after model states (%s); every bucket "
+                     "gathered coalesced", left / 2**20, source)
+    return chosen

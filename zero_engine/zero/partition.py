@@ -141,6 +141,7 @@ class ShardedParam:
         self.master: torch.Tensor | None = None  # the fp32 master shard, once an optimizer owns one
         self.master_is_shard = False  # fp32 training: the master and the compute shard are one tensor
         self.bucket: ShardBucket | None = None  # the flat shard buffer `shard` is a view of (set by the engine)
+        self.gather_sequential = False  # prefetched alone, one at a time ([Note: auto gather strategy], gather.py)
         self.bucket_offset = 0
         self._empty = torch.empty(0, dtype=self.dtype, device=param.device)
 
