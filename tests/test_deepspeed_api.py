@@ -172,6 +172,29 @@ def test_no_sync_accumulates_locally_and_reduces_at_the_step():
         assert diff < 1e-6
 
 
+def _destroy_body():
+    engine = make_engine(3, gas=1)
+    engine.eval()
+    with torch.no_grad():
+        engine(batch(0))
+    engine.empty_partition_cache()
+    cached = engine.memory_stats()["params_gathered"], {p.ds_status for p in engine.module.parameters()}
+    engine.destroy()
+    engine.destroy()
+    try:
+        engine.module(batch(0))
+        after = "forward ran"
+    except RuntimeError as e:
+        after = str(e)
+    return cached, after
+
+
+def test_empty_partition_cache_and_destroy():
+    for (gathered, statuses), after in run_ranks(_destroy_body, 2, timeout=TIMEOUT):
+        assert gathered == 0 and statuses == {ParamStatus.NOT_AVAILABLE}
+        assert "partitioned (ZeRO-3)" in after  # no hooks gather any more
+
+
 # ---- ds_* properties -----------------------------------------------------------------------------------------------
 def _ds_properties_body():
     engine = make_engine(3)
@@ -327,6 +350,12 @@ def test_refused_deepspeed_calls_name_themselves():
         deepspeed.comm.log_summary()
     with pytest.raises(NotImplementedError, match="config"):
         deepspeed.init_distributed(dist_backend="gloo", config=object())
+    with pytest.raises(AttributeError, match="TiledLinear is not supported"):
+        deepspeed.zero.TiledLinear
+    assert not hasattr(deepspeed.zero, "MiCS_Init")
+    for method in ("offload_states", "reload_states", "compile", "_backward_epilogue"):
+        with pytest.raises(NotImplementedError, match=method):
+            getattr(zero_engine.engine.ZeroEngine, method)(None)
 
 
 def _zero_init_body():

@@ -172,6 +172,7 @@ class DeepSpeedEngineAPI:
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16.enabled)
 
+    @property
     def communication_data_type(self) -> torch.dtype:
         """The dtype gradients are reduced in (fp32 unless ``communication_data_type`` says otherwise)."""
         return self.reducer.reduce_dtype if self.reducer is not None else torch.float32
@@ -255,13 +256,36 @@ class DeepSpeedEngineAPI:
 
     # ---- states and memory --------------------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
-        """Release every gathered parameter that no module is using, including persistent ones (stage 3), so only
-        the shards stay; they are gathered again when next used. Outside forward/backward only."""
-        if self.coordinator is None:
-            return  # stages 0-2 keep parameters whole by design; nothing is cached
-        for sp in self.sharded:
-            if sp.is_available and sp.active_users == 0 and not sp.is_persistent:
-                sp.release()
+        """Release every gathered parameter that is not persistent (stage 3), waiting for prefetches in flight, so
+        only shards stay until the next forward gathers again. Call it outside forward/backward."""
+        if self.coordinator is not None:  # stages 0-2 keep parameters whole by design: nothing is cached
+            self.coordinator.release_all()
+
+    def destroy(self) -> None:
+        """Stop training with this engine: wait for gathers in flight, release gathered parameters and remove the
+        module hooks, so the model no longer gathers on forward. Parameters stay partitioned (read them with
+        GatheredParameters or zero_engine.utils.safe_get_full_fp32_param). Calling it twice is harmless."""
+        if self.coordinator is not None:
+            self.coordinator.release_all()
+            self.hooks.remove()
+
+    # ---- DeepSpeed features zero_engine refuses by name (docs/deepspeed_compat.md says why) -----------------------
+    def offload_states(self, include=None, device=None, pin_memory=True, non_blocking=False):
+        raise NotImplementedError("engine.offload_states(): moving states to the host on demand is not supported "
+                                  "by zero_engine; configure zero_optimization.offload_optimizer / offload_param")
+
+    def reload_states(self, non_blocking=False):
+        raise NotImplementedError("engine.reload_states(): not supported by zero_engine (see offload_states)")
+
+    def compile(self, backend=None, compile_kwargs=None, **kwargs):
+        raise NotImplementedError("engine.compile(): torch.compile of the engine is not supported by zero_engine "
+                                  "(the ZeRO-3 hooks gather and release around each module); compile submodules "
+                                  "yourself before initialize() if you need it")
+
+    def _backward_epilogue(self):
+        raise NotImplementedError("engine._backward_epilogue() (DeepSpeed's joint training with one shared loss and "
+                                  "loss.backward()): not supported by zero_engine; call engine.backward(loss) on each "
+                                  "engine's own loss")
 
     def save_fp16_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """DeepSpeed's older name for save_16bit_model()."""

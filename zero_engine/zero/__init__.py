@@ -22,3 +22,16 @@ def register_external_parameter(module, parameter):
 def unregister_external_parameter(module, parameter):
     """Refused, as register_external_parameter."""
     register_external_parameter(module, parameter)
+
+
+_REFUSED = {
+    "TiledLinear": "memory-centric tiling is not supported; split the layer into smaller nn.Linear modules",
+    "MiCS_Init": "MiCS (partitioning within sub-groups of ranks) is not supported; use zero.Init",
+}
+
+
+def __getattr__(name):
+    if name in _REFUSED:
+        # AttributeError, so hasattr() probes of the namespace still answer False
+        raise AttributeError(f"deepspeed.zero.{name} is not supported by zero_engine: {_REFUSED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
