@@ -4,11 +4,12 @@ training_data=...), zero.Init(config_dict_or_path=...), the loop with is_gradien
 was_step_applied, save_checkpoint at a step and a second run that resumes from it, deepspeed.utils.safe_get_*.
 
 Checked against one-process training of the same model on the same global batches (the micro-batches the
-DistributedSampler gives each rank, in the order the script sees them). Tolerances as in test_zero3.py: the ranks'
-micro-batch losses are averaged in another order than the one-process full batch (~1e-7 relative per step), so
-losses agree to 1e-5 relative and the first step's full gradients to 1e-5 (relative L2); AdamW divides by sqrt(v),
-which amplifies those differences for elements with tiny gradients, so weights and exp_avg agree to 2e-4 (relative
-L2 over the model). The resumed run must end bit-for-bit where the uninterrupted one did.
+DistributedSampler gives each rank, in the order the script sees them). The ranks' micro-batch losses and gradients
+are averaged in another order than the one-process full batch: fp32 rounding of ~1e-7 relative per step (measured:
+losses 1.3e-7, first gradients 1.7e-7, final weights 8e-8 and exp_avg 2e-7, relative L2, at every stage). Losses,
+gradients, weights and exp_avg must agree to 1e-5: two orders of margin for 6 steps of a small MLP (test_zero3.py
+allows 2e-4 for AdamW over longer runs, where division by sqrt(v) amplifies differences in tiny gradients). The
+resumed run must end bit-for-bit where the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def test_tutorial_script_matches_one_process_training_and_resumes(stage, tmp_pat
     worst = max(abs(a - b) / abs(b) for a, b in zip(full["losses"], ref["losses"]))
     assert worst < 1e-5, (full["losses"], ref["losses"])
     assert rel_l2(full["first_grads"], ref["first_grads"]) < 1e-5
-    assert rel_l2(full["weights"], ref["weights"]) < 2e-4
-    assert rel_l2(full["exp_avg"], ref["exp_avg"]) < 2e-4
+    assert rel_l2(full["weights"], ref["weights"]) < 1e-5
+    assert rel_l2(full["exp_avg"], ref["exp_avg"]) < 1e-5
     # resumed after step 3: the same last losses and bit-identical final states
     assert resumed["losses"] == full["losses"][3:]
     for n in full["weights"]:
