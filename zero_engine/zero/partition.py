@@ -39,6 +39,7 @@ Where the bytes of a ZeRO-3 step live (decided once, at initialize):
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 
 import torch
@@ -56,6 +57,7 @@ DIRECT_GATHER_NUMEL = 1 << 15
 # nn.Parameter -> its ShardedParam, so zero.Init, GatheredParameters and the engine find a parameter's state
 # without attaching anything to the parameter object (weak: a dropped model frees its entries).
 _REGISTRY = WeakIdKeyDictionary()
+_IDS = itertools.count()  # ShardedParam.uid: unique per process, in creation order (DeepSpeed's ds_id)
 
 
 def sharded_param_of(param: torch.Tensor) -> "ShardedParam | None":
@@ -90,6 +92,46 @@ class ZeroParameter(nn.Parameter):
                                 "inside `with zero_engine.zero.GatheredParameters(param):` (pass modifier_rank= to "
                                 "keep edits).")
             return func(*args, **(kwargs or {}))
+
+    # [Note: ds_* properties] DeepSpeed hangs ds_numel, ds_shape, ds_id, ds_tensor, ds_status and ds_persist on
+    # every partitioned parameter, and transformers, PEFT and Accelerate read them (PEFT counts parameters with
+    # ds_numel; transformers sizes embeddings with ds_shape). Here they are read-only views of the ShardedParam.
+    @property
+    def ds_numel(self) -> int:
+        """Elements of the whole parameter (``param.numel()`` is 0 while it is released)."""
+        return _state_of(self).numel
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        """Shape of the whole parameter."""
+        return _state_of(self).shape
+
+    @property
+    def ds_id(self) -> int:
+        """A number unique to this parameter in this process."""
+        return _state_of(self).uid
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's shard: a flat tensor of ceil(numel / world) elements, the last rank's zero-padded."""
+        return _state_of(self).shard
+
+    @property
+    def ds_status(self) -> "ParamStatus":
+        """AVAILABLE (whole), NOT_AVAILABLE (only the shard) or INFLIGHT (a gather is running)."""
+        return _state_of(self).status
+
+    @property
+    def ds_persist(self) -> bool:
+        """Kept whole between uses (small parameters at stage 3; every parameter at stages 1-2)."""
+        return _state_of(self).is_persistent
+
+
+def _state_of(param) -> "ShardedParam":
+    sp = _REGISTRY.get(param)
+    if sp is None:
+        raise AttributeError("this ZeroParameter has no partition state (its ShardedParam was dropped)")
+    return sp
 
 
 class GatheredZeroParameter(ZeroParameter):
@@ -128,6 +170,7 @@ class ShardedParam:
         self.param = param
         self.fqn = fqn
         self.index = index  # position in the fixed parameter order: gradient buckets are built from it
+        self.uid = next(_IDS)
         self.shape = param.shape
         self.numel = param.numel()
         self.dtype = dtype or param.dtype
