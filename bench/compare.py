@@ -83,6 +83,8 @@ def parse_args(argv=None):
     parser.add_argument("--raw-dir", default=None, help="keep each rank's JSON and each launch's log here")
     parser.add_argument("--doc", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
     parser.add_argument("--chart", default="docs/img/compare.png", help="PNG chart ('' to skip)")
+    parser.add_argument("--before", metavar="JSON", default=None,
+                        help="an earlier run's aggregated JSON: its goals, scored the same way, as a 'before' column")
     parser.add_argument("--render", metavar="JSON", default=None,
                         help="run nothing: redraw the markdown section and chart from an aggregated JSON of an "
                              "earlier run (its command, date and numbers are kept)")
@@ -345,6 +347,12 @@ def write_outputs(args, report: dict) -> str:
         else:
             report["chart_note"] = ("(No chart: matplotlib is not installed; `pip install matplotlib` or "
                                     "`pip install -e '.[plot]'` and run again.)")
+    if args.before:
+        earlier = json.loads(Path(args.before).read_text())
+        report["goals_before"] = {
+            "source": args.before, "date": earlier["meta"]["date"], "git": earlier["meta"]["git"],
+            "command": earlier["meta"]["command"],
+            "goals": _report.goals([], earlier["ratios"], earlier["derived"])}
     section = _report.markdown(report)
     if args.json:
         path = REPO_ROOT / args.json
