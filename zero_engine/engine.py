@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .comm import Communicator, init_distributed
+from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.timeline import MemoryTimeline
@@ -66,7 +67,10 @@ class ZeroEngine:
         zc = self.config.zero_optimization
         self.stage = zc.stage
         self.module = model
-        self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
+        ze = self.config.zero_engine
+        self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
+                                 collective_timeout_s=ze.collective_timeout_s)
+        self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
         self.accounting = MemoryAccounting()
         self.compute_dtype = compute_dtype_of(self.config)
         if self.stage == 0 and self.compute_dtype != torch.float32:
@@ -188,6 +192,7 @@ class ZeroEngine:
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.progress.phase = "forward"
         if self._step_started is None:
             self._step_started = time.perf_counter()
         if self.coordinator is not None and self.module.training and torch.is_grad_enabled():
@@ -209,6 +214,7 @@ class ZeroEngine:
         scaled = loss.float() * (scale / self.gradient_accumulation_steps) if scale != 1.0 or \
             self.gradient_accumulation_steps > 1 else loss
         ends = self._backward_ends
+        self.progress.phase = "backward"
         with torch.profiler.record_function("zero3::backward"):
             scaled.backward()
         if self.stage >= 2 and self._backward_ends == ends:
@@ -237,6 +243,9 @@ class ZeroEngine:
         """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does)."""
         if not self.is_gradient_accumulation_boundary():
             return
+        self.progress.phase = "step"
+        if self.config.zero_engine.step_fingerprint:
+            check_step_fingerprint(self.comm)  # before anything is reduced or updated
         if self.stage == 1:  # gradients accumulated whole across micro-steps; reduce once now
             for bucket in self.reducer.buckets:
                 for sp in bucket.params:
@@ -263,6 +272,7 @@ class ZeroEngine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.global_steps += 1
+        self.progress.step = self.global_steps
         if self.timeline is not None:
             self._record_timeline("step")
             self.timeline.flush()
@@ -287,6 +297,30 @@ class ZeroEngine:
         self.timeline.record(self.global_steps, event, {
             "params_gathered": gathered, "grads": self.reducer.grad_bytes if self.reducer is not None else 0,
             "comm_buffers": self.accounting.current["comm_buffers"]})
+
+    # ---- shutdown ------------------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Finish everything in flight and stop the watchdog; call on every rank before
+        ``torch.distributed.destroy_process_group()``. Safe to call twice; the engine cannot train afterwards.
+
+        Waits for this rank's gathers still in flight (stray prefetches) and releases
+        gathered parameters; then every rank waits for the others to be done too (through the store, with the
+        watchdog; a barrier without it), so that no rank tears its process group down while a peer still exchanges
+        with it. A rank still waiting in a collective this rank never issued gets RankDivergenceError instead of a
+        hang, and so does this rank. After a DistributedError the group is unusable and only the local part runs.
+        See [Note: clean shutdown] in comm/watchdog.py.
+        """
+        if getattr(self, "_destroyed", False):
+            return
+        self._destroyed = True
+        self.progress.phase = "destroy"
+        watchdog = self.comm.watchdog
+        try:
+            if watchdog is None or not watchdog.failed:
+                if self.coordinator is not None:
+                    self.coordinator.release_all()  # waits for stray prefetches; reductions complete in step()
+        finally:
+            self.comm.close()
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

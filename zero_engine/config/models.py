@@ -93,7 +93,22 @@ class ZeroEngineSection(Section):
         "every rank instead of hanging. Costs one small all-gather per collective.",
     )
     collective_timeout_s: ConfigFloat = Field(
-        300.0, gt=0, description="Seconds a collective may take before the process group reports a timeout."
+        300.0, gt=0, description="Seconds a collective may take before it is an error. Acts whoever created the "
+        "process group: the engine's waits enforce it (with stall_timeout_s > 0), and a group the engine creates "
+        "gets it as its own timeout.",
+    )
+    stall_timeout_s: ConfigFloat = Field(
+        20.0, ge=0, description="Seconds a collective may wait before the ranks compare their progress records "
+        "through the store: ranks in different collectives raise RankDivergenceError, a dead rank RankLostError "
+        "(both on every surviving rank, naming the rank, module, phase and step); all ranks in the same slow "
+        "collective only log it. Costs nothing until a wait lasts this long, plus one heartbeat thread. 0 turns "
+        "the watchdog off (waits block in the backend until collective_timeout_s).",
+    )
+    step_fingerprint: ConfigBool = Field(
+        True, description="At each accumulation boundary, before the optimizer, compare a hash of the step's "
+        "collectives across ranks (one 2-element all-reduce) and raise RankDivergenceError on a difference, with "
+        "parameters and optimizer states untouched. Catches same-shaped collectives that paired up across "
+        "different modules (silently mixed data).",
     )
     memory_timeline: MemoryTimelineConfig = Field(
         default_factory=MemoryTimelineConfig, description="Memory timeline recording (see its section)."

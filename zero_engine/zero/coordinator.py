@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..errors import RankDivergenceError
 from .gather import GatherWork
 from .partition import ParamStatus, ShardedParam
 
@@ -95,6 +96,7 @@ class ParamCoordinator:
         """A training forward starts: record (first step) or follow the trace."""
         if self._in_step:  # a training forward without a backward: drop what it recorded
             self.end_step(adopt_trace=False)
+            self.comm.agree_before_next_collective()  # another rank may be in its backward: no mismatched gather
         self._in_step = True
         self._recording = []
         self._pos = 0
@@ -128,6 +130,7 @@ class ParamCoordinator:
             self._recording.append((event, params))
             if self._following and (self._pos >= len(self.trace.events) or self.trace.events[self._pos] != event):
                 self._following = False
+                self.comm.agree_before_next_collective()  # other ranks may not take this turn: no mismatched gather
                 self._log_deviation_once(
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
@@ -237,7 +240,7 @@ class ParamCoordinator:
             seen = {r: (t[i] if i < len(t) else "<end of step>") for r, t in enumerate(all_traces)}
             if len(set(seen.values())) > 1:
                 detail = ", ".join(f"rank {r}: {m}" for r, m in seen.items())
-                raise RuntimeError(
+                raise RankDivergenceError(
                     f"ranks ran different module orders; first difference at fetch #{i}: {detail}. Every rank must "
                     "run the same modules in the same order in a step (ZeRO-3 gathers are collectives); make "
                     "data-dependent branches agree across ranks (e.g. decide on rank 0 and broadcast).")
