@@ -115,6 +115,8 @@ def main() -> None:
         comm = engine.comm_stats()
         print("communication: " + ", ".join(f"{k} {v['calls']} calls {mib(v['bytes']).strip()}"
                                             for k, v in comm.items() if v["calls"]))
+    # Every rank done, nothing in flight, watchdog stopped; only then the group goes (see engine.destroy()).
+    engine.destroy()
     dist.destroy_process_group()
 
 

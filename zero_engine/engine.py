@@ -59,8 +59,14 @@ class ZeroEngine:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.config = config if isinstance(config, EngineConfig) else load_config(config, world_size=world,
                                                                                    model=model)
-        if not dist.is_initialized():
+        created_group = not dist.is_initialized()
+        if created_group:
             init_distributed(timeout_s=self.config.zero_engine.collective_timeout_s)
+        elif self.config.zero_engine.stall_timeout_s == 0 and dist.get_world_size() > 1:
+            log.warning("zero_engine.collective_timeout_s=%g is not enforced: the process group was created before "
+                        "the engine (its own timeout applies) and zero_engine.stall_timeout_s=0 turns off the "
+                        "watchdog that enforces it; set stall_timeout_s > 0 or create the group with that timeout",
+                        self.config.zero_engine.collective_timeout_s)
         if self.config.world_size != dist.get_world_size():
             raise ValueError(f"config: resolved for a world of {self.config.world_size} ranks, running on "
                              f"{dist.get_world_size()}; load it with world_size={dist.get_world_size()}")

@@ -127,16 +127,24 @@ class Communicator:
         RankDivergenceError when a peer waits in a collective this rank never issued. Safe to call twice."""
         if self._closed:
             return
-        self._closed = True
-        if self.watchdog is not None:
-            if self.watchdog.failed:
-                self.watchdog.stop()
-            else:
-                self.watchdog.leave()
-        elif self.world_size > 1 and self.backend != "fake":
-            self.barrier()
+        try:
+            if self.watchdog is not None:
+                if self.watchdog.failed:
+                    self.watchdog.stop()
+                else:
+                    self.watchdog.leave()
+            elif self.world_size > 1 and self.backend != "fake":
+                self.barrier()
+        finally:
+            self._closed = True
+            # Hold the process group no longer, so that destroy_process_group() really destroys it (its threads
+            # joined then) instead of leaving that to garbage collection at interpreter exit.
+            self.group = self._issuer = None
 
     def _record(self, kind: str, tensor: Optional[torch.Tensor], numel: int, name: str) -> CollectiveRecord:
+        if self._closed:
+            raise RuntimeError(f"{kind} {name!r} on rank {self.rank}: this communicator was closed "
+                               "(engine.destroy()); build a new engine to train again")
         record = self.progress.record(kind, str(tensor.dtype)[6:] if tensor is not None else "", numel, name)
         if self._agree_next:
             self._agree_next = False

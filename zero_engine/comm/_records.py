@@ -65,6 +65,7 @@ class ProgressLog:
     def __init__(self, capacity: int = 64) -> None:
         self.phase = "setup"
         self.step = 0
+        self.module = ""  # the module whose parameters were fetched last (ZeRO-3), for messages
         self.seq = 0  # records issued so far; the next one gets seq + 1
         self.recent: collections.deque[CollectiveRecord] = collections.deque(maxlen=capacity)
         self.step_records: list[CollectiveRecord] = []
@@ -91,7 +92,7 @@ class ProgressLog:
     def position(self) -> str:
         """Where this rank is, in words, for heartbeats and lost-rank messages."""
         last = self.last
-        where = f"{self.phase}, step {self.step}"
+        where = f"{self.phase}, step {self.step}" + (f", module {self.module}" if self.module else "")
         if last is None:
             return f"no collective issued yet ({where})"
         return f"collective #{last.seq} {last.describe()}; now in {where}"

@@ -346,6 +346,7 @@ class StallWatchdog:
     def _publish(self, waiting: Optional[CollectiveRecord], holding: bool = False) -> None:
         records = list(self.progress.recent)[-_PUBLISHED_RECORDS:]
         state = {"waiting": waiting.seq if waiting is not None else None, "holding": holding,
+                 "module": self.progress.module,
                  "records": [r.as_list() for r in records], "position": self.progress.position()}
         if holding and waiting is not None and (not records or records[-1].seq < waiting.seq):
             state["records"].append(waiting.as_list())
@@ -393,10 +394,12 @@ class StallWatchdog:
         return None
 
     def _divergence(self, seq: int, mine: CollectiveRecord, rank: int, theirs: CollectiveRecord,
-                    hold: bool = False) -> RankDivergenceError:
+                    hold: bool = False, their_module: str = "") -> RankDivergenceError:
         a, b = describe_pair(mine, theirs)
-        sides = sorted([(self.rank, a), (rank, b)])
-        detail = "; ".join(f"rank {r}: {d}" for r, d in sides)
+        sides = sorted([(self.rank, a, self.progress.module), (rank, b, their_module)])
+        detail = "; ".join(f"rank {r}: {d}" for r, d, _ in sides)
+        if any(m for _, _, m in sides):
+            detail += " (modules entered last: " + ", ".join(f"rank {r}: {m or '-'}" for r, _, m in sides) + ")"
         tail = ("Nothing was exchanged for it: this rank held the collective back until the ranks agreed. " if hold
                 else "")
         return RankDivergenceError(
@@ -418,7 +421,8 @@ class StallWatchdog:
                 theirs = self._records_of(state)
                 seq = self._first_difference(mine, theirs, from_seq)
                 if seq is not None:
-                    raise self._divergence(seq, mine[seq], rank, theirs[seq], hold=hold or state["holding"])
+                    raise self._divergence(seq, mine[seq], rank, theirs[seq], hold=hold or state["holding"],
+                                           their_module=state.get("module", ""))
                 if record is not None and record.seq in theirs:
                     continue
             left = self._read("left", rank)

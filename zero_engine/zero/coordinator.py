@@ -125,6 +125,7 @@ class ParamCoordinator:
     def fetch(self, module: nn.Module, phase: str) -> None:
         params = self.module_params.get(module, [])
         event = TraceEvent(self.module_names[module], phase)
+        self.comm.progress.module = event.module
         recording = self._in_step
         if recording:
             self._recording.append((event, params))
