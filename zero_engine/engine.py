@@ -330,7 +330,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
     # ---- shutdown ------------------------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Finish everything in flight and stop the watchdog; call on every rank before
-        ``torch.distributed.destroy_process_group()``. Safe to call twice; the engine cannot train afterwards.
+        ``torch.distributed.destroy_process_group()``. Safe to call twice; the engine cannot train afterwards: the
+        module hooks are removed and parameters stay partitioned (read them with GatheredParameters or
+        zero_engine.utils.safe_get_full_fp32_param).
 
         Waits for this rank's gathers still in flight (stray prefetches) and releases
         gathered parameters; then every rank waits for the others to be done too (through the store, with the
@@ -348,6 +350,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if watchdog is None or not watchdog.failed:
                 if self.coordinator is not None:
                     self.coordinator.release_all()  # waits for stray prefetches; reductions complete in step()
+            if self.coordinator is not None:
+                self.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
         finally:
             self.comm.close()
 

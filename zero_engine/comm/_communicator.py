@@ -56,7 +56,7 @@ class Pending(NamedTuple):
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            if self.watchdog is not None and not self.watchdog.stopped:
+            if self.watchdog is not None and self.watchdog.watches_waits and not self.watchdog.stopped:
                 self.watchdog.wait(self.work, self.record)
             else:
                 self.work.wait()

@@ -35,6 +35,18 @@ everywhere -> go on. Otherwise the ranks exchange the records (error path only) 
 naming the first difference, with parameters, masters and optimizer states untouched. This catches what the stall
 watchdog cannot see: same-shaped collectives that paired up across different modules (mixed data in the gathered
 weights and gradients, never applied).
+
+[Note: clean shutdown]
+`make demo` sometimes ended with one rank aborting after training ("terminate called without an active exception",
+SIGABRT, exit 2); never with a barrier before ``destroy_process_group``. The abort is C++ terminating a thread that
+is still running at interpreter exit: gloo's worker threads are still alive then because (a) the last collectives'
+works can still be finishing on them when a rank that is ahead tears its group down or reaches interpreter exit,
+and (b) the engine kept references to the process group, so ``destroy_process_group()`` did not destroy it and its
+threads were left to garbage collection during interpreter finalization, where a thread that needs the GIL (to
+free a tensor a finished work held) is force-unwound. ``engine.destroy()`` removes both: it waits for this rank's
+gathers in flight, then waits (store only, no collective that could mismatch) until every rank is done, stops the
+heartbeat thread (joined), and drops the communicator's references to the group, so that
+``destroy_process_group()`` destroys it there and then, with its threads joined while the interpreter is whole.
 """
 
 from __future__ import annotations
@@ -90,6 +102,7 @@ def default_store():
 def _stop_all_at_exit() -> None:
     for watchdog in list(_live):
         watchdog.stop()
+    _heartbeat.stop()
 
 
 atexit.register(_stop_all_at_exit)
@@ -109,20 +122,57 @@ def _process_is_gone(host_pid: str) -> bool:
         return False
 
 
-def _beat(store, key: str, progress: ProgressLog) -> None:
-    store.set(key, f"{time.monotonic_ns()} {progress.position()}")
+_HEARTBEAT_KEY = "zero_engine/heartbeat/"
 
 
-def _heartbeat_loop(store, key: str, progress_ref, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_PERIOD_S):
-        progress = progress_ref()
-        if progress is None:
-            return
-        try:
-            _beat(store, key, progress)
-        except Exception:  # noqa: BLE001 -- the store is gone (job ending): nothing left to tell anyone
-            return
-        del progress
+class _Heartbeat:
+    """One thread per process that keeps ``zero_engine/heartbeat/<rank>`` fresh in the store, with the position of
+    the most recent watchdog's progress log. Liveness is a property of the process, so engines built one after the
+    other (tests) share it instead of each starting a thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._store = None
+        self._key = ""
+        self._progress = lambda: None
+
+    def track(self, store, rank: int, progress: ProgressLog) -> None:
+        with self._lock:
+            self._progress = weakref.ref(progress)
+            if self._store is not store:  # a new process group: beat into its store
+                self._store = store.clone() if hasattr(store, "clone") else store
+            self._key = f"{_HEARTBEAT_KEY}{rank}"
+            self._beat()
+            if self._thread is None:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name=f"zero_engine-heartbeat-rank{rank}",
+                                                daemon=True)
+                self._thread.start()
+
+    def _beat(self) -> None:
+        progress = self._progress()
+        self._store.set(self._key, f"{time.monotonic_ns()} {progress.position() if progress else 'idle'}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_PERIOD_S):
+            try:
+                with self._lock:
+                    self._beat()
+            except Exception:  # noqa: BLE001 -- the store is gone (job ending): nothing left to tell anyone
+                return
+
+    def stop(self) -> None:
+        """Stop and join the thread (interpreter exit, or the last engine destroyed)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+
+_heartbeat = _Heartbeat()
 
 
 class _BlockingWaiter:
@@ -165,6 +215,9 @@ class _BlockingWaiter:
         self._queue.put(None)
 
 
+_waiter: Optional[_BlockingWaiter] = None  # one per process; replaced when a failed group leaves it stuck
+
+
 class StallWatchdog:
     """Watches this rank's waits; see [Note: how a stall is diagnosed]. One per Communicator on the world group.
 
@@ -185,27 +238,20 @@ class StallWatchdog:
         self.stall_timeout_s = float(stall_timeout_s)
         self.collective_timeout_s = float(collective_timeout_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s or max(5.0, min(self.stall_timeout_s, 15.0))
-        self.wait_with_timeout = backend == "gloo"
+        # Waits are sliced on gloo only. On NCCL, work.wait() only makes the current stream wait and returns at once
+        # (polling is_completed() would be a host sync and end compute/communication overlap); stalls there are
+        # left to NCCL's own watchdog and the process group's timeout, while records, holds, the step fingerprint
+        # and the heartbeat work as on gloo.
+        self.watches_waits = self.wait_with_timeout = backend == "gloo"
         # Every rank builds its communicators in the same order, so the n-th watchdog has the same prefix everywhere
         # and a later engine in the same process group never reads an earlier one's keys.
         self.prefix = f"zero_engine/watchdog{next(_instances)}/"
         self.store = store
-        self._hb_store = store.clone() if hasattr(store, "clone") else store
-        self._stop = threading.Event()
-        self._published: Optional[int] = None
-        self._slow_logged: set[int] = set()
-        self._processes: dict[int, str] = {}
-        self._hb_seen: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat value, when it changed)
         self._waiter: Optional[_BlockingWaiter] = None
         self.stopped = False
         self.failed = False  # a DistributedError was raised: the process group is unusable
         self.store.set(self._key("proc", rank), f"{socket.gethostname()} {os.getpid()}")
-        _beat(self.store, self._key("hb", rank), progress)
-        # The thread holds the progress log weakly: an engine dropped without destroy() still stops its heartbeat.
-        self._thread = threading.Thread(
-            target=_heartbeat_loop, args=(self._hb_store, self._key("hb", rank), weakref.ref(progress), self._stop),
-            name=f"zero_engine-heartbeat-rank{rank}", daemon=True)
-        self._thread.start()
+        _heartbeat.track(store, rank, progress)
         _live.add(self)
 
     def _key(self, what: str, rank: int) -> str:
@@ -213,15 +259,14 @@ class StallWatchdog:
 
     # ---- shutdown ----------------------------------------------------------------------------------------------
     def stop(self, left: bool = True) -> None:
-        """Stop the heartbeat thread (joined) and, with ``left``, tell the other ranks this rank is done."""
+        """Stop watching; the heartbeat thread stops (joined) with the last live watchdog of the process. With
+        ``left``, tell the other ranks this rank is done."""
         if self.stopped:
             return
         self.stopped = True
-        self._stop.set()
-        if self._waiter is not None and not self.failed:
-            self._waiter.close()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+        _live.discard(self)
+        if not _live:
+            _heartbeat.stop()
         if left:
             try:
                 self.store.set(self._key("left", self.rank), self.progress.position())
@@ -276,7 +321,7 @@ class StallWatchdog:
         try:
             self._wait(work, record)
         except DistributedError:
-            self.failed = True
+            self._mark_failed()
             raise
 
     def agree(self, record: CollectiveRecord) -> None:
@@ -285,8 +330,14 @@ class StallWatchdog:
         try:
             self._agree(record)
         except DistributedError:
-            self.failed = True
+            self._mark_failed()
             raise
+
+    def _mark_failed(self) -> None:
+        global _waiter
+        self.failed = True
+        if self._waiter is not None and self._waiter._current is not None and _waiter is self._waiter:
+            _waiter = None  # its thread is stuck in a work of the broken group: the next group gets a fresh one
 
     def _wait(self, work, record: Optional[CollectiveRecord]) -> None:
         started = time.monotonic()
@@ -335,9 +386,11 @@ class StallWatchdog:
                 raise  # explain_failure raises; unreachable
 
     def _blocking_waiter(self) -> _BlockingWaiter:
-        if self._waiter is None:
-            self._waiter = _BlockingWaiter()
-        return self._waiter
+        global _waiter
+        if _waiter is None:
+            _waiter = _BlockingWaiter()
+        self._waiter = _waiter
+        return _waiter
 
     def _what(self, record: Optional[CollectiveRecord]) -> str:
         return f"collective #{record.seq} {record.describe()}" if record is not None else "a collective"
@@ -367,7 +420,8 @@ class StallWatchdog:
         """Why ``rank`` counts as lost, or None while it looks alive."""
         if rank not in self._processes:
             self._processes[rank] = self._read("proc", rank) or ""
-        beat = self._read("hb", rank) or ""
+        key = f"{_HEARTBEAT_KEY}{rank}"
+        beat = self.store.get(key).decode() if self.store.check([key]) else ""
         now = time.monotonic()
         last, since = self._hb_seen.get(rank, (None, now))
         if beat != last:
