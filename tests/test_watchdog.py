@@ -251,8 +251,9 @@ def _slow_rank_body():
 def test_no_false_alarm_when_one_rank_is_slow():
     (steps0, logs0), (steps1, logs1) = run_ranks(_slow_rank_body, 2, timeout=TIMEOUT)
     assert steps0 == steps1 == 3
-    assert len(logs0) == 1 and "is slow" in logs0[0] and "ranks [1] are not in a collective" in logs0[0], logs0
-    assert logs1 == [], logs1
+    # Only "slow" lines (a loaded machine may add one at start-up too), one of them for rank 1's sleep.
+    assert all("is slow" in m for m in logs0 + logs1), (logs0, logs1)
+    assert any("ranks [1] are not in a collective" in m for m in logs0), logs0
 
 
 def _demo_model_body(runs: int):

@@ -247,6 +247,10 @@ class StallWatchdog:
         # and a later engine in the same process group never reads an earlier one's keys.
         self.prefix = f"zero_engine/watchdog{next(_instances)}/"
         self.store = store
+        self._published: Optional[int] = None
+        self._slow_logged: set[int] = set()
+        self._processes: dict[int, str] = {}
+        self._hb_seen: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat value, when it changed)
         self._waiter: Optional[_BlockingWaiter] = None
         self.stopped = False
         self.failed = False  # a DistributedError was raised: the process group is unusable
