@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
+from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.timeline import MemoryTimeline
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
@@ -66,6 +67,8 @@ class ZeroEngine:
         zc = self.config.zero_optimization
         self.stage = zc.stage
         self.module = model
+        # every buffer below is allocated on the parameters' device: put them on this rank's (device.py)
+        self.device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
         self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
         self.accounting = MemoryAccounting()
         self.compute_dtype = compute_dtype_of(self.config)

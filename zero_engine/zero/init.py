@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Communicator, init_distributed
+from ..device import local_device
 from .gathered import GatheredParameters
 from .partition import ParamStatus, ShardedParam, sharded_param_of
 
@@ -83,6 +84,7 @@ class Init:
         if not dist.is_initialized():
             init_distributed()
         self.comm = Communicator()
+        self.device = local_device()
         self._handles = [
             nn.modules.module.register_module_module_registration_hook(self._on_submodule),
             nn.modules.module.register_module_parameter_registration_hook(self._on_parameter),
@@ -127,6 +129,8 @@ class Init:
             for name, param in module.named_parameters():
                 if sharded_param_of(param) is not None or param.numel() == 0:
                     continue
+                if param.device.type != "meta" and param.device != self.device:
+                    param.data = param.data.to(self.device)  # see [Note: one device per rank] in device.py
                 self.comm.broadcast(param.data, src=0, name=f"zero.Init {name}")  # one init, whatever the seeds
                 ShardedParam(param, name, -1, self.comm.rank, self.comm.world_size).release()
         finally:
