@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
+from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.timeline import MemoryTimeline
@@ -51,7 +52,9 @@ def _own_parameters(module: nn.Module):
             yield from _own_parameters(child)
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedEngineAPI):
+    """The training engine ``initialize()`` returns; DeepSpeed's accessors come from DeepSpeedEngineAPI."""
+
     def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, training_data=None,
                  lr_scheduler=None, collate_fn=None):
         if not isinstance(model, nn.Module):
@@ -77,9 +80,13 @@ class ZeroEngine:
                                       "which keeps fp32 master weights sharded")
         self.loss_scaler = make_loss_scaler(self.config.fp16)
         self.skipped_steps = 0
-        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
+        self._awaiting_step = False  # a backward() has run since the last step() (see deepspeed_api.py)
+        self._backwards_since_update = 0  # gradients accumulated since the last applied step
+        self._step_applied = False
+        self._boundary_override: bool | None = None
+        self._inside_no_sync = False
         self.global_samples = 0
         self._backward_ends = 0
         self._last_loss: torch.Tensor | None = None
@@ -105,6 +112,9 @@ class ZeroEngine:
                                            optimizer, self.config.optimizer, groups, zc.sub_group_size)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
+        from .utils import register_engine
+
+        register_engine(self)  # zero_engine.utils.safe_get_* find the engine from a parameter
         if self.comm.rank == 0:
             log.info("zero_engine: stage %d, world %d, %d parameters (%d elements), gather %s",
                      self.stage, self.comm.world_size, sum(1 for _ in model.parameters()),
@@ -204,20 +214,26 @@ class ZeroEngine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas=False``, and
+        multiplied by the fp16 loss scale); returns the loss as divided, like DeepSpeed."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         self._last_loss = loss.detach()
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        scaled = loss.float() * (scale / self.gradient_accumulation_steps) if scale != 1.0 or \
-            self.gradient_accumulation_steps > 1 else loss
+        scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
         with torch.profiler.record_function("zero3::backward"):
-            scaled.backward()
+            scaled.backward(retain_graph=retain_graph)
         if self.stage >= 2 and self._backward_ends == ends:
             self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
-        self.micro_steps += 1
-        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        self._backwards_since_update += 1
+        if not self._inside_no_sync:  # as in DeepSpeed, micro-batches under no_sync() are not counted
+            self.micro_steps += 1
+            self._awaiting_step = True
+            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        return loss / gas if gas > 1 else loss
 
     def _on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:
         self._backward_end.queue_if_needed()
@@ -233,12 +249,17 @@ class ZeroEngine:
                 self.coordinator.end_step()
         self._backward_ends += 1
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps > 0 and self.micro_steps % self.gradient_accumulation_steps == 0
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does).
 
-    def step(self) -> None:
-        """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does)."""
-        if not self.is_gradient_accumulation_boundary():
+        ``lr_kwargs`` are passed to the LR scheduler's ``step()``."""
+        if self._inside_no_sync:
+            raise RuntimeError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
+                               "run the last micro-batch's backward, then call step()")
+        at_boundary = self.is_gradient_accumulation_boundary()
+        self._awaiting_step = False
+        self._step_applied = False
+        if not at_boundary:
             return
         if self.stage == 1:  # gradients accumulated whole across micro-steps; reduce once now
             for bucket in self.reducer.buckets:
@@ -251,6 +272,7 @@ class ZeroEngine:
             loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0,
             skip_if_nonfinite=self.loss_scaler is not None or self.config.bf16.check_grad_overflow)
         self.optimizer.zero_grad()
+        self._backwards_since_update = 0
         if self.loss_scaler is not None:
             self.loss_scaler.update(result.overflow)
         if result.overflow and (self.loss_scaler is not None or self.config.bf16.check_grad_overflow):
@@ -264,7 +286,8 @@ class ZeroEngine:
                 if stale:
                     self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self._step_applied = True
         self.global_steps += 1
         if self.timeline is not None:
             self._record_timeline("step")
@@ -363,22 +386,36 @@ class ZeroEngine:
         self.optimizer.zero_grad()
 
     # ---- checkpoints (zero_engine/checkpoint/ does the work) --------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
         """Collective: every rank calls it. Atomic; see zero_engine.checkpoint."""
         from .checkpoint import save_checkpoint
 
+        _refuse_if(exclude_frozen_parameters, "save_checkpoint(exclude_frozen_parameters=True)",
+                   "frozen parameters are always saved (they are small next to optimizer states)")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False):
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         """Collective. Returns ``(path, client_state)``; works at a different world size than the save."""
         from .checkpoint import load_checkpoint
 
+        _refuse_if(not load_module_strict, "load_checkpoint(load_module_strict=False)",
+                   "a checkpoint must match the model's parameters exactly")
+        _refuse_if(custom_load_fn is not None, "load_checkpoint(custom_load_fn=...)",
+                   "the sharded format is read by zero_engine.checkpoint only")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
-    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: gathers layer by layer onto rank 0, which writes a plain state dict in the compute dtype."""
         from .checkpoint import save_16bit_model
 
+        _refuse_if(exclude_frozen_parameters, "save_16bit_model(exclude_frozen_parameters=True)",
+                   "every parameter is written")
         return save_16bit_model(self, save_dir, save_filename=save_filename)
+
+
+def _refuse_if(condition: bool, what: str, why: str) -> None:
+    if condition:
+        raise NotImplementedError(f"{what} is not supported by zero_engine: {why}. See docs/deepspeed_compat.md")

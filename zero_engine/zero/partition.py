@@ -16,6 +16,7 @@ kernel that reads it.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 
 import torch
@@ -28,6 +29,7 @@ __all__ = ["ParamStatus", "ShardedParam", "ZeroParameter", "shard_numel_for", "s
 # nn.Parameter -> its ShardedParam, so zero.Init, GatheredParameters and the engine find a parameter's state
 # without attaching anything to the parameter object (weak: a dropped model frees its entries).
 _REGISTRY = WeakIdKeyDictionary()
+_IDS = itertools.count()  # ShardedParam.uid: unique per process, in creation order (DeepSpeed's ds_id)
 
 
 def sharded_param_of(param: torch.Tensor) -> "ShardedParam | None":
@@ -57,6 +59,46 @@ class ZeroParameter(nn.Parameter):
                                 "inside `with zero_engine.zero.GatheredParameters(param):` (pass modifier_rank= to "
                                 "keep edits).")
             return func(*args, **(kwargs or {}))
+
+    # [Note: ds_* properties] DeepSpeed hangs ds_numel, ds_shape, ds_id, ds_tensor, ds_status and ds_persist on
+    # every partitioned parameter, and transformers, PEFT and Accelerate read them (PEFT counts parameters with
+    # ds_numel; transformers sizes embeddings with ds_shape). Here they are read-only views of the ShardedParam.
+    @property
+    def ds_numel(self) -> int:
+        """Elements of the whole parameter (``param.numel()`` is 0 while it is released)."""
+        return _state_of(self).numel
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        """Shape of the whole parameter."""
+        return _state_of(self).shape
+
+    @property
+    def ds_id(self) -> int:
+        """A number unique to this parameter in this process."""
+        return _state_of(self).uid
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's shard: a flat tensor of ceil(numel / world) elements, the last rank's zero-padded."""
+        return _state_of(self).shard
+
+    @property
+    def ds_status(self) -> "ParamStatus":
+        """AVAILABLE (whole), NOT_AVAILABLE (only the shard) or INFLIGHT (a gather is running)."""
+        return _state_of(self).status
+
+    @property
+    def ds_persist(self) -> bool:
+        """Kept whole between uses (small parameters at stage 3; every parameter at stages 1-2)."""
+        return _state_of(self).is_persistent
+
+
+def _state_of(param) -> "ShardedParam":
+    sp = _REGISTRY.get(param)
+    if sp is None:
+        raise AttributeError("this ZeroParameter has no partition state (its ShardedParam was dropped)")
+    return sp
 
 
 _ALWAYS_ALLOWED = {"__get__", "__set__", "__delete__", "__repr__", "__format__", "numel", "dim", "size",
@@ -88,6 +130,7 @@ class ShardedParam:
         self.param = param
         self.fqn = fqn
         self.index = index  # position in the fixed parameter order: gradient buckets are built from it
+        self.uid = next(_IDS)
         self.shape = param.shape
         self.numel = param.numel()
         self.dtype = dtype or param.dtype
@@ -119,6 +162,34 @@ class ShardedParam:
         _REGISTRY[param] = self
         if type(param) is nn.Parameter:  # subclasses of users' own are left as they are
             param.__class__ = ZeroParameter
+
+    @classmethod
+    def from_meta(cls, meta_param: nn.Parameter, fqn: str, index: int, rank: int, world_size: int,
+                  device: torch.device | str = "cpu") -> "ShardedParam":
+        """The released state of a parameter built on the meta device, without ever allocating its full data.
+
+        For values that come from elsewhere (zero_engine.hf streams a checkpoint into ``shard``): the shard is
+        zero-filled, the fp32 ``master_init`` (16-bit trainable parameters) too; the caller writes both. A meta
+        tensor cannot take CPU data in place, so the state holds a new parameter (``.param``, a ZeroParameter with
+        the same requires_grad) that the caller puts into the module(s) in place of ``meta_param``.
+        """
+        if meta_param.device.type != "meta":
+            raise ValueError(f"ShardedParam.from_meta: {fqn} is on {meta_param.device}, expected the meta device")
+        sp = cls(meta_param, fqn, index, rank, world_size)  # on meta: metadata only, nothing allocated
+        del _REGISTRY[meta_param]
+        param = nn.Parameter(torch.empty(0, dtype=sp.dtype, device=device), requires_grad=meta_param.requires_grad)
+        sp.param = param
+        sp.shard = torch.zeros(sp.shard_numel, dtype=sp.dtype, device=device)
+        sp.master_init = None if sp.master_init is None else torch.zeros(sp.shard_numel, dtype=torch.float32,
+                                                                         device=device)
+        sp.full = torch.empty(sp.padded_numel, dtype=sp.dtype, device=device)
+        sp.full.untyped_storage().resize_(0)
+        sp._empty = torch.empty(0, dtype=sp.dtype, device=device)
+        param.data = sp._empty
+        sp.status = ParamStatus.NOT_AVAILABLE
+        _REGISTRY[param] = sp
+        param.__class__ = ZeroParameter
+        return sp
 
     # ---- state transitions -------------------------------------------------------------------------------------
     def to_inflight(self, refresh: bool = False) -> None:
