@@ -71,7 +71,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.stage = zc.stage
         self.module = model
         # every buffer below is allocated on the parameters' device: put them on this rank's (device.py)
-        self.device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
+        self._device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
         self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
         self.accounting = MemoryAccounting()
         self.compute_dtype = compute_dtype_of(self.config)

@@ -127,6 +127,7 @@ class Init:
                                       f"{dist.get_world_size(data_parallel_group)} of the {dist.get_world_size()} "
                                       "ranks; zero_engine partitions over the whole world only")
         self.dtype = dtype
+        self.device = local_device()  # each parameter is moved there before it is sharded (device.py)
         if self.config is not None:
             from ..config import load_config
             from ..precision import compute_dtype_of
@@ -143,7 +144,6 @@ class Init:
         if not dist.is_initialized():
             init_distributed()
         self.comm = Communicator()
-        self.device = local_device()
         self._handles = [
             nn.modules.module.register_module_module_registration_hook(self._on_submodule),
             nn.modules.module.register_module_parameter_registration_hook(self._on_parameter),
