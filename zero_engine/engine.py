@@ -25,19 +25,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
+from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
-from .zero.gather import CoalescedGather, make_gatherer
+from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
-from .zero.partition import ShardedParam, sharded_param_of
+from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
 
@@ -129,6 +131,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if buffer.is_floating_point():
                 buffer.data = buffer.data.to(self.compute_dtype)
         by_param = {id(sp.param): sp for sp in self.sharded}
+        # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
+        bucket = zc.prefetch_bucket_size if self.stage == 3 else zc.allgather_bucket_size
+        self.shard_buckets = flatten_shards(self.sharded, max(1, int(bucket) // self.comm.world_size))
         trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
         comm_dtype = self.config.communication_data_type
         self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
@@ -162,10 +167,23 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 module_params[module] = own
                 module_names[module] = name or "<root>"
         gatherer = make_gatherer(self.comm, zc, self.accounting)
+        if zc.allgather_sequential is True:
+            for sp in self.sharded:
+                sp.gather_sequential = True
+        elif zc.allgather_sequential == "auto":
+            self._choose_gather_per_bucket()
         self.refresh_gatherer = gatherer
         self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
                                             on_event=self._record_timeline if self.timeline else None)
         self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
+
+    def _choose_gather_per_bucket(self) -> None:
+        """See [Note: auto gather strategy] in zero/gather.py."""
+        budget = memory_budget(self.sharded[0].shard.device, self.config.zero_engine.memory_limit)
+        per_element = self.compute_dtype.itemsize + 8 + (4 if self.compute_dtype != torch.float32 else 0)
+        states_to_come = per_element * sum(sp.shard_numel for sp in self.sharded if sp.param.requires_grad)
+        self.sequential_buckets = choose_sequential_buckets(self.shard_buckets, budget.headroom, states_to_come,
+                                                            self.comm, budget.source)
 
     def _sharded_param(self, param: nn.Parameter, name: str, index: int) -> ShardedParam:
         """A new ShardedParam, or the one zero.Init made when the model was built (adopted, cast, named)."""
@@ -224,7 +242,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
-        with torch.profiler.record_function("zero3::backward"):
+        with profile_range("zero3::backward"):
             scaled.backward(retain_graph=retain_graph)
         if self.stage >= 2 and self._backward_ends == ends:
             self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
@@ -242,7 +260,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             param.grad = None  # the full gradient is freed as soon as it is in its bucket
 
     def _on_backward_end(self) -> None:
-        with torch.profiler.record_function("zero3::backward_end"):
+        with profile_range("zero3::backward_end"):
             if self.stage >= 2:
                 self.reducer.finish()
             if self.coordinator is not None:
@@ -331,7 +349,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             params = [p for p in self.module.parameters()]
             sharded = 0
             gathered = peak = sum(p.numel() * p.element_size() for p in params)
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+            grads = grads_peak = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
         else:
             sharded = sum(sp.shard.numel() * sp.shard.element_size() for sp in self.sharded)
             if self.coordinator is not None:
@@ -339,14 +357,17 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 peak = self.coordinator.peak_live_numel * esize
             else:
                 gathered = peak = sum(sp.full_bytes for sp in self.sharded)
-            grads = self.reducer.grad_bytes + sum(sp.param.grad.numel() * sp.param.grad.element_size()
-                                                  for sp in self.sharded if sp.param.grad is not None)
+            whole = sum(sp.param.grad.numel() * sp.param.grad.element_size()
+                        for sp in self.sharded if sp.param.grad is not None)  # stage 1 accumulates whole grads
+            grads = self.reducer.grad_bytes + whole
+            grads_peak = max(self.accounting.peak["grads"] + whole, grads)
         return {
             "params_sharded": sharded,
             "params_gathered": gathered,
             "params_gathered_peak": peak,
             "master_params": self.optimizer.master_bytes,
             "grads": grads,
+            "grads_peak": grads_peak,
             "optimizer_states": self.optimizer.state_bytes,
             "comm_buffers_peak": self.accounting.peak["comm_buffers"],
             "rss": rss_bytes(),
@@ -357,10 +378,14 @@ class ZeroEngine(DeepSpeedEngineAPI):
     def model_state_bytes(stats: dict) -> int:
         """Partitioned model states (shards, masters, gradient shards, optimizer states): what 16Ψ/N predicts.
 
+        Gradient shards exist only inside an accumulation window (see [Note: gradient shard lifetime] in
+        zero/grads.py), so they are counted at their peak (``grads_peak``): this is the model states' peak, the
+        quantity the formula bounds; between windows a rank holds 16Ψ/N minus the gradient shards.
         At stages 1 and 2 every rank also holds the whole parameters; they are ``stats["params_gathered"]``, not
         included here (at stage 3 that figure is the transient gathered working set).
         """
-        return stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
+        return (stats["params_sharded"] + stats["master_params"] + stats.get("grads_peak", stats["grads"])
+                + stats["optimizer_states"])
 
     def reset_memory_peaks(self) -> None:
         if self.coordinator is not None:

@@ -129,6 +129,8 @@ class Section(BaseModel):
     ignored_keys: ClassVar[dict[str, str]] = {}
     # Deprecated keys the section maps onto current ones (the mapping lives in `prepare`), with the replacement.
     deprecated_keys: ClassVar[dict[str, str]] = {}
+    # Fields whose "auto" is a value of their own, decided by the engine at run time (not resolved at load).
+    runtime_auto: ClassVar[frozenset[str]] = frozenset()
     # Fields the loader computes; never read from the file.
     derived_fields: ClassVar[frozenset[str]] = frozenset()
 
