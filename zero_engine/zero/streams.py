@@ -35,7 +35,7 @@ This follows FSDP2 (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -67,6 +67,22 @@ class CommStreams:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
+
+    def collective_on(self, stream: Optional[torch.cuda.Stream], issue: Callable[[], object]):
+        """Issue a collective (``issue()`` returns a comm ``Pending``) from ``stream``; see the note above.
+
+        Allocate its buffers before calling this (on the current stream). An asynchronous collective is ordered
+        before its consumer by ``Pending.wait()``; a synchronous one (no work handle left) completed on ``stream``,
+        so the current stream waits for it here, without the host waiting."""
+        if stream is None:
+            return issue()
+        with self.issue_on(stream):
+            pending = issue()
+            if getattr(pending, "work", None) is not None:
+                return pending
+            done = stream.record_event()
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return pending
 
     def record(self, stream: Optional[torch.cuda.Stream] = None) -> Optional[torch.cuda.Event]:
         """An event after the work queued so far on ``stream`` (the current stream by default); None off CUDA."""
