@@ -111,3 +111,12 @@ def test_nccl_error_handling_defaults():
     assert set_nccl_error_handling_defaults(env) == env  # the user's choices are kept
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
     assert set_nccl_error_handling_defaults(env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_nccl_path_is_always_native():
+    """No gloo-style emulation on NCCL: the issuer uses the single-tensor collectives and AVG as they are."""
+    from zero_engine.comm._backend import CollectiveIssuer
+
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        support = CollectiveIssuer(None, backend, world_size=2).support
+        assert (support.all_gather_single, support.reduce_scatter_single, support.avg) == (True, True, True)
