@@ -194,15 +194,7 @@ def _fully_shard(model, mesh):
     return model
 
 
-def part_fsdp2(args) -> dict:
-    import zero_engine
-    from torch.distributed.device_mesh import init_device_mesh
-
-    cfg, micro = model_config(args.tiny)
-    zero_engine.init_distributed()
-    dev = device()
-    mesh = init_device_mesh(dev.type, (1,))
-    model = _fully_shard(_build_model(cfg).to(dev), mesh)
+def _time_fsdp2(model, cfg, micro: int, dev, warmup: int, steps: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
     x, y = batch(cfg, micro, dev)
     reset_peak()
@@ -212,7 +204,19 @@ def part_fsdp2(args) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return _result(cfg, time_steps(step, args.warmup, args.steps), micro * cfg.block_size)
+    return _result(cfg, time_steps(step, warmup, steps), micro * cfg.block_size)
+
+
+def part_fsdp2(args) -> dict:
+    import zero_engine
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg, micro = model_config(args.tiny)
+    zero_engine.init_distributed()
+    dev = device()
+    mesh = init_device_mesh(dev.type, (1,))
+    model = _fully_shard(_build_model(cfg).to(dev), mesh)
+    return _time_fsdp2(model, cfg, micro, dev, args.warmup, args.steps)
 
 
 def part_deepspeed(args) -> dict:
@@ -272,16 +276,7 @@ def part_fake8_fsdp2(args) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.to_local().normal_(0.0, 0.02)  # values do not matter for memory; finite ones keep it honest
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
-        x, y = batch(cfg, micro, dev)
-        reset_peak()
-
-        def step():
-            model(x, y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return _result(cfg, time_steps(step, 1, 2), micro * cfg.block_size)
+        return _time_fsdp2(model, cfg, micro, dev, 1, 2)
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------
