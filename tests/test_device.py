@@ -120,3 +120,20 @@ def test_nccl_path_is_always_native():
     for backend in ("nccl", "cpu:gloo,cuda:nccl"):
         support = CollectiveIssuer(None, backend, world_size=2).support
         assert (support.all_gather_single, support.reduce_scatter_single, support.avg) == (True, True, True)
+
+
+def test_hf_reader_stages_reads_into_a_non_cpu_tensor(tmp_path):
+    """A shard on the GPU cannot be a numpy view: reads into it go through a host staging buffer (meta stands in)."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    from zero_engine.hf._files import _SafetensorsFile as SafetensorsFile
+
+    path = tmp_path / "w.safetensors"
+    safetensors.save_file({"w": torch.arange(10.0)}, str(path))
+    f = SafetensorsFile(str(path))
+    try:
+        host = torch.empty(4)
+        f.read_into("w", 3, 7, host)
+        assert host.tolist() == [3.0, 4.0, 5.0, 6.0]
+        f.read_into("w", 3, 7, torch.empty(4, device="meta"))  # no numpy() of a device tensor
+    finally:
+        f.close()

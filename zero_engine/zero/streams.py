@@ -51,9 +51,9 @@ class CommStreams:
         self.all_gather: Optional[torch.cuda.Stream] = None
         self.reduce_scatter: Optional[torch.cuda.Stream] = None
         if self.is_cuda:
-            _, high = torch.cuda.Stream.priority_range()  # (lowest, highest): the highest is the smallest number
-            self.all_gather = torch.cuda.Stream(self.device, priority=high)
-            self.reduce_scatter = torch.cuda.Stream(self.device, priority=high)
+            # -1: higher than the compute stream's 0 (lower numbers run first; CUDA clamps to its range), as FSDP2
+            self.all_gather = torch.cuda.Stream(self.device, priority=-1)
+            self.reduce_scatter = torch.cuda.Stream(self.device, priority=-1)
 
     def current(self) -> Optional[torch.cuda.Stream]:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
