@@ -30,6 +30,7 @@ from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
 from .deepspeed_api import DeepSpeedEngineAPI
+from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
@@ -40,6 +41,7 @@ from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
+from .zero.streams import CommStreams
 
 log = logging.getLogger("zero_engine.engine")
 
@@ -78,6 +80,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         zc = self.config.zero_optimization
         self.stage = zc.stage
         self.module = model
+        # every buffer below is allocated on the parameters' device: put them on this rank's (device.py)
+        self._device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
+        self.streams = CommStreams(self._device)  # side streams on CUDA, no-ops elsewhere (zero/streams.py)
         ze = self.config.zero_engine
         self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
                                  collective_timeout_s=ze.collective_timeout_s)
@@ -148,14 +153,15 @@ class ZeroEngine(DeepSpeedEngineAPI):
                                    # gradients in 16-bit loses bits at every hop of the reduction
                                    reduce_dtype=DTYPES[comm_dtype] if comm_dtype else torch.float32,
                                    grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
-                                   accounting=self.accounting)
+                                   accounting=self.accounting, streams=self.streams)
         if self.stage >= 2:
             for sp in trainable:
                 sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
         if self.stage < 3:
             for sp in self.sharded:
                 sp.is_persistent = True
-            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting)
+            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting,
+                                                    self.streams)
             partitioned = [sp for sp in self.sharded if not sp.is_available]  # built under zero.Init
             if partitioned:
                 self.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
@@ -173,7 +179,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if own:
                 module_params[module] = own
                 module_names[module] = name or "<root>"
-        gatherer = make_gatherer(self.comm, zc, self.accounting)
+        gatherer = make_gatherer(self.comm, zc, self.accounting, self.streams)
         if zc.allgather_sequential is True:
             for sp in self.sharded:
                 sp.gather_sequential = True
