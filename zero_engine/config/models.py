@@ -35,7 +35,10 @@ class Fp16Config(Section):
     enabled: Annotated[ConfigBool, _ENABLED_AUTO] = Field(False, description="Train in fp16.")
     auto_cast: ConfigBool = Field(False, description="Cast floating-point inputs to fp16 before forward.")
     loss_scale: ConfigFloat = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
-    initial_scale_power: ConfigInt = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
+    initial_scale_power: ConfigInt = Field(
+        16, ge=0, le=64, description="Dynamic scaling starts at 2**initial_scale_power (at most 2**64: far beyond "
+        "any useful scale, and 2**1024 would overflow a float)."
+    )
     loss_scale_window: ConfigInt = Field(1000, ge=1, description="Steps without overflow before the scale doubles.")
     hysteresis: ConfigInt = Field(2, ge=1, description="Overflows tolerated before the scale is lowered.")
     consecutive_hysteresis: ConfigBool = Field(False, description="Refill hysteresis after a step without overflow.")
@@ -93,7 +96,9 @@ class ZeroEngineSection(Section):
         "every rank instead of hanging. Costs one small all-gather per collective.",
     )
     collective_timeout_s: ConfigFloat = Field(
-        300.0, gt=0, description="Seconds a collective may take before the process group reports a timeout."
+        300.0, ge=0.1, le=31_536_000,
+        description="Seconds a collective may take before the process group reports a timeout (0.1 s to a year: "
+        "shorter rounds to no timeout at all in the process group, longer overflows its clock).",
     )
     memory_timeline: MemoryTimelineConfig = Field(
         default_factory=MemoryTimelineConfig, description="Memory timeline recording (see its section)."
