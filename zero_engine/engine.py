@@ -367,12 +367,14 @@ class ZeroEngine:
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False):
-        """Collective. Returns ``(path, client_state)``; works at a different world size than the save."""
+                        load_module_only=False, missing_ok=False):
+        """Collective. Returns ``(path, client_state)``; works at a different world size than the save.
+        A missing ``load_dir`` is an error unless ``missing_ok=True`` (then ``(None, None)``, as DeepSpeed)."""
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               missing_ok=missing_ok)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
         """Collective: gathers layer by layer onto rank 0, which writes a plain state dict in the compute dtype."""
