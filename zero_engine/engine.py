@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
+from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.timeline import MemoryTimeline
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
@@ -67,16 +68,22 @@ class ZeroEngine:
         self.stage = zc.stage
         self.module = model
         self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
+        claim_model(model, self)
+        broadcast_initial_state(model, self.comm)
+        self._snapshot = ModelSnapshot(model)
         self.accounting = MemoryAccounting()
         self.compute_dtype = compute_dtype_of(self.config)
         if self.stage == 0 and self.compute_dtype != torch.float32:
             raise NotImplementedError("fp16/bf16 at zero_optimization.stage 0 is not supported yet; use stage 1, "
                                       "which keeps fp32 master weights sharded")
         self.loss_scaler = make_loss_scaler(self.config.fp16)
+        self.nonfinite = NonFiniteSteps(self.comm, self.config.zero_engine.max_consecutive_skipped_steps,
+                                        loss_scaled=self.loss_scaler is not None)
         self.skipped_steps = 0
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
+        self._stepped_at_micro_step = 0  # the boundary the last step() consumed: each is consumed once
         self.global_samples = 0
         self._backward_ends = 0
         self._last_loss: torch.Tensor | None = None
@@ -190,8 +197,10 @@ class ZeroEngine:
     def forward(self, *args, **kwargs):
         if self._step_started is None:
             self._step_started = time.perf_counter()
-        if self.coordinator is not None and self.module.training and torch.is_grad_enabled():
-            self.coordinator.begin_step()
+        if self.module.training and torch.is_grad_enabled():
+            self._snapshot.check(self.module)
+            if self.coordinator is not None:
+                self.coordinator.begin_step()
         if self.compute_dtype != torch.float32:  # float inputs follow the parameters' dtype; outputs are as computed
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         return self.module(*args, **kwargs)
@@ -205,12 +214,17 @@ class ZeroEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         self._last_loss = loss.detach()
+        self.nonfinite.note_loss(loss)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         scaled = loss.float() * (scale / self.gradient_accumulation_steps) if scale != 1.0 or \
             self.gradient_accumulation_steps > 1 else loss
         ends = self._backward_ends
         with torch.profiler.record_function("zero3::backward"):
-            scaled.backward()
+            try:
+                scaled.backward()
+            except BaseException:
+                discard_failed_backward(self)
+                raise
         if self.stage >= 2 and self._backward_ends == ends:
             self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
         self.micro_steps += 1
@@ -237,6 +251,11 @@ class ZeroEngine:
         """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does)."""
         if not self.is_gradient_accumulation_boundary():
             return
+        if self.micro_steps == self._stepped_at_micro_step:
+            log.warning("rank %d: step() called again at step %d without a backward since the last update: the "
+                        "accumulation boundary was already consumed; nothing to do", self.comm.rank, self.global_steps)
+            return
+        self._stepped_at_micro_step = self.micro_steps
         if self.stage == 1:  # gradients accumulated whole across micro-steps; reduce once now
             for bucket in self.reducer.buckets:
                 for sp in bucket.params:
@@ -244,18 +263,16 @@ class ZeroEngine:
                         self.reducer.add(sp, sp.param.grad)
                         sp.param.grad = None
             self.reducer.finish()
+        # A non-finite global norm (any rank) skips the update everywhere; see guards.NonFiniteSteps.
         result = self.optimizer.step(
-            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0,
-            skip_if_nonfinite=self.loss_scaler is not None or self.config.bf16.check_grad_overflow)
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0, skip_if_nonfinite=True)
         self.optimizer.zero_grad()
         if self.loss_scaler is not None:
             self.loss_scaler.update(result.overflow)
-        if result.overflow and (self.loss_scaler is not None or self.config.bf16.check_grad_overflow):
+        if result.overflow:
             self.skipped_steps += 1  # parameters, optimizer states and the LR schedule are untouched
-            if self.loss_scaler is None:
-                log.warning("rank %d: non-finite gradients at step %d: step skipped (bf16.check_grad_overflow)",
-                            self.comm.rank, self.global_steps)
-        else:
+        self.nonfinite.after_step(result.overflow, self.global_steps)
+        if not result.overflow:
             if self.stage >= 1:
                 stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from new shards
                 if stale:

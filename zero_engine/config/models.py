@@ -59,7 +59,8 @@ class Bf16Config(Section):
         False, description="Accepted for compatibility; no effect (gradients are applied at the step)."
     )
     check_grad_overflow: ConfigBool = Field(
-        False, description="Check gradients for inf/nan and skip the step when any rank finds one."
+        False, description="No effect: every step with inf/nan gradients is skipped on all ranks, whatever this says "
+        "(see zero_engine.max_consecutive_skipped_steps)."
     )
 
     not_supported = {
@@ -99,6 +100,14 @@ class ZeroEngineSection(Section):
         300.0, ge=0.1, le=31_536_000,
         description="Seconds a collective may take before the process group reports a timeout (0.1 s to a year: "
         "shorter rounds to no timeout at all in the process group, longer overflows its clock).",
+    )
+    max_consecutive_skipped_steps: ConfigInt = Field(
+        10, ge=0,
+        description="A step whose gradients are non-finite (inf/nan on any rank; a NaN loss on one rank is enough) is "
+        "skipped on every rank with a warning naming the ranks whose loss was non-finite: weights, optimizer states "
+        "and the LR schedule are untouched. After more than this many skips in a row, training raises "
+        "FloatingPointError (0: raise at the first). fp32 and bf16; fp16's loss scaler skips overflowing steps "
+        "while it adapts the scale, and those do not raise.",
     )
     memory_timeline: MemoryTimelineConfig = Field(
         default_factory=MemoryTimelineConfig, description="Memory timeline recording (see its section)."

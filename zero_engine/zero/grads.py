@@ -107,6 +107,20 @@ class GradReducer:
         self._in_flight.clear()
         self._next_launch = 0
 
+    def discard(self) -> None:
+        """After a backward that raised: wait for reductions already issued (every rank issued them), then drop
+        half-filled buckets and every accumulated gradient shard. The next backward starts a new window."""
+        for bucket in self._in_flight:
+            bucket.pending.wait()
+        for bucket in self.buckets:
+            if bucket.send is not None:
+                self._track(-bucket.send.numel() * bucket.send.element_size())
+            bucket.send = bucket.recv = bucket.pending = None
+            bucket.received.clear()
+            bucket.has_grads = False
+        self._in_flight.clear()
+        self._next_launch = 0
+
     # ---- the optimizer's side ----------------------------------------------------------------------------------
     def shard_grad(self, p: ShardedParam) -> torch.Tensor | None:
         bucket = self._bucket_of[id(p)]
