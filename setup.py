@@ -13,7 +13,10 @@ setup(
     include_package_data=True,
     install_requires=["torch>=2.4", "pydantic>=2", "psutil", "ninja"],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "jsonschema", "numpy", "matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "jsonschema", "numpy", "matplotlib", "transformers>=5", "safetensors",
+                "tqdm"],
+        # zero_engine.hf (from_pretrained into shards, save_pretrained from shards); the package never requires it
+        "hf": ["transformers>=5", "safetensors", "tqdm"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["zero-engine=zero_engine.cli:main"]},

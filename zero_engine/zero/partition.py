@@ -122,6 +122,34 @@ class ShardedParam:
         if type(param) is nn.Parameter:  # subclasses of users' own are left as they are
             param.__class__ = ZeroParameter
 
+    @classmethod
+    def from_meta(cls, meta_param: nn.Parameter, fqn: str, index: int, rank: int, world_size: int,
+                  device: torch.device | str = "cpu") -> "ShardedParam":
+        """The released state of a parameter built on the meta device, without ever allocating its full data.
+
+        For values that come from elsewhere (zero_engine.hf streams a checkpoint into ``shard``): the shard is
+        zero-filled, the fp32 ``master_init`` (16-bit trainable parameters) too; the caller writes both. A meta
+        tensor cannot take CPU data in place, so the state holds a new parameter (``.param``, a ZeroParameter with
+        the same requires_grad) that the caller puts into the module(s) in place of ``meta_param``.
+        """
+        if meta_param.device.type != "meta":
+            raise ValueError(f"ShardedParam.from_meta: {fqn} is on {meta_param.device}, expected the meta device")
+        sp = cls(meta_param, fqn, index, rank, world_size)  # on meta: metadata only, nothing allocated
+        del _REGISTRY[meta_param]
+        param = nn.Parameter(torch.empty(0, dtype=sp.dtype, device=device), requires_grad=meta_param.requires_grad)
+        sp.param = param
+        sp.shard = torch.zeros(sp.shard_numel, dtype=sp.dtype, device=device)
+        sp.master_init = None if sp.master_init is None else torch.zeros(sp.shard_numel, dtype=torch.float32,
+                                                                         device=device)
+        sp.full = torch.empty(sp.padded_numel, dtype=sp.dtype, device=device)
+        sp.full.untyped_storage().resize_(0)
+        sp._empty = torch.empty(0, dtype=sp.dtype, device=device)
+        param.data = sp._empty
+        sp.status = ParamStatus.NOT_AVAILABLE
+        _REGISTRY[param] = sp
+        param.__class__ = ZeroParameter
+        return sp
+
     # ---- state transitions -------------------------------------------------------------------------------------
     def to_inflight(self, refresh: bool = False) -> None:
         """``refresh``: re-gather an AVAILABLE parameter after its shard changed (optimizer step)."""

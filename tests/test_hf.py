@@ -1,0 +1,353 @@
+"""zero_engine.hf: pretrained Hugging Face checkpoints into ZeRO-3 shards and back, on simulated ranks.
+
+Tiny Llama (untied embeddings) and GPT-2 (tied) are built from configs with a fixed seed and saved into tmp dirs by
+transformers itself (never a hub download). Bodies named ``_*_body`` run on every rank.
+
+Tolerances. Loading is exact: every shard equals its slice of the file bit for bit. Training parity is against
+one-process training of the same checkpoint (plain transformers.from_pretrained, full batch): each rank sees half
+of the batch and gradients are averaged by reduce-scatter, so sums run in another order, ~1e-7 relative per step
+in fp32: losses agree to 1e-5 relative; parameters by relative L2 over the model to 2e-4 with AdamW (it divides by
+sqrt(v), which magnifies a 1e-7 difference on gradients near zero), as in test_zero3.py. Logits of a saved model
+reloaded by transformers equal the engine's to 1e-5 in fp32 (same weights, same kernels; only the summation order
+of the sharded run's forward may differ) and to bf16 resolution (1e-2) for a bf16 save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import zero_engine  # noqa: E402
+from zero_engine.testing import run_ranks  # noqa: E402
+from zero_engine.zero.partition import sharded_param_of  # noqa: E402
+
+TIMEOUT = 180
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+def tiny_llama(tie=False, base=False):
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tie, pad_token_id=0)
+    torch.manual_seed(0)
+    return (transformers.LlamaModel if base else transformers.LlamaForCausalLM)(cfg)
+
+
+def tiny_gpt2():
+    cfg = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def save(model, directory, fmt="safetensors", max_shard_size=None, drop=(), extra=None):
+    """Write ``model`` as transformers does, or as pytorch_model.bin (single or sharded with an index)."""
+    if fmt == "safetensors" and not drop and not extra:
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(directory, **kwargs)
+        return directory
+    os.makedirs(directory, exist_ok=True)
+    model.config.save_pretrained(directory)
+    state = {k: v for k, v in model.state_dict().items() if k not in drop}
+    state.update(extra or {})
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        seen, flat = set(), {}
+        for k, v in state.items():  # safetensors refuses shared storage: keep tied weights once
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                flat[k] = v.contiguous()
+        save_file(flat, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    elif max_shard_size is None:
+        torch.save(state, os.path.join(directory, "pytorch_model.bin"))
+    else:
+        keys = list(state)
+        halves = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
+        weight_map = {}
+        for i, part in enumerate(halves):
+            fname = f"pytorch_model-{i + 1:05d}-of-00002.bin"
+            torch.save({k: state[k] for k in part}, os.path.join(directory, fname))
+            weight_map.update(dict.fromkeys(part, fname))
+        with open(os.path.join(directory, "pytorch_model.bin.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return directory
+
+
+def gather_full(param) -> torch.Tensor:
+    sp = sharded_param_of(param)
+    buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
+    dist.all_gather_into_tensor(buf, sp.shard)
+    return buf[: sp.numel].view(sp.shape)
+
+
+# ---- loading into shards -------------------------------------------------------------------------------------------
+def _load_body(directory, auto_class):
+    import zero_engine.hf as zhf
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zhf.from_pretrained(getattr(transformers, auto_class), directory)
+    reference = getattr(transformers, auto_class).from_pretrained(directory)
+    ref_params = dict(reference.named_parameters())
+    held, total = 0, 0
+    for name, param in model.named_parameters():
+        sp = sharded_param_of(param)
+        if sp is None or param.numel() != 0:
+            raise AssertionError(f"{name}: not partitioned on rank {rank} ({param.numel()} elements whole)")
+        expected = ref_params[name].detach().reshape(-1)
+        local = sp.local_slice()
+        shard = sp.shard
+        if shard.numel() != -(-expected.numel() // world):
+            raise AssertionError(f"{name}: shard of {shard.numel()} elements on rank {rank}")
+        if not torch.equal(shard[: local.stop - local.start], expected[local]):
+            raise AssertionError(f"{name}: shard differs from the file on rank {rank}")
+        if shard[local.stop - local.start:].any():
+            raise AssertionError(f"{name}: padding not zero on rank {rank}")
+        held += shard.numel()
+        total += expected.numel()
+    for name, buffer in model.named_buffers():
+        if not torch.equal(buffer, dict(reference.named_buffers())[name]):
+            raise AssertionError(f"buffer {name} differs on rank {rank}")
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return held, total, tied
+
+
+@pytest.mark.parametrize("name,fmt,sharded,world", [
+    ("llama", "safetensors", False, 2), ("gpt2", "safetensors", False, 2), ("llama", "safetensors", True, 3),
+    ("gpt2", "safetensors", True, 2), ("llama", "bin", False, 2), ("gpt2", "bin", True, 3)])
+def test_from_pretrained_holds_only_shards_equal_to_file(tmp_path, name, fmt, sharded, world):
+    model = MODELS[name]()
+    directory = save(model, str(tmp_path / name), fmt, max_shard_size="20KB" if sharded else None)
+    files = os.listdir(directory)
+    if sharded:
+        assert any(f.endswith(".index.json") for f in files), files
+    for held, total, tied in run_ranks(_load_body, world, directory, "AutoModelForCausalLM", timeout=TIMEOUT):
+        assert held < total / world + 100 * world, (held, total)  # this rank's shards only (+ padding)
+        assert tied == (name == "gpt2")
+
+
+# ---- missing / unexpected keys -------------------------------------------------------------------------------------
+def _keys_body(directory, model_class, seed):
+    import zero_engine.hf as zhf
+
+    cls = getattr(transformers, model_class)
+    torch.manual_seed(seed)
+    model, info = zhf.from_pretrained(cls, directory, output_loading_info=True)
+    torch.manual_seed(seed)
+    reference, ref_info = cls.from_pretrained(directory, output_loading_info=True)
+    values = {n: gather_full(p) for n, p in model.named_parameters()}
+    ref = dict(reference.named_parameters())
+    differing = [n for n in values if not torch.equal(values[n], ref[n].detach())]
+    rank0 = torch.cat([v.reshape(-1) for v in values.values()])
+    everywhere = [torch.empty_like(rank0) for _ in range(dist.get_world_size())]
+    dist.all_gather(everywhere, rank0)
+    same_on_ranks = all(torch.equal(everywhere[0], t) for t in everywhere)
+    return ({k: sorted(map(str, v)) for k, v in info.items()}, {k: sorted(map(str, v)) for k, v in ref_info.items()},
+            differing, same_on_ranks)
+
+
+def test_missing_and_unexpected_keys_follow_transformers(tmp_path, caplog):
+    """lm_head missing (initialised as transformers does, same seed -> same values, same on all ranks), an unknown
+    key reported unexpected, an ignored one (GPT-2's attn.bias pattern) not reported."""
+    llama = tiny_llama()
+    d1 = save(llama, str(tmp_path / "llama"), drop=("lm_head.weight",),
+              extra={"model.layers.0.extra.weight": torch.ones(3)})
+    gpt2 = tiny_gpt2()
+    d2 = save(gpt2, str(tmp_path / "gpt2"), extra={"transformer.h.0.attn.bias": torch.ones(4)})
+    for directory, cls in ((d1, "LlamaForCausalLM"), (d2, "GPT2LMHeadModel")):
+        ours, ref, differing, same = run_ranks(_keys_body, 2, directory, cls, 1234, timeout=TIMEOUT)[0]
+        assert ours == ref, (ours, ref)
+        assert differing == [], differing
+        assert same
+    ours, *_ = run_ranks(_keys_body, 2, d1, "LlamaForCausalLM", 1234, timeout=TIMEOUT)[0]
+    assert ours["missing_keys"] == ["lm_head.weight"]
+    assert ours["unexpected_keys"] == ["model.layers.0.extra.weight"]
+
+
+def test_base_model_checkpoint_into_head_model(tmp_path):
+    """A LlamaModel checkpoint (no "model." prefix) loads into LlamaForCausalLM: prefix added, lm_head missing."""
+    directory = save(tiny_llama(base=True), str(tmp_path / "base"))
+    ours, ref, differing, same = run_ranks(_keys_body, 2, directory, "LlamaForCausalLM", 7, timeout=TIMEOUT)[0]
+    assert ours == ref and ours["missing_keys"] == ["lm_head.weight"], (ours, ref)
+    assert differing == [] and same
+
+
+def _mismatch_body(directory):
+    import zero_engine.hf as zhf
+
+    try:
+        zhf.from_pretrained(transformers.LlamaForCausalLM, directory)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_mismatched_shape_raises_like_transformers(tmp_path):
+    llama = tiny_llama()
+    directory = save(llama, str(tmp_path / "bad"), drop=("model.norm.weight",),
+                     extra={"model.norm.weight": torch.ones(5)})
+    for message in run_ranks(_mismatch_body, 2, directory, timeout=TIMEOUT):
+        assert message is not None and "ignore_mismatched_sizes" in message, message
+
+
+# ---- dtype and fp32 masters ----------------------------------------------------------------------------------------
+def _masters_body(directory):
+    import zero_engine.hf as zhf
+
+    model = zhf.from_pretrained(transformers.LlamaForCausalLM, directory, dtype=torch.bfloat16)
+    reference = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref = dict(reference.named_parameters())
+    bad = []
+    for sp in engine.sharded:
+        local = sp.local_slice()
+        n = local.stop - local.start
+        exact = ref[sp.fqn].detach().reshape(-1)[local]
+        if sp.dtype != torch.bfloat16 or not torch.equal(sp.master[:n], exact) or \
+                not torch.equal(sp.shard[:n], exact.to(torch.bfloat16)):
+            bad.append(sp.fqn)
+    return bad
+
+
+def test_bf16_model_from_fp32_checkpoint_keeps_exact_fp32_masters(tmp_path):
+    directory = save(tiny_llama(), str(tmp_path / "llama"))
+    for bad in run_ranks(_masters_body, 2, directory, timeout=TIMEOUT):
+        assert bad == [], bad
+
+
+# ---- training parity and save_pretrained round trip ----------------------------------------------------------------
+def ds_config(bf16=False):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000}}
+
+
+def _train_body(directory, out_dir, steps):
+    import zero_engine.hf as zhf
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cls = transformers.AutoModelForCausalLM
+    model = zhf.from_pretrained(cls, directory, config=ds_config())
+    reference = cls.from_pretrained(directory)
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config())
+    engine.train()
+    reference.train()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for _ in range(steps):
+        x = torch.randint(0, 97, (2 * world, 12), generator=gen)
+        ref_opt.zero_grad()
+        ref_loss = reference(input_ids=x, labels=x).loss
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        loss = engine(input_ids=x[2 * rank: 2 * rank + 2], labels=x[2 * rank: 2 * rank + 2]).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        worst = max(worst, abs(mean.item() / world - ref_loss.item()) / ref_loss.item())
+    ours = {n: gather_full(p) for n, p in engine.module.named_parameters()}
+    ref = dict(reference.named_parameters())
+    diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
+
+    zhf.save_pretrained(engine, out_dir, max_shard_size="30KB")
+    engine.eval()
+    probe = torch.randint(0, 97, (2, 10), generator=gen)
+    with torch.no_grad():
+        logits = engine(input_ids=probe).logits
+    return worst, (diff / norm).item(), probe, logits
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_training_matches_one_process_and_save_pretrained_round_trips(tmp_path, name):
+    directory = save(MODELS[name](), str(tmp_path / name))
+    out = str(tmp_path / "saved")
+    results = run_ranks(_train_body, 2, directory, out, 4, timeout=TIMEOUT)
+    for loss_err, param_err, _, _ in results:
+        assert loss_err < 1e-5 and param_err < 2e-4, (loss_err, param_err)
+    files = sorted(os.listdir(out))
+    assert "config.json" in files and "model.safetensors.index.json" in files, files
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    if name == "gpt2":  # saved once, tied again on load
+        assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+        with open(os.path.join(out, "model.safetensors.index.json")) as f:
+            assert "lm_head.weight" not in json.load(f)["weight_map"]
+    for *_, probe, logits in results:
+        with torch.no_grad():
+            expected = reloaded(input_ids=probe).logits
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _bf16_save_body(directory, out_dir):
+    import zero_engine.hf as zhf
+
+    model = zhf.from_pretrained(transformers.AutoModelForCausalLM, directory)
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(bf16=True))
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.train()
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    zhf.save_pretrained(engine, out_dir + "/bf16")
+    zhf.save_pretrained(engine, out_dir + "/fp32", dtype=torch.float32)
+    masters = {sp.fqn: gather_full_master(sp) for sp in engine.sharded}
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=torch.arange(10).view(1, 10)).logits
+    return logits.float(), masters
+
+
+def gather_full_master(sp):
+    buf = torch.empty(sp.padded_numel, dtype=torch.float32)
+    dist.all_gather_into_tensor(buf, sp.master.contiguous())
+    return buf[: sp.numel].view(sp.shape)
+
+
+def test_save_pretrained_bf16_and_fp32_masters(tmp_path):
+    directory = save(tiny_llama(), str(tmp_path / "llama"))
+    out = str(tmp_path / "saved")
+    logits, masters = run_ranks(_bf16_save_body, 2, directory, out, timeout=TIMEOUT)[0]
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(out + "/bf16")
+    assert bf16.dtype == torch.bfloat16 and "model.safetensors" in os.listdir(out + "/bf16")
+    with torch.no_grad():
+        torch.testing.assert_close(bf16(input_ids=torch.arange(10).view(1, 10)).logits.float(), logits,
+                                   rtol=1e-2, atol=1e-2)
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(out + "/fp32")
+    assert fp32.dtype == torch.float32
+    for name, param in fp32.named_parameters():
+        assert torch.equal(param.detach(), masters[name]), name
+
+
+# ---- the example ---------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_finetune_example_runs_with_torchrun(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    model_dir, out = str(tmp_path / "tiny"), str(tmp_path / "out")
+    subprocess.run([sys.executable, "examples/finetune_hf.py", "--make-tiny", model_dir], cwd=REPO, env=env,
+                   check=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "examples/finetune_hf.py", "--model", model_dir, "--config",
+                          "examples/configs/hf_finetune.json", "--output", out, "--steps", "6",
+                          "--checkpoint-every", "3"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert os.path.isdir(os.path.join(out, "checkpoints"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
+    assert reloaded.config.model_type == "llama"

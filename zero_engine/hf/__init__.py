@@ -1,0 +1,17 @@
+"""Hugging Face transformers models under ZeRO-3: pretrained checkpoints in and out of the shards.
+
+    model = zero_engine.hf.from_pretrained(AutoModelForCausalLM, "models/llama", config="ds_config.json")
+    engine, *_ = zero_engine.initialize(model=model, config="ds_config.json")
+    ...
+    zero_engine.hf.save_pretrained(engine, "out/llama-finetuned")    # loads with plain transformers
+
+from_pretrained streams each tensor of the checkpoint (safetensors, sharded safetensors with an index, or
+pytorch_model.bin) into each rank's shard, so no rank ever holds the whole model; save_pretrained gathers one tensor
+at a time onto rank 0, which writes safetensors shards. transformers is optional (``pip install
+'zero_engine[hf]'``): it is imported when one of these is called.
+"""
+
+from ._load import from_pretrained
+from ._save import save_pretrained
+
+__all__ = ["from_pretrained", "save_pretrained"]
