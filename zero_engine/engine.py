@@ -143,8 +143,11 @@ class ZeroEngine:
                 self.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
             return
 
+        persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
         for sp in self.sharded:
-            sp.is_persistent = sp.numel <= zc.param_persistence_threshold
+            sp.is_persistent = sp.numel <= min(zc.param_persistence_threshold, persistent_budget)
+            if sp.is_persistent:
+                persistent_budget -= sp.numel
             if not sp.is_persistent and sp.is_available:
                 sp.release()
         module_params, module_names = {}, {}
@@ -191,7 +194,8 @@ class ZeroEngine:
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=self.comm.world_size,
                                                       rank=self.comm.rank)
         return torch.utils.data.DataLoader(training_data, batch_size=self.config.train_micro_batch_size_per_gpu,
-                                           sampler=sampler, collate_fn=collate_fn)
+                                           sampler=sampler, collate_fn=collate_fn,
+                                           drop_last=self.config.dataloader_drop_last)
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

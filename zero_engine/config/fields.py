@@ -138,6 +138,9 @@ class Section(BaseModel):
     ignored_keys: ClassVar[dict[str, str]] = {}
     # Deprecated keys the section maps onto current ones (the mapping lives in `prepare`), with the replacement.
     deprecated_keys: ClassVar[dict[str, str]] = {}
+    # Fields parsed and validated that change nothing in zero_engine, each with why (shown in the docs; said once in
+    # the log when a file sets it). A field must act or be listed here: tests/test_config_fields_act.py walks them.
+    no_effect: ClassVar[dict[str, str]] = {}
     # Fields the loader computes; never read from the file.
     derived_fields: ClassVar[frozenset[str]] = frozenset()
 

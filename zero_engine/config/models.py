@@ -49,6 +49,7 @@ class Fp16Config(Section):
         "fused_mode": NotSupported(True, "DeepSpeed's unfused fp16 optimizer"),
     }
     ignored_keys = {"opt_level": "it is an Apex AMP setting that DeepSpeed's fp16 section never read"}
+    no_effect = {"auto_cast": "floating-point inputs are always cast to the compute dtype before forward"}
 
 
 class Bf16Config(Section):
@@ -67,6 +68,11 @@ class Bf16Config(Section):
         "bf16_master_weights_and_grads": NotSupported(False, "bf16 master weights"),
         "bf16_optimizer_states": NotSupported(False, "bf16 optimizer states"),
     }
+    no_effect = {
+        "immediate_grad_update": "gradients are applied to the fp32 masters at step()",
+        "check_grad_overflow": "a step with inf/nan gradients is always skipped on every rank "
+                               "(zero_engine.max_consecutive_skipped_steps)",
+    }
 
 
 class ActivationCheckpointingConfig(Section):
@@ -79,6 +85,11 @@ class ActivationCheckpointingConfig(Section):
     number_checkpoints: ConfigInt | None = Field(None, description="Not acted on.")
     synchronize_checkpoint_boundary: ConfigBool = Field(False, description="Not acted on.")
     profile: ConfigBool = Field(False, description="Not acted on.")
+
+    no_effect = {name: "DeepSpeed's activation-checkpointing API is not implemented; use torch.utils.checkpoint "
+                       "(use_reentrant=False) in the model" for name in (
+                           "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                           "number_checkpoints", "synchronize_checkpoint_boundary", "profile")}
 
 
 class MemoryTimelineConfig(Section):
@@ -118,6 +129,10 @@ _BATCH_DOC = "Resolved by the batch rule train_batch_size = micro x gas x world 
 _TRAIN_AUTO = Auto("train_micro_batch_size_per_gpu x gradient_accumulation_steps x world")
 _MICRO_AUTO = Auto("derived from the others, else 8 (HF's default)")
 _GAS_AUTO = Auto("derived from the others, else 1 (HF's default)")
+
+
+_AVERAGED = ("gradients are averaged by the reduce-scatter in fp32 (or communication_data_type); when the division "
+             "by the world size happens matters only for the range of DeepSpeed's fp16 all-reduce")
 
 
 class EngineConfig(Section):
@@ -171,6 +186,16 @@ class EngineConfig(Section):
     ignored_keys = HARMLESS_SECTIONS
     deprecated_keys = {}
     derived_fields = frozenset({"world_size"})
+    no_effect = {
+        "wall_clock_breakdown": "the step time is always measured (engine.last_step_time) and logged every "
+                                "steps_per_print steps; there is no finer breakdown",
+        "prescale_gradients": _AVERAGED,
+        "gradient_predivide_factor": _AVERAGED,
+        "zero_allow_untested_optimizer": "any torch.optim.Optimizer is accepted",
+        "zero_force_ds_cpu_optimizer": "a client optimizer is used as given; Adam built from the config runs "
+                                       "zero_engine's CPUAdam on CPU unless optimizer.params.torch_adam is true",
+        "activation_checkpointing": ActivationCheckpointingConfig.no_effect["profile"],
+    }
 
     @field_validator("communication_data_type", mode="before")
     @classmethod
