@@ -363,3 +363,60 @@ def test_modifier_rank_keeps_the_fp32_master_bits_of_what_was_not_edited():
         assert changed in ([], ["blocks.0.mlp.fc.bias"]), changed
         assert edited_right, local
     assert results[0][0] == ["blocks.0.mlp.fc.bias"]  # rank 0 owns elements 0..4 of the bias
+
+
+# ---- a branch taken on one rank only ------------------------------------------------------------------------------
+class _GatedHead(nn.Module):
+    """One module, two parameters; ``extra`` is used only where ``use_extra``. The module runs in forward and
+    backward on every rank (at stage 3 its gathers are collectives every rank issues), but on the other ranks
+    ``extra`` gets no gradient at all (None, not zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 1) * 0.3)
+        self.extra = nn.Parameter(torch.randn(16, 1) * 0.3)
+
+    def forward(self, h, use_extra: bool):
+        out = h @ self.weight
+        return out + h @ self.extra if use_extra else out
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = _GatedHead()
+
+    def forward(self, x, use_extra: bool):
+        return self.head(torch.tanh(self.body(x)), use_extra).pow(2).mean()
+
+
+def _one_rank_branch_body(stage):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20, "stage3_param_persistence_threshold": 0}})
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(world, 4, 8, generator=g)
+        loss = engine(x[rank], use_extra=rank == 0)
+        engine.backward(loss)
+        engine.step()
+        ref_opt.zero_grad()
+        # The engine averages gradients over ranks: the reference is the mean of every rank's loss.
+        torch.stack([reference(x[r], use_extra=r == 0) for r in range(world)]).mean().backward()
+        ref_opt.step()
+    ours, ref = full_params(engine), dict(reference.named_parameters())
+    return {n: (ours[n] - ref[n].detach()).abs().max().item() for n in ours}
+
+
+# Stage 3 is left out: the case hangs there today (see /work/notes/issue-15.md, open item).
+@pytest.mark.parametrize("stage,world", [(0, 2), (1, 2), (2, 3)])
+def test_a_parameter_with_a_gradient_on_one_rank_only_trains_as_the_mean(stage, world):
+    # The same sums in another order than the reference: fp32 rounding, 1e-6 absolute on values of order 0.1.
+    for diffs in run_ranks(_one_rank_branch_body, world, stage, timeout=TIMEOUT):
+        assert max(diffs.values()) < 1e-6, diffs

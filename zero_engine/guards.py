@@ -113,14 +113,14 @@ class NonFiniteSteps:
         self._loss_finite = None
 
     def after_step(self, skipped: bool, step: int) -> None:
-        loss_finite = bool(self._loss_finite) if self._loss_finite is not None else True
-        self._loss_finite = None
+        window_loss_finite, self._loss_finite = self._loss_finite, None
         if not skipped:
             self.consecutive = 0
             return
         self.consecutive += 1
         if self.loss_scaled:
             return
+        loss_finite = True if window_loss_finite is None else bool(window_loss_finite)  # read only on this path
         finite_by_rank = self.comm.all_gather_object(loss_finite)
         bad = [r for r, ok in enumerate(finite_by_rank) if not ok]
         cause = (f"non-finite loss on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}" if bad else

@@ -187,8 +187,14 @@ class GradReducer:
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int) -> None:
-    """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time.
+
+    Every parameter takes part, in the fixed order of ``params``: one that got no gradient on this rank (a branch
+    not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     start = 0
     while start < len(grads):
         end, size = start, 0
