@@ -115,7 +115,7 @@ def load_gpt_module():
     return module
 
 
-def zero_engine_config(size: BenchSize, system: System, world: int) -> dict:
+def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str = "fp32") -> dict:
     """A DeepSpeed-style config dict for zero_engine; the same knobs DeepSpeed gets (see deepspeed_config)."""
     k = size.knobs
     zero = {"stage": system.stage, "overlap_comm": True, "reduce_bucket_size": k.reduce_bucket_size,
@@ -135,10 +135,11 @@ def zero_engine_config(size: BenchSize, system: System, world: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,  # no progress logging inside timed steps
+        "bf16": {"enabled": dtype == "bf16"},
     }
 
 
-def deepspeed_config(size: BenchSize, world: int) -> dict:
+def deepspeed_config(size: BenchSize, world: int, dtype: str = "fp32") -> dict:
     """DeepSpeed ZeRO-3 in fp32 with the same knobs; the optimizer is passed in (torch AdamW), hence the flag."""
     k = size.knobs
     return {
@@ -148,6 +149,7 @@ def deepspeed_config(size: BenchSize, world: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
+        "bf16": {"enabled": dtype == "bf16"},
         "zero_optimization": {
             "stage": 3,
             "overlap_comm": True,

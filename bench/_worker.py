@@ -53,9 +53,12 @@ def _adamw(params):
 class TorchRunner:
     """Reference (one process), DDP, or FSDP2: a plain torch training step."""
 
-    def __init__(self, model, system: str, world: int):
+    def __init__(self, model, system: str, world: int, dtype: str = "fp32"):
         self.system = system
         self.model = model
+        # bf16 for torch: FSDP2 casts parameters (MixedPrecisionPolicy, fp32 reduce), DDP runs under autocast; the
+        # reference stays fp32 (what every system is checked against).
+        self.autocast = dtype == "bf16" and system == "ddp"
         if system == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -64,10 +67,14 @@ class TorchRunner:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
             mesh = init_device_mesh("cpu", (world,))
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
+                else MixedPrecisionPolicy()
             for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
             self.wrapped = model
         else:
             self.wrapped = model
@@ -75,7 +82,8 @@ class TorchRunner:
 
     def step(self, x, y) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)  # here, not after step: the grads stay for the state count
-        loss = self.wrapped(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.wrapped(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), GRADIENT_CLIPPING, foreach=True)
         self.optimizer.step()
@@ -111,11 +119,12 @@ class ZeroEngineRunner:
         stats = self.engine.memory_stats()
         if self.engine.stage < 3:
             # Stages 1 and 2 keep every parameter whole (params_gathered, persistent) and update a separate fp32
-            # shard of it (params_sharded; the master IS that shard in fp32): both are model state.
+            # shard of it (params_sharded; the master IS that shard in fp32): both are model state. Gradient shards
+            # live only within an accumulation window: counted at their peak (grads_peak).
             return {"params": stats["params_gathered"], "master_params": stats["params_sharded"],
-                    "grads": stats["grads"], "optimizer_states": stats["optimizer_states"]}
+                    "grads": stats["grads_peak"], "optimizer_states": stats["optimizer_states"]}
         return {"params": stats["params_sharded"], "master_params": stats["master_params"],
-                "grads": stats["grads"], "optimizer_states": stats["optimizer_states"]}
+                "grads": stats["grads_peak"], "optimizer_states": stats["optimizer_states"]}
 
     def reset_peaks(self) -> None:
         self.engine.reset_memory_peaks()
@@ -160,14 +169,14 @@ class DeepSpeedRunner:
         return {"deepspeed_version": self.version}
 
 
-def build_runner(system: str, model, size, world: int):
+def build_runner(system: str, model, size, world: int, dtype: str = "fp32"):
     spec = SYSTEMS.get(system)
     if system == "reference" or (spec and spec.family == "torch"):
-        return TorchRunner(model, system, world)
+        return TorchRunner(model, system, world, "fp32" if system == "reference" else dtype)
     if spec.family == "ours":
-        return ZeroEngineRunner(model, zero_engine_config(size, spec, world))
+        return ZeroEngineRunner(model, zero_engine_config(size, spec, world, dtype))
     if spec.family == "deepspeed":
-        return DeepSpeedRunner(model, deepspeed_config(size, world))
+        return DeepSpeedRunner(model, deepspeed_config(size, world, dtype))
     raise ValueError(f"--system {system!r}: unknown; use reference or one of {', '.join(SYSTEMS)}")
 
 
@@ -210,7 +219,7 @@ def parse_args(argv=None):
     parser.add_argument("--profile-comm", action="store_true", help="one last step under the profiler")
     parser.add_argument("--total-steps", type=int, default=None,
                         help="reference only: how many steps to train (the longest any configuration runs)")
-    parser.add_argument("--dtype", default="fp32", choices=("fp32",), help="compute dtype (fp32 only for now)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="compute dtype (see compare.py)")
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
     return parser.parse_args(argv)
 
@@ -247,7 +256,7 @@ def main(argv=None) -> None:
     batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
                for x, y in gpt.make_batches(cfg, plan.total, size.global_batch, seed=DATA_SEED)]
 
-    runner = build_runner(args.system, model, size, world)
+    runner = build_runner(args.system, model, size, world, args.dtype)
     del model
     result: dict = {"rss_after_setup": rss_bytes(), "setup_peak_rss": rss_peak_bytes()}
     sampler = RssSampler().start() if plan.memory else None
@@ -271,6 +280,7 @@ def main(argv=None) -> None:
             loss = runner.step(x, y)
             if step in plan.timed:
                 times.append(time.perf_counter() - start)
+        loss = loss.float()
         if world > 1:
             dist.all_reduce(loss)
         losses.append(loss.item() / world)

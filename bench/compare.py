@@ -51,6 +51,10 @@ END = "<!-- END compare.py output -->"
 # for Adam's amplification of tiny gradients over a few steps, while a real error (a rank training on its slice
 # only, a missing average, a stale parameter) moves the loss by 1e-3 or more within a few steps.
 LOSS_RTOL = 1e-4
+# bf16: every system computes in bf16 (8-bit mantissa, ~4e-3 relative rounding per op) while the reference trains in
+# fp32, so the losses of a few steps differ by ~1e-3; 3e-2 still catches a rank training on its own slice or a missing
+# average (which move the loss by far more within a few steps at lr 1e-3).
+LOSS_RTOL_BY_DTYPE = {"fp32": LOSS_RTOL, "bf16": 3e-2}
 
 
 def parse_args(argv=None):
@@ -65,20 +69,29 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=1,
                         help="time passes per configuration, round-robin over the systems; the median is taken "
                              "over the timed steps of all rounds (more rounds: less noise from other jobs)")
-    parser.add_argument("--dtype", default="fp32", choices=("fp32",), help="compute dtype (fp32 only for now)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="compute dtype: bf16 = ours and DeepSpeed with bf16.enabled (fp32 masters), FSDP2 with a "
+                             "bf16 MixedPrecisionPolicy (fp32 reduce), DDP under torch.autocast(bf16); the reference "
+                             "stays fp32")
     parser.add_argument("--deepspeed-python", default=os.environ.get("BENCH_DEEPSPEED_PYTHON", sys.executable),
                         help="a Python where `import deepspeed` works (default: $BENCH_DEEPSPEED_PYTHON, else this "
                              "one); DeepSpeed is skipped with a note when it cannot be imported there")
-    parser.add_argument("--loss-rtol", type=float, default=LOSS_RTOL)
+    parser.add_argument("--loss-rtol", type=float, default=None,
+                        help=f"relative loss tolerance vs the fp32 reference (default {LOSS_RTOL_BY_DTYPE})")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per launch before it is killed")
     parser.add_argument("--json", default="bench/results/compare.json", help="aggregated results ('' to skip)")
     parser.add_argument("--raw-dir", default=None, help="keep each rank's JSON and each launch's log here")
     parser.add_argument("--doc", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
     parser.add_argument("--chart", default="docs/img/compare.png", help="PNG chart ('' to skip)")
+    parser.add_argument("--before", metavar="JSON", default=None,
+                        help="an earlier run's aggregated JSON: its goals, scored the same way, as a 'before' column")
     parser.add_argument("--render", metavar="JSON", default=None,
                         help="run nothing: redraw the markdown section and chart from an aggregated JSON of an "
                              "earlier run (its command, date and numbers are kept)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.loss_rtol is None:
+        args.loss_rtol = LOSS_RTOL_BY_DTYPE[args.dtype]
+    return args
 
 
 # ---- launching ---------------------------------------------------------------------------------------------------
@@ -334,6 +347,12 @@ def write_outputs(args, report: dict) -> str:
         else:
             report["chart_note"] = ("(No chart: matplotlib is not installed; `pip install matplotlib` or "
                                     "`pip install -e '.[plot]'` and run again.)")
+    if args.before:
+        earlier = json.loads(Path(args.before).read_text())
+        report["goals_before"] = {
+            "source": args.before, "date": earlier["meta"]["date"], "git": earlier["meta"]["git"],
+            "command": earlier["meta"]["command"],
+            "goals": _report.goals([], earlier["ratios"], earlier["derived"])}
     section = _report.markdown(report)
     if args.json:
         path = REPO_ROOT / args.json

@@ -51,6 +51,7 @@ def worker(precision: str, out: str) -> None:
             break
     stats = engine.memory_stats()
     rows = [None] * world
+    stats["grads"] = stats["grads_peak"]  # gradient shards exist within a window only: their peak is the state
     dist.all_gather_object(rows, {k: stats[k] for k in ("params_sharded", "master_params", "grads",
                                                            "optimizer_states")})
     if dist.get_rank() == 0:

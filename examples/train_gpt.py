@@ -74,7 +74,7 @@ def main() -> None:
         config.setdefault("zero_engine", {})["memory_timeline"] = {"enabled": True, "path": args.timeline}
     engine, optimizer, _, _ = zero_engine.initialize(model=model, config=config)
     micro = engine.config.train_micro_batch_size_per_gpu
-    gas = engine.gradient_accumulation_steps
+    gas = engine.gradient_accumulation_steps()
     batches = make_batches(cfg, args.steps, micro * gas * world, seed=1)
 
     losses, times = [], []

@@ -266,8 +266,9 @@ def test_estimate_matches_memory_stats_of_a_real_run(world):
             est = estimate_rank_memory(counts, world, stage, PRECISIONS["fp32"],
                                        GatherPolicy.from_zero_config(zero_config))
             where = f"rank {rank}/{world}, stage {stage}{' sequential' if seq else ''}"
-            for key in MODEL_STATE_KEYS:
-                assert abs(getattr(est, key) - measured[key]) <= 0.02 * measured[key], (where, key, measured, est)
+            for key in MODEL_STATE_KEYS:  # gradient shards live within a window: compared at their peak
+                got = measured["grads_peak" if key == "grads" else key]
+                assert abs(getattr(est, key) - got) <= 0.02 * got, (where, key, measured, est)
             real_peak = zero_engine.engine.ZeroEngine.model_state_bytes(measured) + measured["params_gathered_peak"]
             assert abs(est.model_states_and_gathered - real_peak) <= 0.10 * real_peak, (where, real_peak, est)
             assert est.params_gathered_min <= measured["params_gathered_peak"] <= est.params_gathered_peak, (

@@ -351,3 +351,29 @@ def test_finetune_example_runs_with_torchrun(tmp_path):
     assert os.path.isdir(os.path.join(out, "checkpoints"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert reloaded.config.model_type == "llama"
+
+
+# ---- refusals, without ranks ---------------------------------------------------------------------------------------
+def test_refusals_name_the_argument_and_the_fix(tmp_path):
+    import zero_engine.hf as zhf
+
+    with pytest.raises(ValueError, match="stage is 0"):
+        zhf.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path), config={"train_batch_size": 2})
+    with pytest.raises(NotImplementedError, match="device_map"):
+        zhf.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path), device_map="auto")
+    with pytest.raises(ValueError, match="not a local directory"):
+        zhf.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        zhf.from_pretrained(transformers.AutoModelForCausalLM, str(tmp_path))
+
+
+def test_shard_plan_and_sizes():
+    from zero_engine.hf._writer import parse_size, plan_shards
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("10KiB") == 10240 and parse_size(7) == 7
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size("lots")
+    plan = plan_shards([("a", torch.float32, (10,)), ("b", torch.float32, (30,)), ("c", torch.float16, (4,))], 100)
+    assert [[e.name for e in f] for f in plan.files] == [["a"], ["b"], ["c"]]  # b alone is over the limit
+    assert plan.filenames()[0] == "model-00001-of-00003.safetensors"
+    assert plan.index()["metadata"]["total_size"] == 40 + 120 + 8

@@ -296,8 +296,11 @@ def test_sequential_gather_lowers_gathered_peak_and_states_are_one_over_world():
         assert s["params_gathered_peak"] < c["params_gathered_peak"]
         assert s["comm_buffers_peak"] < c["comm_buffers_peak"]
         for stats in (c, s):
-            states = stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
-            assert states == expected  # 16 bytes per padded element / world: exact
+            # gradient shards exist within an accumulation window only: the model states' peak is 16 bytes per
+            # padded element / world, exactly; after the step the window's gradient shards are gone
+            states = stats["params_sharded"] + stats["master_params"] + stats["grads_peak"] + stats["optimizer_states"]
+            assert states == expected
+            assert stats["grads"] == 0 and stats["grads_peak"] == expected // 4
             assert states <= unsharded / world * 1.02
 
 
@@ -443,3 +446,91 @@ def test_dict_tuple_dataclass_outputs_nested_containers_and_config_scheduler():
     for loss_err, param_err, lrs in run_ranks(_structured_body, 2, timeout=TIMEOUT):
         assert loss_err < 1e-5 and param_err < 1e-6, (loss_err, param_err)
         assert all(ours == ref for ours, ref in lrs) and lrs[-1][0] > 0, lrs  # DeepSpeed: step 1 stays at min
+
+
+# ---- storage: flat shard buckets, gradient shard lifetime, shared parameters --------------------------------------
+def _storage_body():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, gas=2, stage3_max_live_parameters=10**6))
+    views_ok = all(sp.shard.untyped_storage().data_ptr() == sp.bucket.flat.untyped_storage().data_ptr()
+                   for sp in engine.sharded)
+    tied = next(sp for sp in engine.sharded if sp.fqn == "wte.weight")
+    gathers = []
+    issue = engine.coordinator.gatherer.issue
+
+    def counting_issue(params, *args, **kwargs):
+        gathers.extend(p.fqn for p in params)
+        return issue(params, *args, **kwargs)
+
+    engine.coordinator.gatherer.issue = counting_issue
+    grads_seen = []
+    for i, (x, y) in enumerate(make_batches(model.cfg, 4, 2)):
+        gathers.clear()
+        loss = engine(x, y)
+        engine.backward(loss)
+        grads_seen.append(engine.memory_stats()["grads"])  # inside the window: the shards exist
+        engine.step()
+        grads_seen.append(engine.memory_stats()["grads"])  # after a boundary step: freed
+    return views_ok, gathers.count(tied.fqn), grads_seen, engine.memory_stats()["grads_peak"]
+
+
+def test_flat_shard_views_no_resting_grads_and_tied_weight_gathered_once():
+    for views_ok, tied_gathers, grads_seen, peak in run_ranks(_storage_body, 2, timeout=TIMEOUT):
+        assert views_ok
+        assert tied_gathers == 1  # kept from the embedding to the LM head, into backward and back to the embedding
+        during, after = grads_seen[0::2], grads_seen[1::2]
+        assert all(g > 0 for g in during) and peak >= max(during)
+        assert after == [during[0], 0, during[2], 0]  # gas=2: freed only at the accumulation boundary
+
+
+def _grad_layout_body(world_unused=None):
+    """Large (own slot, own reduce-scatter) and small (shared region) parameters reduce to the right shards."""
+    from zero_engine.zero.grads import GradReducer
+    from zero_engine.zero.partition import DIRECT_GATHER_NUMEL, ShardedParam
+    from zero_engine.comm import Communicator
+
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    sizes = [DIRECT_GATHER_NUMEL + 3, 5, 7, DIRECT_GATHER_NUMEL * 2 + 1, 1]
+    params = [ShardedParam(nn.Parameter(torch.zeros(n)), f"p{i}", i, rank, world) for i, n in enumerate(sizes)]
+    reducer = GradReducer(params, comm, bucket_numel=10**9, reduce_dtype=torch.float32)
+    grads = [torch.arange(n, dtype=torch.float32) * (rank + 1) for n in sizes]
+    for sp, g in zip(params, grads):
+        if sp.fqn != "p2":  # p2 gets no gradient on any rank: zeros
+            reducer.add(sp, g)
+    reducer.finish()
+    mean = (world + 1) / 2
+    ok = []
+    for sp, g in zip(params, grads):
+        expected = torch.zeros(sp.padded_numel)
+        if sp.fqn != "p2":
+            expected[: sp.numel] = g / (rank + 1) * mean
+        lo = rank * sp.shard_numel
+        ok.append(torch.allclose(reducer.shard_grad(sp), expected[lo: lo + sp.shard_numel]))
+    freed = reducer.grad_bytes > 0
+    reducer.zero_grad()
+    return ok, freed and reducer.grad_bytes == 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_buffer_layout_large_and_small(world):
+    for ok, freed in run_ranks(_grad_layout_body, world, timeout=TIMEOUT):
+        assert all(ok), ok
+        assert freed
+
+
+def test_released_parameter_raises_and_gathered_one_has_no_python_hook():
+    from zero_engine.zero.partition import GatheredZeroParameter, ShardedParam, ZeroParameter
+
+    p = nn.Parameter(torch.arange(6, dtype=torch.float32))
+    sp = ShardedParam(p, "blocks.0.w", 0, rank=0, world_size=1)
+    assert type(p) is GatheredZeroParameter and isinstance(p, ZeroParameter) and float(p.detach().sum()) == 15.0
+    sp.release()
+    assert type(p) is ZeroParameter and p.numel() == 0
+    with pytest.raises(RuntimeError, match="blocks.0.w is partitioned"):
+        p.sum()
+    sp.to_inflight()
+    sp.alloc_full().copy_(sp.shard)  # world 1: the shard is the whole parameter
+    sp.to_available()
+    assert type(p) is GatheredZeroParameter and float(p.detach().sum()) == 15.0

@@ -2,23 +2,26 @@
 
     engine, optimizer, dataloader, lr_scheduler = zero_engine.initialize(model=model, config="ds_config.json")
     loss = engine(batch); engine.backward(loss); engine.step()
+
+A DeepSpeed script runs with one changed import, ``import zero_engine as deepspeed`` (see docs/deepspeed_compat.md).
 """
 
-from . import zero
+from . import comm, zero
 from .comm import init_distributed
 from .errors import ConfigError, DistributedError, RankDivergenceError, RankLostError
-from .initialize import initialize
+from .initialize import add_config_arguments, initialize
 from .memory import estimate_zero3_model_states_mem_needs_all_live
 
-__all__ = ["initialize", "init_distributed", "zero", "config", "checkpoint", "ConfigError", "DistributedError",
-           "RankDivergenceError", "RankLostError", "estimate_zero3_model_states_mem_needs_all_live"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "utils", "config", "checkpoint",
+           "ConfigError", "DistributedError", "RankDivergenceError", "RankLostError",
+           "estimate_zero3_model_states_mem_needs_all_live"]
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # `zero_engine.config` and `zero_engine.checkpoint` are subpackages imported on first use.
-    if name in ("config", "checkpoint"):
+    # `zero_engine.config`, `.checkpoint` and `.utils` are subpackages imported on first use.
+    if name in ("config", "checkpoint", "utils"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -25,18 +25,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
 from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward
+from .deepspeed_api import DeepSpeedEngineAPI
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
+from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
-from .zero.gather import CoalescedGather, make_gatherer
+from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
-from .zero.partition import ShardedParam, sharded_param_of
+from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
 
@@ -51,7 +54,9 @@ def _own_parameters(module: nn.Module):
             yield from _own_parameters(child)
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedEngineAPI):
+    """The training engine ``initialize()`` returns; DeepSpeed's accessors come from DeepSpeedEngineAPI."""
+
     def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, training_data=None,
                  lr_scheduler=None, collate_fn=None):
         if not isinstance(model, nn.Module):
@@ -80,10 +85,14 @@ class ZeroEngine:
         self.nonfinite = NonFiniteSteps(self.comm, self.config.zero_engine.max_consecutive_skipped_steps,
                                         loss_scaled=self.loss_scaler is not None)
         self.skipped_steps = 0
-        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
         self._stepped_at_micro_step = 0  # the boundary the last step() consumed: each is consumed once
+        self._awaiting_step = False  # a backward() has run since the last step() (see deepspeed_api.py)
+        self._backwards_since_update = 0  # gradients accumulated since the last applied step
+        self._step_applied = False
+        self._boundary_override: bool | None = None
+        self._inside_no_sync = False
         self.global_samples = 0
         self._backward_ends = 0
         self._last_loss: torch.Tensor | None = None
@@ -109,6 +118,9 @@ class ZeroEngine:
                                            optimizer, self.config.optimizer, groups, zc.sub_group_size)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
+        from .utils import register_engine
+
+        register_engine(self)  # zero_engine.utils.safe_get_* find the engine from a parameter
         if self.comm.rank == 0:
             log.info("zero_engine: stage %d, world %d, %d parameters (%d elements), gather %s",
                      self.stage, self.comm.world_size, sum(1 for _ in model.parameters()),
@@ -123,6 +135,9 @@ class ZeroEngine:
             if buffer.is_floating_point():
                 buffer.data = buffer.data.to(self.compute_dtype)
         by_param = {id(sp.param): sp for sp in self.sharded}
+        # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
+        bucket = zc.prefetch_bucket_size if self.stage == 3 else zc.allgather_bucket_size
+        self.shard_buckets = flatten_shards(self.sharded, max(1, int(bucket) // self.comm.world_size))
         trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
         comm_dtype = self.config.communication_data_type
         self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
@@ -159,10 +174,23 @@ class ZeroEngine:
                 module_params[module] = own
                 module_names[module] = name or "<root>"
         gatherer = make_gatherer(self.comm, zc, self.accounting)
+        if zc.allgather_sequential is True:
+            for sp in self.sharded:
+                sp.gather_sequential = True
+        elif zc.allgather_sequential == "auto":
+            self._choose_gather_per_bucket()
         self.refresh_gatherer = gatherer
         self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
                                             on_event=self._record_timeline if self.timeline else None)
         self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
+
+    def _choose_gather_per_bucket(self) -> None:
+        """See [Note: auto gather strategy] in zero/gather.py."""
+        budget = memory_budget(self.sharded[0].shard.device, self.config.zero_engine.memory_limit)
+        per_element = self.compute_dtype.itemsize + 8 + (4 if self.compute_dtype != torch.float32 else 0)
+        states_to_come = per_element * sum(sp.shard_numel for sp in self.sharded if sp.param.requires_grad)
+        self.sequential_buckets = choose_sequential_buckets(self.shard_buckets, budget.headroom, states_to_come,
+                                                            self.comm, budget.source)
 
     def _sharded_param(self, param: nn.Parameter, name: str, index: int) -> ShardedParam:
         """A new ShardedParam, or the one zero.Init made when the model was built (adopted, cast, named)."""
@@ -214,25 +242,31 @@ class ZeroEngine:
 
     __call__ = forward
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas=False``, and
+        multiplied by the fp16 loss scale); returns the loss as divided, like DeepSpeed."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         self._last_loss = loss.detach()
         self.nonfinite.note_loss(loss)
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        scaled = loss.float() * (scale / self.gradient_accumulation_steps) if scale != 1.0 or \
-            self.gradient_accumulation_steps > 1 else loss
+        scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
-        with torch.profiler.record_function("zero3::backward"):
+        with profile_range("zero3::backward"):
             try:
-                scaled.backward()
+                scaled.backward(retain_graph=retain_graph)
             except BaseException:
                 discard_failed_backward(self)
                 raise
         if self.stage >= 2 and self._backward_ends == ends:
             self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
-        self.micro_steps += 1
-        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        self._backwards_since_update += 1
+        if not self._inside_no_sync:  # as in DeepSpeed, micro-batches under no_sync() are not counted
+            self.micro_steps += 1
+            self._awaiting_step = True
+            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        return loss / gas if gas > 1 else loss
 
     def _on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:
         self._backward_end.queue_if_needed()
@@ -241,19 +275,24 @@ class ZeroEngine:
             param.grad = None  # the full gradient is freed as soon as it is in its bucket
 
     def _on_backward_end(self) -> None:
-        with torch.profiler.record_function("zero3::backward_end"):
+        with profile_range("zero3::backward_end"):
             if self.stage >= 2:
                 self.reducer.finish()
             if self.coordinator is not None:
                 self.coordinator.end_step()
         self._backward_ends += 1
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps > 0 and self.micro_steps % self.gradient_accumulation_steps == 0
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does).
 
-    def step(self) -> None:
-        """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does)."""
-        if not self.is_gradient_accumulation_boundary():
+        ``lr_kwargs`` are passed to the LR scheduler's ``step()``."""
+        if self._inside_no_sync:
+            raise RuntimeError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
+                               "run the last micro-batch's backward, then call step()")
+        at_boundary = self.is_gradient_accumulation_boundary()
+        self._awaiting_step = False
+        self._step_applied = False
+        if not at_boundary:
             return
         if self.micro_steps == self._stepped_at_micro_step:
             log.warning("rank %d: step() called again at step %d without a backward since the last update: the "
@@ -271,6 +310,7 @@ class ZeroEngine:
         result = self.optimizer.step(
             loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0, skip_if_nonfinite=True)
         self.optimizer.zero_grad()
+        self._backwards_since_update = 0
         if self.loss_scaler is not None:
             self.loss_scaler.update(result.overflow)
         if result.overflow:
@@ -282,7 +322,8 @@ class ZeroEngine:
                 if stale:
                     self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self._step_applied = True
         self.global_steps += 1
         if self.timeline is not None:
             self._record_timeline("step")
@@ -326,7 +367,7 @@ class ZeroEngine:
             params = [p for p in self.module.parameters()]
             sharded = 0
             gathered = peak = sum(p.numel() * p.element_size() for p in params)
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+            grads = grads_peak = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
         else:
             sharded = sum(sp.shard.numel() * sp.shard.element_size() for sp in self.sharded)
             if self.coordinator is not None:
@@ -334,14 +375,17 @@ class ZeroEngine:
                 peak = self.coordinator.peak_live_numel * esize
             else:
                 gathered = peak = sum(sp.full_bytes for sp in self.sharded)
-            grads = self.reducer.grad_bytes + sum(sp.param.grad.numel() * sp.param.grad.element_size()
-                                                  for sp in self.sharded if sp.param.grad is not None)
+            whole = sum(sp.param.grad.numel() * sp.param.grad.element_size()
+                        for sp in self.sharded if sp.param.grad is not None)  # stage 1 accumulates whole grads
+            grads = self.reducer.grad_bytes + whole
+            grads_peak = max(self.accounting.peak["grads"] + whole, grads)
         return {
             "params_sharded": sharded,
             "params_gathered": gathered,
             "params_gathered_peak": peak,
             "master_params": self.optimizer.master_bytes,
             "grads": grads,
+            "grads_peak": grads_peak,
             "optimizer_states": self.optimizer.state_bytes,
             "comm_buffers_peak": self.accounting.peak["comm_buffers"],
             "rss": rss_bytes(),
@@ -352,10 +396,14 @@ class ZeroEngine:
     def model_state_bytes(stats: dict) -> int:
         """Partitioned model states (shards, masters, gradient shards, optimizer states): what 16Ψ/N predicts.
 
+        Gradient shards exist only inside an accumulation window (see [Note: gradient shard lifetime] in
+        zero/grads.py), so they are counted at their peak (``grads_peak``): this is the model states' peak, the
+        quantity the formula bounds; between windows a rank holds 16Ψ/N minus the gradient shards.
         At stages 1 and 2 every rank also holds the whole parameters; they are ``stats["params_gathered"]``, not
         included here (at stage 3 that figure is the transient gathered working set).
         """
-        return stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
+        return (stats["params_sharded"] + stats["master_params"] + stats.get("grads_peak", stats["grads"])
+                + stats["optimizer_states"])
 
     def reset_memory_peaks(self) -> None:
         if self.coordinator is not None:
@@ -381,24 +429,38 @@ class ZeroEngine:
         self.optimizer.zero_grad()
 
     # ---- checkpoints (zero_engine/checkpoint/ does the work) --------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
         """Collective: every rank calls it. Atomic; see zero_engine.checkpoint."""
         from .checkpoint import save_checkpoint
 
+        _refuse_if(exclude_frozen_parameters, "save_checkpoint(exclude_frozen_parameters=True)",
+                   "frozen parameters are always saved (they are small next to optimizer states)")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False, missing_ok=False):
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, missing_ok=False):
         """Collective. Returns ``(path, client_state)``; works at a different world size than the save.
         A missing ``load_dir`` is an error unless ``missing_ok=True`` (then ``(None, None)``, as DeepSpeed)."""
         from .checkpoint import load_checkpoint
 
+        _refuse_if(not load_module_strict, "load_checkpoint(load_module_strict=False)",
+                   "a checkpoint must match the model's parameters exactly")
+        _refuse_if(custom_load_fn is not None, "load_checkpoint(custom_load_fn=...)",
+                   "the sharded format is read by zero_engine.checkpoint only")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                missing_ok=missing_ok)
 
-    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: gathers layer by layer onto rank 0, which writes a plain state dict in the compute dtype."""
         from .checkpoint import save_16bit_model
 
+        _refuse_if(exclude_frozen_parameters, "save_16bit_model(exclude_frozen_parameters=True)",
+                   "every parameter is written")
         return save_16bit_model(self, save_dir, save_filename=save_filename)
+
+
+def _refuse_if(condition: bool, what: str, why: str) -> None:
+    if condition:
+        raise NotImplementedError(f"{what} is not supported by zero_engine: {why}. See docs/deepspeed_compat.md")

@@ -151,7 +151,9 @@ def discard_failed_backward(engine) -> None:
         p.grad = None
     engine.optimizer.zero_grad()
     engine.nonfinite.reset_window()
-    dropped = engine.micro_steps % engine.gradient_accumulation_steps
+    dropped = engine.micro_steps % engine.gradient_accumulation_steps()
+    engine._backwards_since_update = 0
+    engine._awaiting_step = False
     engine.micro_steps -= dropped
     engine.global_samples -= dropped * engine.config.train_micro_batch_size_per_gpu * engine.comm.world_size
     log.warning("rank %d: backward raised at step %d; the gradients of this accumulation window (%d earlier "

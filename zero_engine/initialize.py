@@ -1,28 +1,100 @@
-"""``zero_engine.initialize``: the one entry point, DeepSpeed's signature."""
+"""``zero_engine.initialize`` and ``add_config_arguments``: the entry points, with DeepSpeed's signatures."""
 
 from __future__ import annotations
 
+import argparse
+import os
+
+import torch.distributed as dist
+import torch.nn as nn
+
 from .engine import ZeroEngine
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "add_config_arguments"]
 
 
-def initialize(model=None, config=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, collate_fn=None, config_params=None, args=None):
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):
     """Wrap ``model`` for training with partitioned model states.
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)``: the optimizer is the partitioned one (its
     ``param_groups`` are the user-visible hyper-parameters), the dataloader is None unless ``training_data`` was
     given (then it is a DataLoader with a DistributedSampler and the micro-batch size), the scheduler is the one
     passed in (an instance, or a callable taking the optimizer) or the one the config's ``scheduler`` block builds.
-    ``config_params`` is DeepSpeed's older name for ``config``; ``args`` is accepted for signature compatibility.
+
+    DeepSpeed's arguments, as DeepSpeed reads them:
+
+    * ``config``: a dict, a path to ds_config.json, or JSON text; ``config_params`` is its older name, and
+      ``args.deepspeed_config`` (from ``add_config_arguments``) is used when neither is given. Giving both the
+      argument and ``args.deepspeed_config`` is an error, as in DeepSpeed.
+    * ``args``: an argparse namespace; only ``deepspeed_config`` (and the deprecated ``deepscale_config``) are read.
+    * ``dist_init_required``: None starts torch.distributed if needed; False requires it started already; True
+      starts it unless it is.
+    * ``distributed_port``: the rendezvous port when torch.distributed is started here and ``MASTER_ADDR`` is set
+      without ``MASTER_PORT``.
+    * ``mpu`` and ``mesh_param`` (model / sequence parallelism) are refused: zero_engine is data-parallel only.
+
+    The first positional argument is ``args`` as in DeepSpeed; an ``nn.Module`` given there is taken as ``model``.
     """
+    if isinstance(args, nn.Module) and model is None:
+        args, model = None, args
     if model is None:
         raise ValueError("initialize: model is required")
-    if config is None:
-        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
-    if config is None:
-        raise ValueError("initialize: config is required (a dict, a path to ds_config.json, or JSON text)")
+    if mpu is not None:
+        raise NotImplementedError("initialize(mpu=...): model parallelism is not supported by zero_engine (data "
+                                  "parallel ZeRO only); pass mpu=None")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=...): sequence/data-parallel meshes are not supported by "
+                                  "zero_engine; pass mesh_param=None")
+    config = _config_from(args, config, config_params)
+    _init_distributed_if_needed(dist_init_required, distributed_port)
     engine = ZeroEngine(model, config, optimizer=optimizer, model_parameters=model_parameters,
                         training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _config_from(args, config, config_params):
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    deprecated = getattr(args, "deepscale_config", None)
+    if deprecated is not None:
+        if from_args is not None:
+            raise ValueError("initialize: args has both deepscale_config and deepspeed_config; keep "
+                             "--deepspeed_config (deepscale_config is its deprecated name)")
+        from_args = deprecated
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("initialize: a config was given both as args.deepspeed_config "
+                             f"({from_args!r}) and as the config/config_params argument; give one")
+        config = from_args
+    if config is None:
+        raise ValueError("initialize: config is required (config= a dict, a path to ds_config.json, or JSON "
+                         "text; or --deepspeed_config through add_config_arguments and args=)")
+    return config
+
+
+def _init_distributed_if_needed(dist_init_required, distributed_port) -> None:
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError("initialize(dist_init_required=False): torch.distributed is not initialized; call "
+                           "zero_engine.init_distributed() (or torch.distributed.init_process_group) first, or "
+                           "leave dist_init_required as None")
+    if distributed_port is not None and os.environ.get("MASTER_ADDR") and not os.environ.get("MASTER_PORT"):
+        os.environ["MASTER_PORT"] = str(distributed_port)
+    # Otherwise the engine starts it with the config's zero_engine.collective_timeout_s.
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line flags to ``parser`` and return it: ``--deepspeed`` (a flag for the script's own
+    use), ``--deepspeed_config PATH`` (read by ``initialize(args=...)``), and their deprecated ``--deepscale*``
+    names."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (zero_engine reads the same flags)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed (a flag for user code; the engine does not read it)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated name of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated name of --deepspeed_config")
+    return parser

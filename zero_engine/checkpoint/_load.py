@@ -235,11 +235,7 @@ def _load_gradients(engine, views: list[ParamView], reader: CheckpointReader, me
             raise AssertionError(f"sharded gradients in a stage-{meta.stage} checkpoint loaded at stage {engine.stage}")
         by_name = {v.info.name: v for v in views}
         for bucket in engine.reducer.buckets:
-            if bucket.shard_grads is None:
-                bucket.shard_grads = torch.zeros(bucket.per_rank, dtype=engine.reducer.grad_dtype,
-                                                 device=bucket.params[0].shard.device)
-            else:
-                bucket.shard_grads.zero_()
+            engine.reducer.alloc_shard_grads(bucket).zero_()
             for sp in bucket.params:
                 if reader.has("grad", sp.fqn):
                     v = by_name[sp.fqn]

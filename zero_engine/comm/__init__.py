@@ -5,10 +5,16 @@
     comm = Communicator(debug=False)
     comm.all_gather_into_tensor(full, shard, async_op=True, name="blocks.0").wait()
     comm.stats()                            # {"all_gather": {"calls": 1, "bytes": ...}, ...}
+
+It also has ``deepspeed.comm``'s functions (``get_rank``, ``get_world_size``, ``get_local_rank``, ``barrier``,
+``all_reduce``, ...: torch.distributed's, see _deepspeed.py), so ``import zero_engine as deepspeed`` finds them
+under ``deepspeed.comm``.
 """
 
+from zero_engine.comm import _deepspeed
 from zero_engine.comm._communicator import Communicator, Pending
 from zero_engine.comm._consistency import CollectiveMismatchError
+from zero_engine.comm._deepspeed import *  # noqa: F401,F403  deepspeed.comm's functions (get_rank, barrier, ...)
 from zero_engine.comm._init import init_distributed
 
-__all__ = ["init_distributed", "Communicator", "Pending", "CollectiveMismatchError"]
+__all__ = ["init_distributed", "Communicator", "Pending", "CollectiveMismatchError"] + _deepspeed.__all__

@@ -21,8 +21,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
+from zero_engine._profiling import profile_range as record_function  # no-op without a profiler
 from zero_engine.comm._backend import CollectiveIssuer, reduce_op
 from zero_engine.comm._consistency import (
     CollectiveDescriptor,

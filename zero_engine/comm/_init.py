@@ -31,8 +31,19 @@ def _free_local_port() -> int:
 
 
 def init_distributed(backend: Optional[str] = None, init_method: Optional[str] = None, rank: Optional[int] = None,
-                     world_size: Optional[int] = None, timeout_s: float = 300.0) -> None:
+                     world_size: Optional[int] = None, timeout_s: float = 300.0, *,
+                     dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: Optional[int] = None, verbose: bool = True,
+                     timeout: Optional[datetime.timedelta] = None, dist_init_required: Optional[bool] = None,
+                     config=None) -> None:
     """Initialize the default process group once; later calls (or a group someone else made) are a quiet no-op.
+
+    DeepSpeed's keywords are accepted too (``deepspeed.init_distributed(dist_backend="gloo")`` works unchanged):
+    ``dist_backend`` is ``backend``, ``timeout`` (a timedelta) is ``timeout_s``, ``rank``/``world_size`` of -1 mean
+    "from the environment", ``distributed_port`` is the rendezvous port when ``MASTER_ADDR`` is set without
+    ``MASTER_PORT``, ``dist_init_required=False`` makes the call a no-op, ``verbose=False`` logs at debug level.
+    MPI discovery (``auto_mpi_discovery`` with an MPI launcher's environment and no ``RANK``) and ``config`` (a
+    comms-logger config) are refused: launch with torchrun or set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT.
 
     Where each value comes from, first match wins:
 
@@ -47,6 +58,26 @@ def init_distributed(backend: Optional[str] = None, init_method: Optional[str] =
     ``timeout_s`` bounds how long a collective may wait for its peers before the backend gives up (a hung rank then
     becomes an error rather than a silent stall); raise it for very slow first steps (e.g. compilation).
     """
+    if dist_init_required is False:
+        return
+    if dist_backend is not None:
+        if backend is not None and backend != dist_backend:
+            raise ValueError(f"init_distributed: backend={backend!r} and dist_backend={dist_backend!r} disagree; "
+                             "give one")
+        backend = dist_backend
+    if timeout is not None:
+        timeout_s = timeout.total_seconds()
+    rank = None if rank == -1 else rank
+    world_size = None if world_size == -1 else world_size
+    if config is not None:
+        raise NotImplementedError("init_distributed(config=...): DeepSpeed's comms-logger config is not supported "
+                                  "by zero_engine; drop the argument (engine.comm_stats() counts collectives)")
+    if auto_mpi_discovery and rank is None and _env_int("RANK") is None and os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        raise NotImplementedError("init_distributed: MPI discovery (an mpirun launch without RANK/WORLD_SIZE) is "
+                                  "not supported by zero_engine; launch with torchrun, or set RANK, WORLD_SIZE, "
+                                  "LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+    if distributed_port is not None and os.environ.get("MASTER_ADDR") and not os.environ.get("MASTER_PORT"):
+        os.environ["MASTER_PORT"] = str(distributed_port)
     if dist.is_initialized():
         logger.debug("init_distributed: a process group already exists (rank %d of %d); nothing to do",
                      dist.get_rank(), dist.get_world_size())
@@ -93,5 +124,5 @@ def init_distributed(backend: Optional[str] = None, init_method: Optional[str] =
 
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    logger.info("rank %d: initialized torch.distributed (backend %s, world size %d, init %s, timeout %.0fs)",
+    logger.log(logging.INFO if verbose else logging.DEBUG, "rank %d: initialized torch.distributed (backend %s, world size %d, init %s, timeout %.0fs)",
                 rank, backend, world_size, init_method.split("?")[0], timeout_s)

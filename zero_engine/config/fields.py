@@ -141,6 +141,8 @@ class Section(BaseModel):
     # Fields parsed and validated that change nothing in zero_engine, each with why (shown in the docs; said once in
     # the log when a file sets it). A field must act or be listed here: tests/test_config_fields_act.py walks them.
     no_effect: ClassVar[dict[str, str]] = {}
+    # Fields whose "auto" is a value of their own, decided by the engine at run time (not resolved at load).
+    runtime_auto: ClassVar[frozenset[str]] = frozenset()
     # Fields the loader computes; never read from the file.
     derived_fields: ClassVar[frozenset[str]] = frozenset()
 

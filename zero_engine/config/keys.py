@@ -45,7 +45,8 @@ def check_section(raw: Any, model: type[Section], path: str, notes: LoadNotes) -
                 )
             given_as[field] = key
             _check_not_supported(model, field, value, key_path, notes)
-            if isinstance(value, str) and value == AUTO and auto_rule(model, field) is None:
+            if isinstance(value, str) and value == AUTO and auto_rule(model, field) is None and \
+                    field not in model.runtime_auto:
                 raise ConfigError(f'{key_path}: "auto" cannot be resolved for this key; write a value')
             if field in subsections:
                 value = check_section(value, subsections[field], key_path, notes)

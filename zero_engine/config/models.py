@@ -123,6 +123,12 @@ class ZeroEngineSection(Section):
     memory_timeline: MemoryTimelineConfig = Field(
         default_factory=MemoryTimelineConfig, description="Memory timeline recording (see its section)."
     )
+    memory_limit: ConfigInt | None = Field(
+        None, ge=1,
+        description="Bytes of host memory this rank may use; read by zero_optimization.stage3_allgather_sequential: "
+        "\"auto\" to decide which buckets are gathered sequentially. null: the cgroup limit (else physical memory) "
+        "divided by the ranks on this node; on GPU the device's free memory is used instead.",
+    )
 
 
 _BATCH_DOC = "Resolved by the batch rule train_batch_size = micro x gas x world (see docs/config.md)."

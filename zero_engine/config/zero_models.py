@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from zero_engine.config.fields import (
     Auto,
@@ -19,6 +19,7 @@ from zero_engine.config.fields import (
     Section,
     same_json_value,
     show,
+    value_error,
 )
 from zero_engine.config.notes import LoadNotes
 from zero_engine.errors import ConfigError
@@ -90,6 +91,12 @@ def _is_empty(value: Any) -> bool:
 
 def _leaf_module_off(value: Any) -> bool:
     return _is_empty(value) or (isinstance(value, dict) and all(_is_empty(v) for v in value.values()))
+
+
+def _bool_or_auto(value: Any) -> Any:
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise value_error('expected true, false or "auto"')
 
 
 class ZeroConfig(Section):
@@ -166,11 +173,15 @@ class ZeroConfig(Section):
         description="Stage 3: keep a parameter gathered if it is used again within this many elements of "
         "fetching; trades memory for fewer all-gathers.",
     )
-    allgather_sequential: ConfigBool = Field(
+    allgather_sequential: Annotated[bool | Literal["auto"], BeforeValidator(_bool_or_auto)] = Field(
         False,
-        description="Stage 3: one all-gather per parameter straight into its storage instead of one coalesced "
-        "flat buffer per bucket. Transient memory ~one parameter instead of ~two buckets; more, smaller "
-        "collectives.",
+        description="Stage 3 gather strategy. false: coalesced, prefetching up to prefetch_bucket_size elements "
+        "along the recorded module order (large parameters are all-gathered straight into their storage, small ones "
+        "share one collective). true: one parameter at a time, one prefetched ahead: the gathered working set is "
+        "the module running plus one parameter; more, smaller collectives and less overlap. \"auto\": decided per "
+        "shard bucket at initialize from the measured memory headroom (zero_engine.memory_limit, else the cgroup "
+        "or physical memory limit shared by the local ranks; free device memory on GPU): buckets whose coalesced "
+        "prefetch would not fit are gathered sequentially, the rest coalesced; the choice is logged.",
     )
     gather_16bit_weights_on_model_save: ConfigBool = Field(
         False, description="Stage 3: gather full 16-bit weights when saving the model."
@@ -188,6 +199,7 @@ class ZeroConfig(Section):
         "stage3_allgather_sequential": "allgather_sequential",
         "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save",
     }
+    runtime_auto = frozenset({"allgather_sequential"})  # "auto" kept: the engine decides it at initialize
     not_supported = {
         "zero_quantized_weights": NotSupported(False, "ZeRO++ quantized weights"),
         "zero_quantized_nontrainable_weights": NotSupported(False, "ZeRO++ quantized non-trainable weights"),

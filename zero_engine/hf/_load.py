@@ -70,8 +70,9 @@ def from_pretrained(model_class, path, config=None, **hf_kwargs):
     """Build ``model_class`` (a transformers model class or an ``AutoModel*`` class) with its parameters
     partitioned across the ranks, and load the checkpoint in the local directory ``path`` into the shards.
 
-    ``config`` is the DeepSpeed/zero_engine config (dict or path) that ``initialize`` will get; partitioning needs
-    only the world size, so it is accepted as ``zero.Init`` accepts it. Every rank must call this (collective).
+    ``config`` is the DeepSpeed/zero_engine config (dict, path or JSON text) that ``initialize`` will get;
+    partitioning needs only the world size, so only its ZeRO stage is read here: stage 0 (whole parameters on every
+    rank, DeepSpeed's default) is refused before any weight is read. Every rank must call this (collective).
     ``hf_kwargs`` are transformers' from_pretrained arguments: ``dtype`` (or ``torch_dtype``; default ``"auto"``:
     the config's dtype, else the checkpoint's), ``use_safetensors``, ``ignore_mismatched_sizes``,
     ``output_loading_info``, ``key_mapping``, ``attn_implementation``, and config overrides
@@ -94,6 +95,7 @@ def from_pretrained(model_class, path, config=None, **hf_kwargs):
     key_mapping = hf_kwargs.pop("key_mapping", None)
     attn_implementation = hf_kwargs.pop("attn_implementation", None)
 
+    _check_engine_config(config)
     path = os.fspath(path)
     files = find_checkpoint(path, use_safetensors)
     if not dist.is_initialized():
@@ -141,6 +143,19 @@ _SILENT.propagate = False
 
 
 # ---- building ------------------------------------------------------------------------------------------------------
+def _check_engine_config(config) -> None:
+    """Only the ZeRO stage matters here ("auto" values need the model, so the config is not resolved here)."""
+    if config is None:
+        return
+    from ..config.loader import read_config_source
+
+    stage = (read_config_source(config).get("zero_optimization") or {}).get("stage", 0)
+    if stage == 0:
+        raise ValueError("zero_engine.hf.from_pretrained: zero_optimization.stage is 0 in the config: stage 0 keeps "
+                         "every parameter whole on every rank, so there is nothing to partition; load with "
+                         "transformers' own from_pretrained, or use stage 1, 2 or 3")
+
+
 def _concrete_class(model_class, hf_config):
     mapping = getattr(model_class, "_model_mapping", None)
     if mapping is None:

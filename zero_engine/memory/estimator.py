@@ -106,6 +106,7 @@ class GatherPolicy:
     max_live_numel: int = 2**62  # the coordinator gives up kept parameters and stops prefetching above this
     reuse_numel: int = 0  # max_reuse_distance: parameters used again within this many elements stay gathered
     sequential: bool = False  # stage3_allgather_sequential: prefetch one parameter ahead, not a bucket
+    keep_shared: bool = False  # the engine keeps a shared (tied) parameter gathered between its uses in a pass
 
     @classmethod
     def from_zero_config(cls, zero_config) -> "GatherPolicy":
@@ -114,7 +115,7 @@ class GatherPolicy:
                    prefetch_numel=int(zero_config.prefetch_bucket_size),
                    max_live_numel=int(zero_config.max_live_parameters),
                    reuse_numel=int(zero_config.max_reuse_distance),
-                   sequential=bool(zero_config.allgather_sequential))
+                   sequential=zero_config.allgather_sequential is True, keep_shared=True)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class ModelCounts:
     layers: tuple[tuple[int, ...], ...]
     largest_layer_params: int  # DeepSpeed's definition: the most parameter elements any one module owns
     largest_layer_name: str = ""
+    shared_numels: tuple[int, ...] = ()  # parameters that several modules use as their own (a tied embedding)
 
     def __post_init__(self):
         if len(self.numels) != len(self.trainable):
@@ -165,10 +167,13 @@ def count_model_params(model: nn.Module) -> ModelCounts:
     largest, largest_name = 0, ""
     layers: list[tuple[int, ...]] = []
     stack: dict[str, list[nn.Parameter]] = {}  # module name -> own params of it and its ancestors
+    owners: dict[int, int] = {}  # id(param) -> modules that use it as their own
     for name, module in model.named_modules():
         if isinstance(module, (nn.ParameterList, nn.ParameterDict)):
             continue  # gathered by the module that owns it
         own = list({id(p): p for p in _own_parameters(module)}.values())
+        for p in own:
+            owners[id(p)] = owners.get(id(p), 0) + 1
         own_numel = sum(p.numel() for p in own)
         if own_numel > largest:
             largest, largest_name = own_numel, name or "<root>"
@@ -178,7 +183,8 @@ def count_model_params(model: nn.Module) -> ModelCounts:
         if own:
             layers.append(tuple(p.numel() for p in live))
     return ModelCounts(numels=tuple(p.numel() for p in params), trainable=tuple(p.requires_grad for p in params),
-                       layers=tuple(layers), largest_layer_params=largest, largest_layer_name=largest_name)
+                       layers=tuple(layers), largest_layer_params=largest, largest_layer_name=largest_name,
+                       shared_numels=tuple(p.numel() for p in params if owners.get(id(p), 0) > 1))
 
 
 @dataclass(frozen=True)
@@ -240,7 +246,9 @@ def _stage3_gathered(counts: ModelCounts, world: int, policy: GatherPolicy) -> t
     hold up to ``prefetch`` elements not used yet (the module running among them): ``max(working, prefetch) +
     prefetch``. The sequential strategy has one parameter in flight: ``working + largest parameter``. Parameters
     kept for a reuse within ``max_reuse_distance`` add up to that distance (an upper bound: in a transformer
-    about half of it is kept at the turn from forward to backward). Prefetch and reuse stop at
+    about half of it is kept at the turn from forward to backward). A parameter shared by several modules stays
+    gathered between its uses within a pass (coordinator.py, [Note: shared parameters stay within a pass]): it
+    adds its size whatever the reuse distance. Prefetch and reuse stop at
     ``max_live_parameters`` (persistent parameters included); the module being fetched is never refused.
     """
     def persistent(n: int) -> bool:
@@ -257,7 +265,9 @@ def _stage3_gathered(counts: ModelCounts, world: int, policy: GatherPolicy) -> t
         ahead = max(working, policy.prefetch_numel) + policy.prefetch_numel
     else:
         ahead = working
-    allowed = min(policy.max_live_numel, persistent_numel + ahead + policy.reuse_numel)
+    kept_shared = sum(_padded(n, world) for n in counts.shared_numels if not persistent(n)) \
+        if policy.keep_shared else 0
+    allowed = min(policy.max_live_numel, persistent_numel + ahead + policy.reuse_numel + kept_shared)
     peak = min(max(minimum, allowed), persistent_numel + sum(others))
     return minimum, peak
 

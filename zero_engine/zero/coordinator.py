@@ -8,7 +8,8 @@ From the next step on, every fetch looks ahead in the trace and issues asynchron
 next modules will need (up to ``prefetch_bucket_size`` elements; about one parameter ahead with the sequential
 strategy), never holding more than ``max_live_parameters`` gathered elements. A module's parameters are released
 after it ran unless they are persistent (small), still used by another active module (shared weights, nested
-calls), or used again before ``max_reuse_distance`` more elements are gathered (0: never kept).
+calls), used again before ``max_reuse_distance`` more elements are gathered (0: never kept), or shared by several
+modules and used again later in the same pass (see [Note: shared parameters stay within a pass]).
 
 If a step runs a different order than the trace (data-dependent control flow, the same on every rank), the
 coordinator notices at the first differing fetch, stops prefetching for the rest of that step (on-demand gathers
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .gather import GatherWork
+from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
 
 log = logging.getLogger("zero_engine.coordinator")
@@ -44,14 +46,26 @@ class _Trace:
     params: list[list[ShardedParam]]
     start_numel: list[int] = field(default_factory=list)  # gathered elements fetched before each event
     uses: dict[int, list[int]] = field(default_factory=dict)  # id(ShardedParam) -> event indices using it
+    shared: set[int] = field(default_factory=set)  # id(ShardedParam) of parameters used by several modules
 
     def __post_init__(self):
         total = 0
+        users: dict[int, set[str]] = {}
         for i, params in enumerate(self.params):
             self.start_numel.append(total)
             total += sum(p.padded_numel for p in params)
             for p in params:
                 self.uses.setdefault(id(p), []).append(i)
+                users.setdefault(id(p), set()).add(self.events[i].module)
+        self.shared = {key for key, modules in users.items() if len(modules) > 1}
+
+    def used_again_in_pass(self, p: ShardedParam, after: int) -> bool:
+        """A shared parameter used again by a later event of the same pass (forward or backward) as ``after``."""
+        if id(p) not in self.shared:
+            return False
+        uses = self.uses[id(p)]
+        k = bisect.bisect_right(uses, after)
+        return k < len(uses) and self.events[uses[k]].phase == self.events[after].phase
 
     def reuse_distance(self, p: ShardedParam, after: int) -> int | None:
         """Elements fetched between event ``after`` and the next event that uses ``p`` (None: not used again)."""
@@ -73,7 +87,6 @@ class ParamCoordinator:
         self.prefetch_numel = int(zero_config.prefetch_bucket_size)
         self.max_live = int(zero_config.max_live_parameters)
         self.max_reuse_distance = int(zero_config.max_reuse_distance)
-        self.prefetch_one_ahead = gatherer.name == "sequential"
         self.on_event = on_event  # called with "fetch <module>" / "release <module>" (memory timeline)
 
         self.trace: _Trace | None = None
@@ -133,7 +146,7 @@ class ParamCoordinator:
                 self._log_deviation_once(
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
-        with torch.profiler.record_function(f"zero3::fetch {event.module}"):
+        with profile_range(f"zero3::fetch {event.module}"):
             for p in params:
                 self._kept.pop(id(p), None)
             missing = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE]
@@ -156,14 +169,18 @@ class ParamCoordinator:
     def release(self, module: nn.Module) -> None:
         params = self.module_params.get(module, [])
         event_index = self._pos - 1 if self._following else None
-        with torch.profiler.record_function(f"zero3::release {self.module_names[module]}"):
+        with profile_range(f"zero3::release {self.module_names[module]}"):
             for p in params:
                 p.active_users = max(0, p.active_users - 1)
                 if p.active_users or p.is_persistent or p.held_by_user or not p.is_available:
                     continue
                 if event_index is not None:
+                    # [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept
+                    # between its uses inside one forward or one backward, so it is gathered once per pass; the
+                    # live budget still rules: _make_room gives kept parameters up first when a fetch needs room.
                     distance = self.trace.reuse_distance(p, event_index)
-                    if distance is not None and distance < self.max_reuse_distance:  # 0 turns reuse off
+                    if (distance is not None and distance < self.max_reuse_distance) or \
+                            self.trace.used_again_in_pass(p, event_index):
                         self._kept[id(p)] = p
                         continue
                 self._release(p)
@@ -216,16 +233,22 @@ class ParamCoordinator:
     def _prefetch_after(self, index: int) -> None:
         """Issue gathers for the parameters of the events after ``index``, within the prefetch and live budgets.
 
-        Gathers already in flight count against the prefetch budget; the sequential strategy keeps at most one
-        parameter in flight, as its point is a small transient footprint.
+        Gathers already in flight count against the prefetch budget. A parameter gathered sequentially
+        (``stage3_allgather_sequential``, or its bucket under "auto") is prefetched alone and only when nothing else
+        is in flight, as the point of that strategy is a small transient footprint.
         """
-        in_flight = {id(w): w.numel for w in self._inflight.values()}
-        budget = (0 if in_flight else 1) if self.prefetch_one_ahead else self.prefetch_numel - sum(in_flight.values())
+        in_flight = sum({id(w): w.numel for w in self._inflight.values()}.values())
+        budget = self.prefetch_numel - in_flight
         chosen: list[ShardedParam] = []
         size = 0
         for p in self._upcoming(index):
-            over_budget = len(chosen) >= budget if self.prefetch_one_ahead else size + p.padded_numel > budget
-            if over_budget or self.live_numel + size + p.padded_numel > self.max_live:
+            if self.live_numel + size + p.padded_numel > self.max_live:
+                break
+            if p.gather_sequential:
+                if not chosen and not in_flight:
+                    chosen.append(p)
+                break
+            if size + p.padded_numel > budget:
                 break
             chosen.append(p)
             size += p.padded_numel

@@ -1,14 +1,16 @@
 """All-gather strategies: turn a list of sharded parameters into full ones.
 
 Both strategies issue asynchronous collectives and return a handle; ``wait()`` on the handle makes the parameters
-AVAILABLE. Both write the result into each parameter's own ``full`` storage (see partition.py's note), so autograd's
+AVAILABLE. Both write the result into each parameter's own ``full`` storage (see partition.py's notes), so autograd's
 saved views see the gathered values.
 
-- ``CoalescedGather`` (default): one ``all_gather_into_tensor`` per bucket of up to ``bucket_numel`` elements into one
-  flat buffer, then each parameter is copied out of it. Fewer, larger collectives; transient cost: the flat buffer
-  plus the parameters being filled (about two bucket sizes).
+- ``CoalescedGather`` (default): a parameter of at least ``DIRECT_GATHER_NUMEL`` elements is gathered by its own
+  collective straight into its storage (no copy); the small ones of a request are coalesced into one collective per
+  ``bucket_numel`` elements through a staging buffer and copied out (see [Note: flat shard storage]). The engine's
+  coordinator asks for whole prefetch buckets at a time; transient cost beyond the parameters themselves: the small
+  parameters' staging buffer.
 - ``SequentialGather`` (``stage3_allgather_sequential``): one collective per parameter straight into that parameter's
-  storage. More collectives, no copy, transient cost: nothing beyond the parameter itself.
+  storage, and the coordinator prefetches one parameter ahead: the working set is the parameters in use plus one.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .partition import ShardedParam
+import logging
 
-__all__ = ["GatherWork", "CoalescedGather", "SequentialGather", "make_gatherer"]
+from .partition import DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam
+
+log = logging.getLogger("zero_engine.gather")
+
+__all__ = ["GatherWork", "CoalescedGather", "SequentialGather", "make_gatherer", "choose_sequential_buckets"]
 
 
 @dataclass
@@ -28,19 +34,17 @@ class GatherWork:
 
     params: list[ShardedParam]
     pending: list  # comm Pending handles, one per collective
-    # [Note: coalesced gather buffer lifetime] the flat buffers live exactly from issue to wait(): they are dropped
-    # as soon as every parameter has been copied out, so the transient peak is one bucket, not the whole step.
+    # [Note: coalesced gather buffer lifetime] the staging buffers of small parameters live exactly from issue to
+    # wait(): they are dropped as soon as every parameter has been copied out, so the transient peak is one run of
+    # small parameters, never a whole bucket of large ones (those are gathered in place).
     flat: list[tuple[torch.Tensor, list[tuple[ShardedParam, int]]]] = field(default_factory=list)
-    accounting: object = None  # MemoryAccounting: the flat buffers count as comm_buffers while they live
+    accounting: object = None  # MemoryAccounting: the staging buffers count as comm_buffers while they live
+    numel: int = 0  # gathered elements this work makes live
     done: bool = False
 
     @property
     def flat_bytes(self) -> int:
         return sum(out.numel() * out.element_size() for out, _ in self.flat)
-
-    @property
-    def numel(self) -> int:
-        return sum(p.padded_numel for p in self.params)
 
     def wait(self) -> None:
         if self.done:
@@ -51,7 +55,7 @@ class GatherWork:
             rows = out.view(-1, sum(p.shard_numel for p, _ in layout))  # [world, elements per rank]
             for p, offset in layout:
                 p.alloc_full().view(rows.shape[0], p.shard_numel).copy_(rows[:, offset: offset + p.shard_numel])
-        if self.accounting is not None:
+        if self.flat and self.accounting is not None:
             self.accounting.add("comm_buffers", -self.flat_bytes)
         self.flat.clear()
         for p in self.params:
@@ -59,20 +63,24 @@ class GatherWork:
         self.done = True
 
 
-def _buckets(params: list[ShardedParam], bucket_numel: int) -> list[list[ShardedParam]]:
-    """Consecutive runs of one dtype holding at most ``bucket_numel`` gathered elements (a larger param is alone)."""
-    buckets: list[list[ShardedParam]] = []
+def _runs(params: list[ShardedParam], run_numel: int) -> list[list[ShardedParam]]:
+    """Groups of one dtype holding at most ``run_numel`` gathered elements each (order kept within a dtype)."""
+    runs: list[list[ShardedParam]] = []
     current: list[ShardedParam] = []
     size = 0
     for p in params:
-        if current and (size + p.padded_numel > bucket_numel or p.dtype != current[0].dtype):
-            buckets.append(current)
+        if current and (size + p.padded_numel > run_numel or p.dtype != current[0].dtype):
+            runs.append(current)
             current, size = [], 0
         current.append(p)
         size += p.padded_numel
     if current:
-        buckets.append(current)
-    return buckets
+        runs.append(current)
+    return runs
+
+
+def _gather_direct(comm, work: GatherWork, p: ShardedParam, name: str) -> None:
+    work.pending.append(comm.all_gather_into_tensor(p.alloc_full(), p.shard, async_op=True, name=name or p.fqn))
 
 
 class CoalescedGather:
@@ -84,20 +92,30 @@ class CoalescedGather:
         self.accounting = accounting
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
-        work = GatherWork(params=list(params), pending=[], accounting=self.accounting)
-        for bucket in _buckets(params, self.bucket_numel):
-            per_rank = sum(p.shard_numel for p in bucket)
-            inp = torch.cat([p.shard for p in bucket]) if len(bucket) > 1 else bucket[0].shard
-            out = torch.empty(per_rank * self.comm.world_size, dtype=inp.dtype, device=inp.device)
-            for p in bucket:
-                p.to_inflight(refresh)
+        work = GatherWork(params=list(params), pending=[], accounting=self.accounting,
+                          numel=sum(p.padded_numel for p in params))
+        small = []
+        for p in params:
+            p.to_inflight(refresh)
+            if p.padded_numel >= DIRECT_GATHER_NUMEL:
+                _gather_direct(self.comm, work, p, name)
+            else:
+                small.append(p)
+        for run in _runs(small, self.bucket_numel):
+            if len(run) == 1:  # alone, it needs no staging either
+                _gather_direct(self.comm, work, run[0], name)
+                continue
+            inp = run[0].bucket.run_view(run) if run[0].bucket is not None else None
+            if inp is None:
+                inp = torch.cat([p.shard for p in run])
+            out = torch.empty(inp.numel() * self.comm.world_size, dtype=inp.dtype, device=inp.device)
             work.pending.append(self.comm.all_gather_into_tensor(out, inp, async_op=True, name=name))
-            offsets, offset = [], 0
-            for p in bucket:
-                offsets.append((p, offset))
+            layout, offset = [], 0
+            for p in run:
+                layout.append((p, offset))
                 offset += p.shard_numel
-            work.flat.append((out, offsets))
-        if self.accounting is not None:
+            work.flat.append((out, layout))
+        if work.flat and self.accounting is not None:
             self.accounting.add("comm_buffers", work.flat_bytes)
         return work
 
@@ -109,15 +127,51 @@ class SequentialGather:
         self.comm = comm
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
-        work = GatherWork(params=list(params), pending=[])
+        work = GatherWork(params=list(params), pending=[], numel=sum(p.padded_numel for p in params))
         for p in params:
             p.to_inflight(refresh)
-            work.pending.append(
-                self.comm.all_gather_into_tensor(p.alloc_full(), p.shard, async_op=True, name=name or p.fqn))
+            _gather_direct(self.comm, work, p, name)
         return work
 
 
 def make_gatherer(comm, zero_config, accounting=None):
-    if zero_config.allgather_sequential:
+    if zero_config.allgather_sequential is True:
         return SequentialGather(comm)
     return CoalescedGather(comm, zero_config.prefetch_bucket_size, accounting)
+
+
+def choose_sequential_buckets(buckets: list[ShardBucket], headroom_bytes: int, states_to_come: int, comm,
+                              source: str = "") -> list[ShardBucket]:
+    """``stage3_allgather_sequential: "auto"``: mark the buckets that must be gathered one parameter at a time.
+
+    [Note: auto gather strategy]
+    Decided once, at initialize, per shard bucket (fixed: see [Note: flat shard storage]). The budget is this
+    rank's headroom (memory_budget) minus the model states still to come (gradient shards, optimizer states,
+    fp32 masters: allocated at the first backward and step). Gathering a bucket coalesced can hold it twice (the
+    prefetched bucket while the previous one is in use); sequentially it holds its largest parameter beside the
+    module running. A bucket whose coalesced cost does not fit in what is left is gathered sequentially (its
+    parameters are prefetched one at a time, alone), the others coalesced. Every rank must issue the same
+    collectives, so the smallest headroom over the ranks decides (one all-reduce). Logged once, on rank 0.
+    """
+    left = torch.tensor([float(headroom_bytes - states_to_come)], dtype=torch.float64,
+                        device=buckets[0].flat.device if buckets else "cpu")
+    if comm.world_size > 1:
+        comm.all_reduce(left, op="min", name="auto gather budget")
+    left = float(left.item())
+    chosen = []
+    for bucket in buckets:
+        coalesced = 2 * sum(p.full_bytes for p in bucket.params if not p.is_persistent)
+        if coalesced > left:
+            chosen.append(bucket)
+            for p in bucket.params:
+                p.gather_sequential = True
+    if comm.rank == 0:
+        if chosen:
+            log.info("stage3_allgather_sequential=auto: %.1f MiB left after model states (%s); %d of %d buckets "
+                     "gathered sequentially (coalesced they would need up to %.1f MiB), the rest coalesced",
+                     left / 2**20, source, len(chosen), len(buckets),
+                     max(2 * sum(p.full_bytes for p in b.params) for b in chosen) / 2**20)
+        else:
+            log.info("stage3_allgather_sequential=auto: %.1f MiB left after model states (%s); every bucket "
+                     "gathered coalesced", left / 2**20, source)
+    return chosen

@@ -54,7 +54,11 @@ def _take_edits_into_shard(sp: ShardedParam) -> None:
 
 
 class GatheredParameters:
-    def __init__(self, params, modifier_rank: int | None = None, enabled: bool = True):
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+        if fwd_module is not None:
+            raise NotImplementedError("GatheredParameters(fwd_module=...): registering gathered parameters as "
+                                      "external parameters of a module is not supported by zero_engine; gather them "
+                                      "inside that module's forward instead, or leave fwd_module unset")
         if isinstance(params, torch.Tensor):
             params = [params]
         self.modifier_rank = modifier_rank

@@ -6,12 +6,24 @@ all its parameters have reported, and strictly in bucket order; a parameter that
 (an unused branch) contributes zeros when the pass ends. So every rank issues the same collectives in the same
 order whatever its data did.
 
-A bucket's send buffer is laid out ``[world, elements per rank]``: row ``r`` holds, for every parameter of the
-bucket, the slice of its padded gradient that rank ``r`` owns. ``reduce_scatter_tensor`` then hands each rank its
-row, which is exactly its gradient shards back to back.
+[Note: gradient buffers]
+A bucket's send buffer is allocated with ``empty()`` when its first gradient arrives and is laid out so that each
+large parameter's padded gradient is one contiguous slot (``world x shard_numel`` elements): the gradient is copied
+in with one contiguous copy, only its padding tail is zeroed, and that slot is reduce-scattered on its own straight
+into the parameter's place in the gradient shards (a collective per large parameter, as for the gather; see
+[Note: flat shard storage] in partition.py). The small parameters of the bucket share one region laid out
+``[world, elements per rank]`` (row ``r``: every small parameter's slice owned by rank ``r``) and one collective,
+which hands each rank its row: its small gradient shards back to back. A parameter that got no gradient has its
+slot zeroed when the bucket is launched.
+
+[Note: gradient shard lifetime]
+Reduced gradient shards exist only inside an accumulation window: allocated (``empty``) by the first reduce-scatter
+of the window, which writes every element; accumulated into by later micro-steps; consumed by the optimizer step;
+freed by ``zero_grad()``. Between a step and the next backward they hold no memory, so the next forward's
+activations can use it. ``grad_bytes`` is what exists now; the engine reports the window's peak as ``grads_peak``.
 
 Gradient shards are kept in ``grad_dtype``: fp32 in fp32 training, the 16-bit compute dtype in mixed precision (as
-DeepSpeed does: 2 bytes per parameter instead of 4, which is what keeps model states at 16Ψ/N); the optimizer
+DeepSpeed does: 2 bytes per parameter instead of 4, which is what keeps model states at 16Psi/N); the optimizer
 converts them to fp32 one sub-group at a time.
 """
 
@@ -19,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .partition import ShardedParam
+from .partition import DIRECT_GATHER_NUMEL, ShardedParam
 
 __all__ = ["GradReducer", "all_reduce_grads"]
 
@@ -27,28 +39,47 @@ MAX_IN_FLIGHT = 2
 
 
 class _Bucket:
-    def __init__(self, params: list[ShardedParam], index: int):
-        self.params = params
+    def __init__(self, params: list[ShardedParam], index: int, world: int):
+        # Large parameters first (each its own slot and collective), then the small region (one collective).
+        large = [p for p in params if p.padded_numel >= DIRECT_GATHER_NUMEL]
+        small = [p for p in params if p.padded_numel < DIRECT_GATHER_NUMEL]
+        if len(small) == 1:
+            large, small = large + small, []
+        self.params = large + small
         self.index = index
-        self.offsets: dict[int, int] = {}
+        self.world = world
+        self.offsets: dict[int, int] = {}  # id(p) -> offset of its shard in the [per_rank] gradient shards
         offset = 0
-        for p in params:
+        for p in self.params:
             self.offsets[id(p)] = offset
             offset += p.shard_numel
         self.per_rank = offset
+        self.large = large
+        self.small = small
+        self.small_start = sum(p.shard_numel for p in large)  # per-rank offset of the small region
         self.send: torch.Tensor | None = None
         self.received: set[int] = set()
-        self.pending = None  # comm Pending of the launched reduce-scatter
+        self.pending: list | None = None  # comm Pendings of the launched reduce-scatters
         self.recv: torch.Tensor | None = None
         self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
         self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
 
+    def slot(self, p: ShardedParam) -> torch.Tensor:
+        """Where ``p``'s padded gradient goes in the send buffer: [padded] (large) or a [world, shard] view (small)."""
+        start = self.offsets[id(p)] * self.world
+        if p.padded_numel >= DIRECT_GATHER_NUMEL or not self.small:
+            return self.send[start: start + p.padded_numel]
+        region = self.send[self.small_start * self.world:].view(self.world, self.per_rank - self.small_start)
+        column = self.offsets[id(p)] - self.small_start
+        return region[:, column: column + p.shard_numel]
+
 
 class GradReducer:
-    """Reduce-scatters gradients bucket by bucket into persistent gradient shards.
+    """Reduce-scatters gradients bucket by bucket into this window's gradient shards.
 
     ``add(p, grad)`` during backward (stages 2 and 3) or for every parameter at the accumulation boundary
-    (stage 1); ``finish()`` at the end of each backward pass; ``shard_grad(p)`` is what the optimizer reads.
+    (stage 1); ``finish()`` at the end of each backward pass; ``shard_grad(p)`` is what the optimizer reads;
+    ``zero_grad()`` ends the window and frees the shards (see [Note: gradient shard lifetime]).
     """
 
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
@@ -59,19 +90,21 @@ class GradReducer:
         self.async_op = async_op
         self.accounting = accounting
         self.buckets: list[_Bucket] = []
+        world = comm.world_size
         current: list[ShardedParam] = []
         size = 0
         for p in params:
             if current and size + p.padded_numel > bucket_numel:
-                self.buckets.append(_Bucket(current, len(self.buckets)))
+                self.buckets.append(_Bucket(current, len(self.buckets), world))
                 current, size = [], 0
             current.append(p)
             size += p.padded_numel
         if current:
-            self.buckets.append(_Bucket(current, len(self.buckets)))
+            self.buckets.append(_Bucket(current, len(self.buckets), world))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0
         self._in_flight: list[_Bucket] = []
+        self.grad_bytes = 0  # gradient shards that exist now
 
     # ---- during backward ---------------------------------------------------------------------------------------
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
@@ -83,15 +116,25 @@ class GradReducer:
                 "torch.utils.checkpoint with use_reentrant=False.")
         if bucket.send is None:
             self._alloc_send(bucket)
-        rows = bucket.send.view(self.comm.world_size, bucket.per_rank)
-        dst = rows[:, bucket.offsets[id(p)]: bucket.offsets[id(p)] + p.shard_numel]
+        dst = bucket.slot(p)
         flat = grad.detach().reshape(-1)
-        full_rows, rem = divmod(p.numel, p.shard_numel)
-        write = "copy_" if id(p) not in bucket.received else "add_"  # a second gradient in one pass adds up
-        if full_rows:
-            getattr(dst[:full_rows], write)(flat[: full_rows * p.shard_numel].view(full_rows, p.shard_numel))
-        if rem:
-            getattr(dst[full_rows, :rem], write)(flat[full_rows * p.shard_numel:])
+        first = id(p) not in bucket.received
+        if dst.dim() == 1:  # a large parameter's contiguous slot
+            if first:
+                dst[: p.numel].copy_(flat)
+                dst[p.numel:].zero_()
+            else:  # a second gradient in one pass adds up
+                dst[: p.numel].add_(flat)
+        else:
+            full_rows, rem = divmod(p.numel, p.shard_numel)
+            write = "copy_" if first else "add_"
+            if full_rows:
+                getattr(dst[:full_rows], write)(flat[: full_rows * p.shard_numel].view(full_rows, p.shard_numel))
+            if rem:
+                getattr(dst[full_rows, :rem], write)(flat[full_rows * p.shard_numel:])
+            if first and p.numel != p.padded_numel:
+                dst[full_rows, rem:].zero_()
+                dst[full_rows + 1:].zero_()
         bucket.received.add(id(p))
         self._launch_ready()
 
@@ -111,15 +154,16 @@ class GradReducer:
         """After a backward that raised: wait for reductions already issued (every rank issued them), then drop
         half-filled buckets and every accumulated gradient shard. The next backward starts a new window."""
         for bucket in self._in_flight:
-            bucket.pending.wait()
+            for pending in bucket.pending or ():
+                pending.wait()
         for bucket in self.buckets:
             if bucket.send is not None:
-                self._track(-bucket.send.numel() * bucket.send.element_size())
+                self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
             bucket.send = bucket.recv = bucket.pending = None
             bucket.received.clear()
-            bucket.has_grads = False
         self._in_flight.clear()
         self._next_launch = 0
+        self.zero_grad()
 
     # ---- the optimizer's side ----------------------------------------------------------------------------------
     def shard_grad(self, p: ShardedParam) -> torch.Tensor | None:
@@ -129,21 +173,27 @@ class GradReducer:
         offset = bucket.offsets[id(p)]
         return bucket.shard_grads[offset: offset + p.shard_numel]
 
-    def zero_grad(self) -> None:
-        """Start a new accumulation window; the buffers are kept and overwritten by the next reduction."""
-        for bucket in self.buckets:
-            bucket.has_grads = False
+    def alloc_shard_grads(self, bucket: _Bucket) -> torch.Tensor:
+        """This window's gradient shards of ``bucket`` (uninitialised: the first reduction overwrites them)."""
+        if bucket.shard_grads is None:
+            bucket.shard_grads = torch.empty(bucket.per_rank, dtype=self.grad_dtype,
+                                             device=bucket.params[0].shard.device)
+            self._track("grads", bucket.per_rank * bucket.shard_grads.element_size())
+        return bucket.shard_grads
 
-    @property
-    def grad_bytes(self) -> int:
-        return sum(b.shard_grads.numel() * b.shard_grads.element_size() for b in self.buckets
-                   if b.shard_grads is not None)
+    def zero_grad(self) -> None:
+        """End the accumulation window: the gradient shards are freed (see [Note: gradient shard lifetime])."""
+        for bucket in self.buckets:
+            if bucket.shard_grads is not None:
+                self._track("grads", -bucket.per_rank * bucket.shard_grads.element_size())
+                bucket.shard_grads = None
+            bucket.has_grads = False
 
     # ---- internals ---------------------------------------------------------------------------------------------
     def _alloc_send(self, bucket: _Bucket) -> None:
-        bucket.send = torch.zeros(bucket.per_rank * self.comm.world_size, dtype=self.reduce_dtype,
+        bucket.send = torch.empty(bucket.per_rank * self.comm.world_size, dtype=self.reduce_dtype,
                                   device=bucket.params[0].shard.device)
-        self._track(bucket.send.numel() * bucket.send.element_size())
+        self._track("comm_buffers", bucket.send.numel() * bucket.send.element_size())
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -153,16 +203,28 @@ class GradReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        for p in bucket.params:
+            if id(p) not in bucket.received:  # no gradient this pass: contributes zeros
+                bucket.slot(p).zero_()
         if bucket.shard_grads is None:
-            bucket.shard_grads = torch.zeros(bucket.per_rank, dtype=self.grad_dtype, device=bucket.send.device)
+            self.alloc_shard_grads(bucket)
         # Reduce straight into the shards when nothing is accumulated there and no cast is needed.
         direct = not bucket.has_grads and self.reduce_dtype == self.grad_dtype
         bucket.recv = bucket.shard_grads if direct else torch.empty(bucket.per_rank, dtype=self.reduce_dtype,
                                                                      device=bucket.send.device)
-        bucket.pending = self.comm.reduce_scatter_tensor(bucket.recv, bucket.send, op="avg", async_op=self.async_op,
-                                                         name=f"grads bucket {bucket.index}")
+        world = self.comm.world_size
+        bucket.pending = []
+        for p in bucket.large:
+            offset = bucket.offsets[id(p)]
+            bucket.pending.append(self.comm.reduce_scatter_tensor(
+                bucket.recv[offset: offset + p.shard_numel], bucket.slot(p), op="avg", async_op=self.async_op,
+                name=f"grads bucket {bucket.index}"))
+        if bucket.small:
+            bucket.pending.append(self.comm.reduce_scatter_tensor(
+                bucket.recv[bucket.small_start:], bucket.send[bucket.small_start * world:], op="avg",
+                async_op=self.async_op, name=f"grads bucket {bucket.index}"))
         self._next_launch = bucket.index + 1
-        # At most two reductions in flight (double buffering): overlap without holding every send buffer.
+        # At most two buckets in flight (double buffering): overlap without holding every send buffer.
         self._in_flight.append(bucket)
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete(self._in_flight.pop(0))
@@ -170,20 +232,23 @@ class GradReducer:
     def _complete(self, bucket: _Bucket) -> None:
         if bucket.pending is None:
             return
-        bucket.pending.wait()
+        for pending in bucket.pending:
+            pending.wait()
         if bucket.recv is not bucket.shard_grads:
             if bucket.has_grads:
                 bucket.shard_grads.add_(bucket.recv)
             else:
                 bucket.shard_grads.copy_(bucket.recv)
         bucket.has_grads = True
-        self._track(-bucket.send.numel() * bucket.send.element_size())
+        self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
         bucket.send = bucket.recv = bucket.pending = None
         bucket.received.clear()
 
-    def _track(self, nbytes: int) -> None:
+    def _track(self, category: str, nbytes: int) -> None:
+        if category == "grads":
+            self.grad_bytes += nbytes
         if self.accounting is not None:
-            self.accounting.add("comm_buffers", nbytes)
+            self.accounting.add(category, nbytes)
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int) -> None:

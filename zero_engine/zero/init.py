@@ -67,15 +67,74 @@ def _is_init_call(func) -> bool:
 
 
 class Init:
-    """Partition parameters as modules are built. ``config`` is accepted for DeepSpeed compatibility (the
-    partitioning here needs only the world size); ``enabled=False`` makes the block a no-op."""
+    """Partition parameters as modules are built (see the module docstring).
 
-    def __init__(self, config=None, enabled: bool = True):
-        self.config = config
+    DeepSpeed's arguments, in DeepSpeed's order:
+
+    * ``module``: a model built already (outside the block): its parameters are partitioned now.
+    * ``config_dict_or_path`` (or ``config``, its older name): the ds_config dict, path or JSON text. It is
+      validated, and its precision picks the dtype of the shards (fp16/bf16 when enabled) unless ``dtype`` is given.
+    * ``dtype``: torch.float32, torch.float16 or torch.bfloat16 for the shards. The engine casts to the config's
+      compute dtype in any case, so this matters only for memory while the model is built.
+    * ``enabled=False``: the block does nothing (the model is built whole).
+    * ``remote_device``: None, or the device the parameters are built on ("cpu" on a CPU-only machine): shards stay
+      there. Another device ("cpu" while building on CUDA, "nvme") would be parameter offload, which is set in the
+      config (``zero_optimization.offload_param``), not here: refused.
+    * ``pin_memory``: False. True (pinned host shards) goes with remote_device offload: refused.
+    * ``mem_efficient_linear``: accepted either way; zero_engine never replaces ``F.linear`` (its hooks gather and
+      release around modules, so linear needs no special version).
+    * ``data_parallel_group``: None or the world group; ``mpu``, ``zero_param_parallel_group``,
+      ``sequence_data_parallel_group``, ``param_swapper`` and the ``zero_quantized_*`` flags (model, hierarchical
+      and sequence parallelism, NVMe swapping, quantized weights) are refused when set.
+    """
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device=None, pin_memory: bool = False, config_dict_or_path=None, config=None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, zero_param_parallel_group=None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group=None, param_swapper=None):
+        if config_dict_or_path is not None and config is not None:
+            raise ValueError("zero.Init: give config_dict_or_path or config (its older name), not both")
+        self.config = config_dict_or_path if config_dict_or_path is not None else config
         self.enabled = enabled
         self._handles = []
         self._mode: _GatherOnInitCall | None = None
         self._roots: list[nn.Module] = []
+        self.dtype = None
+        if not enabled:
+            return
+        _refuse_set(mpu=mpu, zero_param_parallel_group=zero_param_parallel_group,
+                    zero_quantized_weights=zero_quantized_weights,
+                    zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+                    sequence_data_parallel_group=sequence_data_parallel_group, param_swapper=param_swapper)
+        if pin_memory:
+            raise NotImplementedError("zero.Init(pin_memory=True): pinned host shards are parameter offload, which "
+                                      "zero.Init does not do; set zero_optimization.offload_param in the config")
+        building_on = "cuda" if torch.cuda.is_available() else "cpu"
+        remote = getattr(remote_device, "value", remote_device)  # DeepSpeed's OffloadDeviceEnum or a string
+        if remote not in (None, "none") and (remote == "nvme" or torch.device(remote).type != building_on):
+            raise NotImplementedError(
+                f"zero.Init(remote_device={remote_device!r}): shards stay on the device the model is built "
+                f"on ({building_on}); offloading them is set in the config "
+                "(zero_optimization.offload_param), not by zero.Init")
+        if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"zero.Init(dtype={dtype}): use torch.float32, torch.float16 or torch.bfloat16")
+        if not dist.is_initialized():
+            init_distributed()
+        if data_parallel_group is not None and dist.get_world_size(data_parallel_group) != dist.get_world_size():
+            raise NotImplementedError(f"zero.Init(data_parallel_group=...): a group of "
+                                      f"{dist.get_world_size(data_parallel_group)} of the {dist.get_world_size()} "
+                                      "ranks; zero_engine partitions over the whole world only")
+        self.dtype = dtype
+        if self.config is not None:
+            from ..config import load_config
+            from ..precision import compute_dtype_of
+
+            cfg = load_config(self.config, world_size=dist.get_world_size())
+            self.dtype = self.dtype or compute_dtype_of(cfg)
+        if module is not None:
+            self.comm = Communicator()
+            self._partition(module)
 
     def __enter__(self):
         if not self.enabled:
@@ -122,12 +181,24 @@ class Init:
 
     # ---- partitioning ----------------------------------------------------------------------------------------------
     def _partition(self, module: nn.Module) -> None:
-        self._mode.active = False
+        if self._mode is not None:
+            self._mode.active = False
         try:
             for name, param in module.named_parameters():
                 if sharded_param_of(param) is not None or param.numel() == 0:
                     continue
                 self.comm.broadcast(param.data, src=0, name=f"zero.Init {name}")  # one init, whatever the seeds
-                ShardedParam(param, name, -1, self.comm.rank, self.comm.world_size).release()
+                sp = ShardedParam(param, name, -1, self.comm.rank, self.comm.world_size)
+                sp.release()
+                if self.dtype is not None and param.is_floating_point():
+                    sp.cast_(self.dtype)
         finally:
-            self._mode.active = True
+            if self._mode is not None:
+                self._mode.active = True
+
+
+def _refuse_set(**arguments) -> None:
+    for name, value in arguments.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(f"zero.Init({name}=...): not supported by zero_engine (data-parallel ZeRO "
+                                      f"over the whole world, unquantized weights); leave {name} unset")

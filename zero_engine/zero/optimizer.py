@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from .._profiling import profile_range
 from .grads import GradReducer, all_reduce_grads
 from .partition import ShardedParam
 
@@ -170,7 +171,7 @@ class ZeroOptimizer(_OptimizerWrapper):
         over sub-groups of at most ``sub_group_size`` elements: only one sub-group's fp32 gradients exist at a
         time. A torch optimizer skips parameters whose grad is None, which is what makes this work.
         """
-        with torch.profiler.record_function("zero3::optimizer_step"):
+        with profile_range("zero3::optimizer_step"):
             scaled_norm = self._global_grad_norm()
             overflow = not math.isfinite(scaled_norm)
             norm = scaled_norm / loss_scale
