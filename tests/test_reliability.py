@@ -29,6 +29,8 @@ import zero_engine
 from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
+from test_zero3 import full_params  # every parameter whole, gathered by the test itself
+
 TIMEOUT = 120
 MICRO = 2
 
@@ -45,18 +47,6 @@ def cfg(stage, precision="fp32", gas=1, scheduler=False, **zero_engine_section):
     if zero_engine_section:
         c["zero_engine"] = zero_engine_section
     return c
-
-
-def full_params(engine) -> dict[str, torch.Tensor]:
-    """Every parameter whole, all-gathered from the shards by the test itself."""
-    if engine.stage == 0:
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    out = {}
-    for sp in engine.sharded:
-        buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
-        dist.all_gather_into_tensor(buf, sp.shard.contiguous())
-        out[sp.fqn] = buf[: sp.numel].view(sp.shape).clone()
-    return out
 
 
 def masters(engine) -> dict[str, torch.Tensor]:
@@ -229,7 +219,9 @@ def _step_twice_body(stage, gas):
 def test_step_twice_or_after_a_failed_backward_does_not_update(stage, gas):
     for same, messages in run_ranks(_step_twice_body, 2, stage, gas, timeout=TIMEOUT):
         assert same == [True, True], same
-        assert any("step() called again" in m for m in messages), messages
+        # gas 1: the boundary is still "now" and the repeat is refused with a warning; gas > 1: DeepSpeed's boundary
+        # rule already places the repeat in the next window, where step() does nothing.
+        assert gas > 1 or any("step() called again" in m for m in messages), messages
 
 
 # ---- item 5: changes after initialize ----------------------------------------------------------------------------

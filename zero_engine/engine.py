@@ -83,7 +83,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
                                       "which keeps fp32 master weights sharded")
         self.loss_scaler = make_loss_scaler(self.config.fp16)
         self.nonfinite = NonFiniteSteps(self.comm, self.config.zero_engine.max_consecutive_skipped_steps,
-                                        loss_scaled=self.loss_scaler is not None)
+                                        loss_scaled=self.loss_scaler is not None,
+                                        has_values=next(model.parameters(), torch.empty(0)).device.type != "meta")
         self.skipped_steps = 0
         self.global_steps = 0
         self.micro_steps = 0
@@ -308,7 +309,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.reducer.finish()
         # A non-finite global norm (any rank) skips the update everywhere; see guards.NonFiniteSteps.
         result = self.optimizer.step(
-            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0, skip_if_nonfinite=True)
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0,
+            skip_if_nonfinite=self.nonfinite.has_values)
         self.optimizer.zero_grad()
         self._backwards_since_update = 0
         if self.loss_scaler is not None:

@@ -98,8 +98,9 @@ class NonFiniteSteps:
     non-finite on every rank at once. Naming the ranks costs one small all_gather, only when a step is skipped.
     """
 
-    def __init__(self, comm, max_consecutive: int, loss_scaled: bool):
+    def __init__(self, comm, max_consecutive: int, loss_scaled: bool, has_values: bool = True):
         self.comm = comm
+        self.has_values = has_values  # False for shape-only runs (meta tensors): there is no norm to check
         self.max_consecutive = max_consecutive
         self.loss_scaled = loss_scaled  # fp16: skipping while the scale adapts is normal; the scaler reports it
         self.consecutive = 0
@@ -114,7 +115,7 @@ class NonFiniteSteps:
 
     def after_step(self, skipped: bool, step: int) -> None:
         window_loss_finite, self._loss_finite = self._loss_finite, None
-        if not skipped:
+        if not skipped or not self.has_values:
             self.consecutive = 0
             return
         self.consecutive += 1
