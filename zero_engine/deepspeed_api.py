@@ -240,7 +240,9 @@ class DeepSpeedEngineAPI:
 
     @property
     def device(self) -> torch.device:
-        """The device the engine computes on: the parameters' device."""
+        """The device the engine computes on: where initialize() placed the parameters (zero_engine.device)."""
+        if getattr(self, "_device", None) is not None:
+            return self._device
         for p in self.module.parameters():
             return p.device
         return torch.device("cpu")

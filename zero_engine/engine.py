@@ -30,6 +30,7 @@ from .comm import Communicator, init_distributed
 from .config import EngineConfig, load_config
 from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward
 from .deepspeed_api import DeepSpeedEngineAPI
+from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
@@ -40,6 +41,7 @@ from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
+from .zero.streams import CommStreams
 
 log = logging.getLogger("zero_engine.engine")
 
@@ -72,6 +74,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         zc = self.config.zero_optimization
         self.stage = zc.stage
         self.module = model
+        # every buffer below is allocated on the parameters' device: put them on this rank's (device.py)
+        self._device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
+        self.streams = CommStreams(self._device)  # side streams on CUDA, no-ops elsewhere (zero/streams.py)
         self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
         claim_model(model, self)
         broadcast_initial_state(model, self.comm)
@@ -146,14 +151,15 @@ class ZeroEngine(DeepSpeedEngineAPI):
                                    # gradients in 16-bit loses bits at every hop of the reduction
                                    reduce_dtype=DTYPES[comm_dtype] if comm_dtype else torch.float32,
                                    grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
-                                   accounting=self.accounting)
+                                   accounting=self.accounting, streams=self.streams)
         if self.stage >= 2:
             for sp in trainable:
                 sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
         if self.stage < 3:
             for sp in self.sharded:
                 sp.is_persistent = True
-            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting)
+            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting,
+                                                    self.streams)
             partitioned = [sp for sp in self.sharded if not sp.is_available]  # built under zero.Init
             if partitioned:
                 self.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
@@ -174,7 +180,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if own:
                 module_params[module] = own
                 module_names[module] = name or "<root>"
-        gatherer = make_gatherer(self.comm, zc, self.accounting)
+        gatherer = make_gatherer(self.comm, zc, self.accounting, self.streams)
         if zc.allgather_sequential is True:
             for sp in self.sharded:
                 sp.gather_sequential = True

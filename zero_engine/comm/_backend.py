@@ -130,6 +130,10 @@ class CollectiveIssuer:
         self.backend = str(backend)
         self.world_size = world_size
         self.support = support_for(self.backend)
+        if "nccl" in self.backend.lower():
+            # NCCL runs all_gather_into_tensor, reduce_scatter_tensor and AVG natively: never emulate on that path
+            # (an emulation would add a full-size copy per reduce-scatter and hide a real NCCL error).
+            self.support = BackendSupport(all_gather_single=True, reduce_scatter_single=True, avg=True)
 
     # -- avg ---------------------------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ __all__ = ["GatheredParameters"]
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     x = t.detach().reshape(-1).double()
-    weights = torch.arange(x.numel(), dtype=torch.float64) % 251 + 1  # order-sensitive, cheap
+    weights = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 251 + 1  # order-sensitive, cheap
     return torch.stack([x.sum(), (x * weights).sum()])
 
 
