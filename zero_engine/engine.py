@@ -29,6 +29,7 @@ from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
+from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
@@ -87,15 +88,22 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
                                  collective_timeout_s=ze.collective_timeout_s)
         self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
+        claim_model(model, self)
+        broadcast_initial_state(model, self.comm)
+        self._snapshot = ModelSnapshot(model)
         self.accounting = MemoryAccounting()
         self.compute_dtype = compute_dtype_of(self.config)
         if self.stage == 0 and self.compute_dtype != torch.float32:
             raise NotImplementedError("fp16/bf16 at zero_optimization.stage 0 is not supported yet; use stage 1, "
                                       "which keeps fp32 master weights sharded")
         self.loss_scaler = make_loss_scaler(self.config.fp16)
+        self.nonfinite = NonFiniteSteps(self.comm, self.config.zero_engine.max_consecutive_skipped_steps,
+                                        loss_scaled=self.loss_scaler is not None,
+                                        has_values=next(model.parameters(), torch.empty(0)).device.type != "meta")
         self.skipped_steps = 0
         self.global_steps = 0
         self.micro_steps = 0
+        self._stepped_at_micro_step = 0  # the boundary the last step() consumed: each is consumed once
         self._awaiting_step = False  # a backward() has run since the last step() (see deepspeed_api.py)
         self._backwards_since_update = 0  # gradients accumulated since the last applied step
         self._step_applied = False
@@ -167,8 +175,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 self.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
             return
 
+        persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
         for sp in self.sharded:
-            sp.is_persistent = sp.numel <= zc.param_persistence_threshold
+            sp.is_persistent = sp.numel <= min(zc.param_persistence_threshold, persistent_budget)
+            if sp.is_persistent:
+                persistent_budget -= sp.numel
             if not sp.is_persistent and sp.is_available:
                 sp.release()
         module_params, module_names = {}, {}
@@ -228,15 +239,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=self.comm.world_size,
                                                       rank=self.comm.rank)
         return torch.utils.data.DataLoader(training_data, batch_size=self.config.train_micro_batch_size_per_gpu,
-                                           sampler=sampler, collate_fn=collate_fn)
+                                           sampler=sampler, collate_fn=collate_fn,
+                                           drop_last=self.config.dataloader_drop_last)
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.progress.phase = "forward"
         if self._step_started is None:
             self._step_started = time.perf_counter()
-        if self.coordinator is not None and self.module.training and torch.is_grad_enabled():
-            self.coordinator.begin_step()
+        if self.module.training and torch.is_grad_enabled():
+            self._snapshot.check(self.module)
+            if self.coordinator is not None:
+                self.coordinator.begin_step()
         if self.compute_dtype != torch.float32:  # float inputs follow the parameters' dtype; outputs are as computed
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         return self.module(*args, **kwargs)
@@ -252,13 +266,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         self._last_loss = loss.detach()
+        self.nonfinite.note_loss(loss)
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
         self.progress.phase = "backward"
         with profile_range("zero3::backward"):
-            scaled.backward(retain_graph=retain_graph)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                discard_failed_backward(self)
+                raise
         if self.stage >= 2 and self._backward_ends == ends:
             self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
         self._backwards_since_update += 1
@@ -294,6 +313,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._step_applied = False
         if not at_boundary:
             return
+        if self.micro_steps == self._stepped_at_micro_step:
+            log.warning("rank %d: step() called again at step %d without a backward since the last update: the "
+                        "accumulation boundary was already consumed; nothing to do", self.comm.rank, self.global_steps)
+            return
+        self._stepped_at_micro_step = self.micro_steps
         self.progress.phase = "step"
         if self.config.zero_engine.step_fingerprint:
             check_step_fingerprint(self.comm)  # before anything is reduced or updated
@@ -304,19 +328,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
                         self.reducer.add(sp, sp.param.grad)
                         sp.param.grad = None
             self.reducer.finish()
+        # A non-finite global norm (any rank) skips the update everywhere; see guards.NonFiniteSteps.
         result = self.optimizer.step(
             loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0,
-            skip_if_nonfinite=self.loss_scaler is not None or self.config.bf16.check_grad_overflow)
+            skip_if_nonfinite=self.nonfinite.has_values)
         self.optimizer.zero_grad()
         self._backwards_since_update = 0
         if self.loss_scaler is not None:
             self.loss_scaler.update(result.overflow)
-        if result.overflow and (self.loss_scaler is not None or self.config.bf16.check_grad_overflow):
+        if result.overflow:
             self.skipped_steps += 1  # parameters, optimizer states and the LR schedule are untouched
-            if self.loss_scaler is None:
-                log.warning("rank %d: non-finite gradients at step %d: step skipped (bf16.check_grad_overflow)",
-                            self.comm.rank, self.global_steps)
-        else:
+        self.nonfinite.after_step(result.overflow, self.global_steps)
+        if not result.overflow:
             if self.stage >= 1:
                 stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from new shards
                 if stale:
@@ -468,8 +491,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        """Collective. Returns ``(path, client_state)``; works at a different world size than the save."""
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, missing_ok=False):
+        """Collective. Returns ``(path, client_state)``; works at a different world size than the save.
+        A missing ``load_dir`` is an error unless ``missing_ok=True`` (then ``(None, None)``, as DeepSpeed)."""
         from .checkpoint import load_checkpoint
 
         _refuse_if(not load_module_strict, "load_checkpoint(load_module_strict=False)",
@@ -477,7 +501,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         _refuse_if(custom_load_fn is not None, "load_checkpoint(custom_load_fn=...)",
                    "the sharded format is read by zero_engine.checkpoint only")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               missing_ok=missing_ok)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: gathers layer by layer onto rank 0, which writes a plain state dict in the compute dtype."""

@@ -151,6 +151,21 @@ class GradReducer:
         self._in_flight.clear()
         self._next_launch = 0
 
+    def discard(self) -> None:
+        """After a backward that raised: wait for reductions already issued (every rank issued them), then drop
+        half-filled buckets and every accumulated gradient shard. The next backward starts a new window."""
+        for bucket in self._in_flight:
+            for pending in bucket.pending or ():
+                pending.wait()
+        for bucket in self.buckets:
+            if bucket.send is not None:
+                self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
+            bucket.send = bucket.recv = bucket.pending = None
+            bucket.received.clear()
+        self._in_flight.clear()
+        self._next_launch = 0
+        self.zero_grad()
+
     # ---- the optimizer's side ----------------------------------------------------------------------------------
     def shard_grad(self, p: ShardedParam) -> torch.Tensor | None:
         bucket = self._bucket_of[id(p)]
@@ -245,8 +260,14 @@ class GradReducer:
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int) -> None:
-    """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time.
+
+    Every parameter takes part, in the fixed order of ``params``: one that got no gradient on this rank (a branch
+    not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     start = 0
     while start < len(grads):
         end, size = start, 0
