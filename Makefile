@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Fewer threads per simulated rank: several ranks share this machine's cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean gpu-check
 
 install: $(STAMP)
 
@@ -26,6 +26,17 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/compare.py
+
+# On a GPU machine with a CUDA torch already installed: no venv, no package index; the Python given is used as is
+# (make gpu-check PYTHON=python3). Without CUDA it stops at once with exit status 2 and says so.
+# Results: bench/results/gpu_check.{json,md}. See README "Running on GPUs".
+GPU_ENV := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) OMP_NUM_THREADS=$(OMP_NUM_THREADS)
+gpu-check:
+	@$(GPU_ENV) $(PYTHON) -c "import sys, torch; ok = torch.cuda.is_available(); \
+	print('gpu-check: torch', torch.__version__, 'on', torch.cuda.get_device_name() if ok else 'no CUDA device', \
+	file=sys.stdout if ok else sys.stderr); sys.exit(0 if ok else 2)"
+	$(GPU_ENV) $(PYTHON) -m pytest -q -rs tests/test_cuda.py tests/test_device.py tests/test_ops.py -k "cuda or fused or device or stream or pinned or save_16bit or fingerprint or place"
+	$(GPU_ENV) $(PYTHON) bench/gpu_check.py --out bench/results/gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

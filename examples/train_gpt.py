@@ -31,6 +31,7 @@ def parse_args():
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--losses", default=None, help="rank 0 writes the per-step losses to this JSON file")
     parser.add_argument("--timeline", default=None,
                         help="record a memory timeline to TIMELINE.rankN.jsonl (draw it with `zero-engine plot`)")
     return parser.parse_args()
@@ -94,6 +95,9 @@ def main() -> None:
             progress(step, args.steps, losses[-1], times[-1])
     if rank == 0 and sys.stdout.isatty():
         print()
+    if rank == 0 and args.losses:
+        with open(args.losses, "w") as f:
+            json.dump(losses, f)
 
     stats = engine.memory_stats()
     states = engine.model_state_bytes(stats)
@@ -115,6 +119,8 @@ def main() -> None:
         comm = engine.comm_stats()
         print("communication: " + ", ".join(f"{k} {v['calls']} calls {mib(v['bytes']).strip()}"
                                             for k, v in comm.items() if v["calls"]))
+    # Every rank done, nothing in flight, watchdog stopped; only then the group goes (see engine.destroy()).
+    engine.destroy()
     dist.destroy_process_group()
 
 

@@ -173,44 +173,55 @@ def test_emulated_collectives_match_native_results_and_counters(world_size):
         assert result["stats"]["all_gather"] == {"calls": 2, "bytes": 2 * shard * world_size * 4}
 
 
-def _backend_refuses_reduce_scatter() -> list:
-    """A backend that refuses the single-tensor reduce-scatter at dispatch makes every rank switch to emulation."""
+def _native_error_mentioning_support() -> list:
+    """A native op failing with a message that contains "support" must be re-raised, and nothing process-wide may
+    change: the next collective is issued exactly as on the other ranks."""
     comm = Communicator()
     support = _backend.support_for(comm.backend)
-    saved_support = support.reduce_scatter_single
+    before = (support.all_gather_single, support.reduce_scatter_single, support.avg)
     native = _backend._reduce_scatter_single
     calls = []
 
-    def refuse(*args, **kwargs):
+    def fail_on_rank_1(*args, **kwargs):
         calls.append(1)
-        raise RuntimeError("no support for _reduce_scatter_base in Gloo process group")
+        if comm.rank == 1 and len(calls) == 1:
+            raise RuntimeError("unsupported tensor layout (a bug, not a missing backend op)")
+        return native(*args, **kwargs)
 
-    support.reduce_scatter_single = None
-    _backend._reduce_scatter_single = refuse
+    _backend._reduce_scatter_single = fail_on_rank_1
+    raised = None
     try:
         output = torch.empty(2)
+        if comm.rank == 1:
+            try:
+                comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size), op="sum")
+            except RuntimeError as error:
+                raised = str(error)
+        else:
+            raised = "rank 0 skips the first call"
         comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size) * (comm.rank + 1), op="sum")
-        comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size) * (comm.rank + 1), op="sum")
-        decided = support.reduce_scatter_single
     finally:
         _backend._reduce_scatter_single = native
-        support.reduce_scatter_single = saved_support
-    return [output.tolist(), len(calls), decided]
+    after = (support.all_gather_single, support.reduce_scatter_single, support.avg)
+    return [output.tolist(), raised, before == after]
 
 
-def test_unsupported_native_collective_falls_back_once_on_every_rank():
-    results = run_ranks(_backend_refuses_reduce_scatter, 2, timeout=RANK_TIMEOUT_S)
-    for output, native_attempts, decided in results:
-        assert output == [3.0, 3.0]  # 1 + 2
-        assert native_attempts == 1, "the native op is tried once, then the decision is cached"
-        assert decided is False
+def test_a_native_error_is_reraised_and_changes_nothing_process_wide():
+    for output, raised, unchanged in run_ranks(_native_error_mentioning_support, 2, timeout=RANK_TIMEOUT_S):
+        assert output == [3.0, 3.0]  # 1 + 2: both ranks issued the same native reduce-scatter afterwards
+        assert raised is not None
+        assert unchanged
 
 
-def test_unrelated_backend_errors_are_not_mistaken_for_missing_support():
-    assert _backend._is_unsupported_error(RuntimeError("Cannot use ReduceOp.AVG with Gloo"))
-    assert _backend._is_unsupported_error(RuntimeError("no support for _allgather_base in Gloo process group"))
-    assert not _backend._is_unsupported_error(RuntimeError("invalid tensor size at index 0 (expected (3), got (4))"))
-    assert not _backend._is_unsupported_error(KeyError("support"))
+def test_native_or_emulated_is_a_function_of_backend_name_and_torch_version():
+    everything = ("all_gather_single", "reduce_scatter_single", "avg")
+    decide = _backend.decide_support
+    assert all(getattr(decide("gloo", (2, 13)), name) for name in everything)
+    assert not any(getattr(decide("gloo", (2, 4)), name) for name in everything)
+    assert all(getattr(decide("nccl", (2, 4)), name) for name in everything)
+    assert not any(getattr(decide("mpi", (2, 13)), name) for name in everything)  # unknown: emulate
+    assert not decide("cpu:gloo,cuda:nccl", (2, 4)).avg and decide("cpu:gloo,cuda:nccl", (2, 13)).avg
+    assert not hasattr(_backend, "_is_unsupported_error")  # no decision is ever taken from an error message
 
 
 # -- debug mode: mismatched collectives become errors on every rank ----------------------------------------------

@@ -228,9 +228,7 @@ def _gathered_body(precision):
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = GPT(GPTConfig())
-    engine, *_ = zero_engine.initialize(model=model, config=config(3, precision, gas=1,
-                                                                   stage3_param_persistence_threshold=0)
-                                        if precision == "fp16" else config(3, precision, gas=1))
+    engine, *_ = zero_engine.initialize(model=model, config=config(3, precision, gas=1))
     w = model.lm_head.weight
     results = {}
     try:
@@ -256,20 +254,33 @@ def _gathered_body(precision):
                 w.mul_(2)
     except RuntimeError as e:
         results["edit_error"] = str(e)
+    # Training goes on from the edited values: the engine's loss equals one computed in this process from the
+    # parameters read back through GatheredParameters, and the step moves the edited weight away from 0.5.
     x, y = make_batches(model.cfg, 1, 2)[0]
+    plain = GPT(GPTConfig())
+    with GatheredParameters(list(model.parameters())):
+        plain.load_state_dict({name: p.detach().float() for name, p in model.named_parameters()}, strict=False)
+    results["plain_loss"] = plain(x, y).item()
     loss = engine(x, y)
     engine.backward(loss)
     engine.step()
+    results["loss"] = loss.item()
+    with GatheredParameters(w):
+        results["moved_from_edit"] = bool(torch.isfinite(w.float()).all()) and not bool((w == 0.5).all())
     return results
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_gathered_parameters(precision):
     for r in run_ranks(_gathered_body, 2, precision, timeout=TIMEOUT):
         assert "GatheredParameters" in r["read_error"] and "wte.weight" in r["read_error"]
         assert r["shape_inside"] == (97, 33) and r["still_full"] == 97 * 33 and r["released_after"] == 0
         assert r["shard_after_edit"] and r["master_after_edit"]
         assert "modifier_rank" in r["edit_error"] and "wte.weight" in r["edit_error"]
+        # fp32: the same sums in the same order; 16-bit: the engine computes in the 16-bit dtype.
+        tolerance = 1e-6 if precision == "fp32" else 2e-2
+        assert abs(r["loss"] - r["plain_loss"]) <= tolerance * abs(r["plain_loss"]), (r["loss"], r["plain_loss"])
+        assert r["moved_from_edit"]
 
 
 def test_fp16_at_stage_0_is_refused_clearly():

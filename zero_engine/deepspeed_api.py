@@ -240,7 +240,9 @@ class DeepSpeedEngineAPI:
 
     @property
     def device(self) -> torch.device:
-        """The device the engine computes on: the parameters' device."""
+        """The device the engine computes on: where initialize() placed the parameters (zero_engine.device)."""
+        if getattr(self, "_device", None) is not None:
+            return self._device
         for p in self.module.parameters():
             return p.device
         return torch.device("cpu")
@@ -260,14 +262,6 @@ class DeepSpeedEngineAPI:
         only shards stay until the next forward gathers again. Call it outside forward/backward."""
         if self.coordinator is not None:  # stages 0-2 keep parameters whole by design: nothing is cached
             self.coordinator.release_all()
-
-    def destroy(self) -> None:
-        """Stop training with this engine: wait for gathers in flight, release gathered parameters and remove the
-        module hooks, so the model no longer gathers on forward. Parameters stay partitioned (read them with
-        GatheredParameters or zero_engine.utils.safe_get_full_fp32_param). Calling it twice is harmless."""
-        if self.coordinator is not None:
-            self.coordinator.release_all()
-            self.hooks.remove()
 
     # ---- DeepSpeed features zero_engine refuses by name (docs/deepspeed_compat.md says why) -----------------------
     def offload_states(self, include=None, device=None, pin_memory=True, non_blocking=False):

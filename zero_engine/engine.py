@@ -27,8 +27,11 @@ from torch.utils._pytree import tree_map
 
 from ._profiling import profile_range
 from .comm import Communicator, init_distributed
+from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
+from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward
 from .deepspeed_api import DeepSpeedEngineAPI
+from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
@@ -39,6 +42,7 @@ from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
+from .zero.streams import CommStreams
 
 log = logging.getLogger("zero_engine.engine")
 
@@ -63,24 +67,43 @@ class ZeroEngine(DeepSpeedEngineAPI):
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.config = config if isinstance(config, EngineConfig) else load_config(config, world_size=world,
                                                                                    model=model)
-        if not dist.is_initialized():
+        created_group = not dist.is_initialized()
+        if created_group:
             init_distributed(timeout_s=self.config.zero_engine.collective_timeout_s)
+        elif self.config.zero_engine.stall_timeout_s == 0 and dist.get_world_size() > 1:
+            log.warning("zero_engine.collective_timeout_s=%g is not enforced: the process group was created before "
+                        "the engine (its own timeout applies) and zero_engine.stall_timeout_s=0 turns off the "
+                        "watchdog that enforces it; set stall_timeout_s > 0 or create the group with that timeout",
+                        self.config.zero_engine.collective_timeout_s)
         if self.config.world_size != dist.get_world_size():
             raise ValueError(f"config: resolved for a world of {self.config.world_size} ranks, running on "
                              f"{dist.get_world_size()}; load it with world_size={dist.get_world_size()}")
         zc = self.config.zero_optimization
         self.stage = zc.stage
         self.module = model
-        self.comm = Communicator(debug=self.config.zero_engine.debug_collectives)
+        # every buffer below is allocated on the parameters' device: put them on this rank's (device.py)
+        self._device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
+        self.streams = CommStreams(self._device)  # side streams on CUDA, no-ops elsewhere (zero/streams.py)
+        ze = self.config.zero_engine
+        self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
+                                 collective_timeout_s=ze.collective_timeout_s)
+        self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
+        claim_model(model, self)
+        broadcast_initial_state(model, self.comm)
+        self._snapshot = ModelSnapshot(model)
         self.accounting = MemoryAccounting()
         self.compute_dtype = compute_dtype_of(self.config)
         if self.stage == 0 and self.compute_dtype != torch.float32:
             raise NotImplementedError("fp16/bf16 at zero_optimization.stage 0 is not supported yet; use stage 1, "
                                       "which keeps fp32 master weights sharded")
         self.loss_scaler = make_loss_scaler(self.config.fp16)
+        self.nonfinite = NonFiniteSteps(self.comm, self.config.zero_engine.max_consecutive_skipped_steps,
+                                        loss_scaled=self.loss_scaler is not None,
+                                        has_values=next(model.parameters(), torch.empty(0)).device.type != "meta")
         self.skipped_steps = 0
         self.global_steps = 0
         self.micro_steps = 0
+        self._stepped_at_micro_step = 0  # the boundary the last step() consumed: each is consumed once
         self._awaiting_step = False  # a backward() has run since the last step() (see deepspeed_api.py)
         self._backwards_since_update = 0  # gradients accumulated since the last applied step
         self._step_applied = False
@@ -138,21 +161,25 @@ class ZeroEngine(DeepSpeedEngineAPI):
                                    # gradients in 16-bit loses bits at every hop of the reduction
                                    reduce_dtype=DTYPES[comm_dtype] if comm_dtype else torch.float32,
                                    grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
-                                   accounting=self.accounting)
+                                   accounting=self.accounting, streams=self.streams)
         if self.stage >= 2:
             for sp in trainable:
                 sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
         if self.stage < 3:
             for sp in self.sharded:
                 sp.is_persistent = True
-            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting)
+            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting,
+                                                    self.streams)
             partitioned = [sp for sp in self.sharded if not sp.is_available]  # built under zero.Init
             if partitioned:
                 self.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
             return
 
+        persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
         for sp in self.sharded:
-            sp.is_persistent = sp.numel <= zc.param_persistence_threshold
+            sp.is_persistent = sp.numel <= min(zc.param_persistence_threshold, persistent_budget)
+            if sp.is_persistent:
+                persistent_budget -= sp.numel
             if not sp.is_persistent and sp.is_available:
                 sp.release()
         module_params, module_names = {}, {}
@@ -163,7 +190,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if own:
                 module_params[module] = own
                 module_names[module] = name or "<root>"
-        gatherer = make_gatherer(self.comm, zc, self.accounting)
+        gatherer = make_gatherer(self.comm, zc, self.accounting, self.streams)
         if zc.allgather_sequential is True:
             for sp in self.sharded:
                 sp.gather_sequential = True
@@ -212,14 +239,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=self.comm.world_size,
                                                       rank=self.comm.rank)
         return torch.utils.data.DataLoader(training_data, batch_size=self.config.train_micro_batch_size_per_gpu,
-                                           sampler=sampler, collate_fn=collate_fn)
+                                           sampler=sampler, collate_fn=collate_fn,
+                                           drop_last=self.config.dataloader_drop_last)
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.progress.phase = "forward"
         if self._step_started is None:
             self._step_started = time.perf_counter()
-        if self.coordinator is not None and self.module.training and torch.is_grad_enabled():
-            self.coordinator.begin_step()
+        if self.module.training and torch.is_grad_enabled():
+            self._snapshot.check(self.module)
+            if self.coordinator is not None:
+                self.coordinator.begin_step()
         if self.compute_dtype != torch.float32:  # float inputs follow the parameters' dtype; outputs are as computed
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         return self.module(*args, **kwargs)
@@ -235,12 +266,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         self._last_loss = loss.detach()
+        self.nonfinite.note_loss(loss)
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
+        self.progress.phase = "backward"
         with profile_range("zero3::backward"):
-            scaled.backward(retain_graph=retain_graph)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                discard_failed_backward(self)
+                raise
         if self.stage >= 2 and self._backward_ends == ends:
             self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
         self._backwards_since_update += 1
@@ -276,6 +313,14 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._step_applied = False
         if not at_boundary:
             return
+        if self.micro_steps == self._stepped_at_micro_step:
+            log.warning("rank %d: step() called again at step %d without a backward since the last update: the "
+                        "accumulation boundary was already consumed; nothing to do", self.comm.rank, self.global_steps)
+            return
+        self._stepped_at_micro_step = self.micro_steps
+        self.progress.phase = "step"
+        if self.config.zero_engine.step_fingerprint:
+            check_step_fingerprint(self.comm)  # before anything is reduced or updated
         if self.stage == 1:  # gradients accumulated whole across micro-steps; reduce once now
             for bucket in self.reducer.buckets:
                 for sp in bucket.params:
@@ -283,19 +328,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
                         self.reducer.add(sp, sp.param.grad)
                         sp.param.grad = None
             self.reducer.finish()
+        # A non-finite global norm (any rank) skips the update everywhere; see guards.NonFiniteSteps.
         result = self.optimizer.step(
             loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0,
-            skip_if_nonfinite=self.loss_scaler is not None or self.config.bf16.check_grad_overflow)
+            skip_if_nonfinite=self.nonfinite.has_values)
         self.optimizer.zero_grad()
         self._backwards_since_update = 0
         if self.loss_scaler is not None:
             self.loss_scaler.update(result.overflow)
-        if result.overflow and (self.loss_scaler is not None or self.config.bf16.check_grad_overflow):
+        if result.overflow:
             self.skipped_steps += 1  # parameters, optimizer states and the LR schedule are untouched
-            if self.loss_scaler is None:
-                log.warning("rank %d: non-finite gradients at step %d: step skipped (bf16.check_grad_overflow)",
-                            self.comm.rank, self.global_steps)
-        else:
+        self.nonfinite.after_step(result.overflow, self.global_steps)
+        if not result.overflow:
             if self.stage >= 1:
                 stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from new shards
                 if stale:
@@ -304,6 +348,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True
         self.global_steps += 1
+        self.progress.step = self.global_steps
         if self.timeline is not None:
             self._record_timeline("step")
             self.timeline.flush()
@@ -328,6 +373,34 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.timeline.record(self.global_steps, event, {
             "params_gathered": gathered, "grads": self.reducer.grad_bytes if self.reducer is not None else 0,
             "comm_buffers": self.accounting.current["comm_buffers"]})
+
+    # ---- shutdown ------------------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Finish everything in flight and stop the watchdog; call on every rank before
+        ``torch.distributed.destroy_process_group()``. Safe to call twice; the engine cannot train afterwards: the
+        module hooks are removed and parameters stay partitioned (read them with GatheredParameters or
+        zero_engine.utils.safe_get_full_fp32_param).
+
+        Waits for this rank's gathers still in flight (stray prefetches) and releases
+        gathered parameters; then every rank waits for the others to be done too (through the store, with the
+        watchdog; a barrier without it), so that no rank tears its process group down while a peer still exchanges
+        with it. A rank still waiting in a collective this rank never issued gets RankDivergenceError instead of a
+        hang, and so does this rank. After a DistributedError the group is unusable and only the local part runs.
+        See [Note: clean shutdown] in comm/watchdog.py.
+        """
+        if getattr(self, "_destroyed", False):
+            return
+        self._destroyed = True
+        self.progress.phase = "destroy"
+        watchdog = self.comm.watchdog
+        try:
+            if watchdog is None or not watchdog.failed:
+                if self.coordinator is not None:
+                    self.coordinator.release_all()  # waits for stray prefetches; reductions complete in step()
+            if self.coordinator is not None:
+                self.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
+        finally:
+            self.comm.close()
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -418,8 +491,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        """Collective. Returns ``(path, client_state)``; works at a different world size than the save."""
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, missing_ok=False):
+        """Collective. Returns ``(path, client_state)``; works at a different world size than the save.
+        A missing ``load_dir`` is an error unless ``missing_ok=True`` (then ``(None, None)``, as DeepSpeed)."""
         from .checkpoint import load_checkpoint
 
         _refuse_if(not load_module_strict, "load_checkpoint(load_module_strict=False)",
@@ -427,7 +501,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         _refuse_if(custom_load_fn is not None, "load_checkpoint(custom_load_fn=...)",
                    "the sharded format is read by zero_engine.checkpoint only")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               missing_ok=missing_ok)
 
     def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
         """Collective: gathers layer by layer onto rank 0, which writes a plain state dict in the compute dtype."""

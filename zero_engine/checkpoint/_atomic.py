@@ -7,31 +7,52 @@ and checksum), fsyncs the staging directory, and renames it to ``<save_dir>/<tag
 replaced, by writing ``latest.tmp``, fsyncing it and renaming it over ``latest``. So at every instant:
 
 - a crash while ranks write (any rank, any byte) leaves only a staging directory: the previous checkpoint and
-  ``latest`` are untouched; the next save removes the leftover;
+  ``latest`` are untouched; a later save removes the leftover once it is provably abandoned (below);
 - ``<tag>`` either does not exist or is complete (renames are atomic), and ``latest`` names a complete directory.
 
 Saving a tag that already exists must not leave a moment with no complete copy: the old directory is first renamed
 to ``.<tag>.previous``, the new one renamed in, and the old one deleted. A crash between the two renames leaves
 ``.<tag>.previous`` complete; ``resolve_checkpoint`` falls back to it (reading only: loading never modifies a
 checkpoint), and the next save of that tag cleans up.
+
+[Note: several jobs, one save_dir]
+Two jobs may save into the same directory (a restarted job while the old one still runs, two experiments sharing a
+path). A save must never remove a staging directory another job is still writing. So a staging directory is named
+after its job (``.<tag>.tmp-<host>-<pid>-<nonce>``, rank 0's process) and holds ``.owner.json`` (host, pid, the
+process's start time, nonce). A save removes another staging directory only when it is provably abandoned: its
+owner ran on this host and that process is gone (pid not running, or running but started at another time: the pid
+was reused); or its owner ran elsewhere (liveness cannot be checked from here) and nothing in it was modified for
+``STALE_STAGING_S``. Before the rename, rank 0 checks that every file the ranks reported is in the staging directory
+with the size they wrote, so a directory emptied by anything else is never published (the SHA-256 of each file is
+in metadata.json and checked at load). ``latest`` is replaced through a job-private temporary file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
+import socket
+import time
+import uuid
+
+import psutil
 
 from ._errors import CheckpointError
 from ._metadata import LATEST_FILE, METADATA_FILE
 
 log = logging.getLogger("zero_engine.checkpoint")
 
-__all__ = ["check_tag", "staging_dir", "remove_stale_staging", "publish", "write_latest", "resolve_checkpoint",
-           "fsync_dir"]
+__all__ = ["check_tag", "create_staging", "remove_stale_staging", "publish", "write_latest", "resolve_checkpoint",
+           "fsync_dir", "STALE_STAGING_S"]
 
-_STAGING = re.compile(r"^\..+\.tmp-[0-9a-f]+$")
+_STAGING = re.compile(r"^\..+\.tmp-.+$")
+_OWNER_FILE = ".owner.json"
+_HOST = socket.gethostname()
+# A staging directory of another host (or without an owner file) untouched this long is taken as abandoned.
+STALE_STAGING_S = 24 * 3600.0
 
 
 def check_tag(tag: str) -> str:
@@ -43,8 +64,61 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def staging_dir(save_dir: str, tag: str, nonce: str) -> str:
-    return os.path.join(save_dir, f".{tag}.tmp-{nonce}")
+def _process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started (None: no such process); with the pid it identifies a process uniquely."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:
+        return -1.0  # it exists (another user's); its start time is unknown
+
+
+def create_staging(save_dir: str, tag: str, nonce: str | None = None, owner_pid: int | None = None) -> str:
+    """Create ``<save_dir>/.<tag>.tmp-<host>-<pid>-<nonce>`` owned by process ``owner_pid`` (default: this one).
+
+    See [Note: several jobs, one save_dir]."""
+    pid = os.getpid() if owner_pid is None else owner_pid
+    nonce = nonce or uuid.uuid4().hex[:16]
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", _HOST)
+    path = os.path.join(save_dir, f".{tag}.tmp-{host}-{pid}-{nonce}")
+    os.mkdir(path)
+    owner = {"host": _HOST, "pid": pid, "started": _process_start_time(pid), "nonce": nonce}
+    with open(os.path.join(path, _OWNER_FILE), "x") as f:
+        json.dump(owner, f)
+    return path
+
+
+def _last_modified(path: str) -> float:
+    newest = os.stat(path).st_mtime
+    for root, dirs, files in os.walk(path):
+        for name in files + dirs:
+            try:
+                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                pass
+    return newest
+
+
+def _abandoned_because(path: str) -> str | None:
+    """Why the staging directory at ``path`` is provably abandoned, or None when it may still be written."""
+    try:
+        with open(os.path.join(path, _OWNER_FILE)) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        owner = None
+    if isinstance(owner, dict) and owner.get("host") == _HOST and isinstance(owner.get("pid"), int):
+        started = _process_start_time(owner["pid"])
+        if started is None:
+            return f"its owner, pid {owner['pid']} on this host, has exited"
+        if started != -1.0 and owner.get("started") not in (None, started):
+            return f"its owner, pid {owner['pid']} on this host, has exited (the pid now names another process)"
+        return None
+    age = time.time() - _last_modified(path)
+    if age > STALE_STAGING_S:
+        where = f"owned by host {owner.get('host')}" if isinstance(owner, dict) else "without an owner file"
+        return f"{where}, nothing written in it for {age / 3600:.1f} h"
+    return None
 
 
 def _previous_dir(save_dir: str, tag: str) -> str:
@@ -61,20 +135,50 @@ def fsync_dir(path: str) -> None:
 
 
 def remove_stale_staging(save_dir: str) -> list[str]:
-    """Delete staging directories left by saves that crashed; returns their names."""
+    """Delete staging directories left by saves that provably crashed; returns their names.
+
+    Another job's save in progress is left alone (see [Note: several jobs, one save_dir])."""
     removed = []
-    for name in os.listdir(save_dir):
-        if _STAGING.match(name) and os.path.isdir(os.path.join(save_dir, name)):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-            removed.append(name)
-    if removed:
-        log.warning("removed %d incomplete checkpoint(s) left by an earlier save that did not finish: %s",
-                    len(removed), ", ".join(removed))
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if not (_STAGING.match(name) and os.path.isdir(path)):
+            continue
+        reason = _abandoned_because(path)
+        if reason is None:
+            log.info("left %s alone: another save may still be writing it", path)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed incomplete checkpoint %s left by a save that did not finish (%s)", path, reason)
+        removed.append(name)
     return removed
 
 
-def publish(save_dir: str, staging: str, tag: str) -> str:
-    """Rename a complete, fsynced staging directory to ``<save_dir>/<tag>`` (see [Note: crash consistency])."""
+def check_staged_files(staging: str, expected_files: dict[str, int]) -> None:
+    """Every file the ranks reported is in ``staging`` with the size they wrote, else CheckpointError."""
+    problems = []
+    for name, nbytes in sorted(expected_files.items()):
+        try:
+            size = os.stat(os.path.join(staging, name)).st_size
+        except FileNotFoundError:
+            problems.append(f"{name}: missing")
+            continue
+        if size != nbytes:
+            problems.append(f"{name}: {size} bytes, expected {nbytes}")
+    if problems:
+        raise CheckpointError(f"not publishing {staging}: it does not hold what the ranks wrote ({'; '.join(problems)})"
+                              "; was it removed or changed by another job saving into the same directory?")
+
+
+def publish(save_dir: str, staging: str, tag: str, expected_files: dict[str, int] | None = None) -> str:
+    """Rename a complete, fsynced staging directory to ``<save_dir>/<tag>`` (see [Note: crash consistency]).
+
+    ``expected_files``: name -> size of every file the ranks wrote; checked before anything is renamed."""
+    if expected_files is not None:
+        check_staged_files(staging, expected_files)
+    try:
+        os.remove(os.path.join(staging, _OWNER_FILE))  # bookkeeping of the save, not part of the checkpoint
+    except FileNotFoundError:
+        pass
     fsync_dir(staging)
     final = os.path.join(save_dir, tag)
     previous = _previous_dir(save_dir, tag)
@@ -91,7 +195,7 @@ def publish(save_dir: str, staging: str, tag: str) -> str:
 
 def write_latest(save_dir: str, tag: str) -> None:
     path = os.path.join(save_dir, LATEST_FILE)
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # job-private: two jobs never share a temporary
     with open(tmp, "w") as f:
         f.write(tag)
         f.flush()
@@ -108,21 +212,33 @@ def _tags_in(directory: str) -> list[str]:
         return []
 
 
-def resolve_checkpoint(load_dir: str, tag: str | None) -> tuple[str, str] | None:
+def resolve_checkpoint(load_dir: str, tag: str | None, missing_ok: bool = False) -> tuple[str, str] | None:
     """``(directory, tag)`` of the checkpoint to load; None when ``tag`` is None and there is no ``latest``.
 
     ``load_dir`` is the save_dir given to save_checkpoint; a checkpoint directory itself (holding metadata.json)
-    is accepted too when no tag is given.
+    is accepted too when no tag is given. A ``load_dir`` that does not exist is an error (a typo in a resume path
+    must not silently start from scratch) unless ``missing_ok``, which returns None as DeepSpeed does.
     """
     load_dir = os.path.abspath(os.fspath(load_dir))
+    if not os.path.isdir(load_dir):
+        if missing_ok:
+            return None
+        what = "is not a directory" if os.path.exists(load_dir) else "does not exist"
+        raise CheckpointError(f"load_dir {load_dir} {what}; check the path, or pass missing_ok=True to start from "
+                              "scratch when nothing was saved there yet")
     if tag is None:
         if os.path.isfile(os.path.join(load_dir, METADATA_FILE)):
             return load_dir, os.path.basename(load_dir)
         latest = os.path.join(load_dir, LATEST_FILE)
         if not os.path.isfile(latest):
             return None
-        with open(latest) as f:
-            tag = f.read().strip()
+        try:
+            with open(latest, "rb") as f:
+                tag = f.read().decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{latest} is not UTF-8 text ({exc.reason} at byte {exc.start}); it should hold "
+                                  f"the tag of a checkpoint in {load_dir}; pass tag= (tags there: "
+                                  f"{_tags_in(load_dir)})") from None
         if not tag:
             raise CheckpointError(f"{latest} is empty; pass tag= (tags in {load_dir}: {_tags_in(load_dir)})")
     tag = check_tag(tag)

@@ -36,18 +36,20 @@ __all__ = ["load_checkpoint"]
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False):
     """Collective: restore a checkpoint saved by save_checkpoint, at this or another world size.
 
     Returns ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and ``load_dir`` has no ``latest``
-    (nothing saved yet, as DeepSpeed does). ``load_module_only``: weights (fp32 masters when saved) and buffers only,
+    (nothing saved yet, as DeepSpeed does). A ``load_dir`` that does not exist raises CheckpointError (a typo in a
+    resume path must not silently train from scratch) unless ``missing_ok=True``: then it is ``(None, None)`` too,
+    DeepSpeed's behaviour for a first run whose save_dir was not created yet. ``load_module_only``: weights (fp32 masters when saved) and buffers only,
     for fine-tuning: optimizer, scheduler, counters and RNG keep this engine's values, and the stage and dtype may
     differ from the saved ones. ``load_optimizer_states=False``: weights, scheduler and counters, fresh optimizer.
     Raises CheckpointError on every rank, naming the file or parameter, when the checkpoint is missing, corrupt or
     does not fit this engine; the engine is then unchanged.
     """
     comm = engine.comm
-    located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(load_dir, tag))
+    located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(load_dir, tag, missing_ok))
     if located is None:
         if comm.rank == 0:
             log.warning("load_checkpoint: no 'latest' file in %s: nothing loaded (pass tag= to name a checkpoint)",

@@ -3,8 +3,9 @@
 At stage 3 this needs ``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` (as in DeepSpeed);
 without it nothing is written and False is returned, since no rank holds whole weights. Each partitioned
 parameter is all-gathered on its own and released right after rank 0 copied it, so the transient cost on every
-rank is one parameter; rank 0 ends up holding the whole model once in the compute dtype (2 bytes per parameter
-for bf16/fp16), which is what it writes.
+rank is one parameter; rank 0 streams each one to host memory as it arrives, so its GPU never holds more than one
+gathered parameter either; the whole model is held once, in host memory, in the compute dtype (2 bytes per
+parameter for bf16/fp16), which is what it writes.
 """
 
 from __future__ import annotations
@@ -43,24 +44,30 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     values: dict[str, torch.Tensor] = {}
     gatherer = SequentialGather(comm)
     if engine.stage == 0 and comm.rank == 0:
-        values = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+        values = {name: to_host(p) for name, p in engine.module.named_parameters()}
     for sp in engine.sharded:
         if sp.is_available:  # stages 1-2, and persistent parameters at stage 3: already whole everywhere
             if comm.rank == 0:
-                values[sp.fqn] = sp.full[: sp.numel].view(sp.shape).clone()
+                values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))
             continue
         gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
         try:
             if comm.rank == 0:
-                values[sp.fqn] = sp.full[: sp.numel].view(sp.shape).clone()
+                values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))
         finally:
             sp.release()
     for info, buffer in buffer_items(engine.module):
-        values[info.name] = buffer.detach().clone()
+        values[info.name] = to_host(buffer)
     path = os.path.join(os.path.abspath(os.fspath(save_dir)), save_filename)
     agree(comm, f"writing {path}", lambda: _write(path, values, state_dict_layout(engine.module))
           if comm.rank == 0 else None)
     return True
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` (never a view of it): a GPU tensor is copied out at once, so rank 0's GPU holds
+    one gathered parameter at a time, not the whole model."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _write(path: str, values: dict[str, torch.Tensor], layout) -> None:

@@ -21,7 +21,7 @@ import uuid
 
 import torch
 
-from ._atomic import check_tag, publish, remove_stale_staging, staging_dir, write_latest
+from ._atomic import check_tag, create_staging, publish, remove_stale_staging, write_latest
 from ._collective import agree
 from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, FORMAT, GRADS_LOCAL, GRADS_NONE, GRADS_SHARDED,
                         CheckpointMeta, rank_file_name, state_dict_layout, write_metadata)
@@ -58,8 +58,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                              f"{comm.rank} saves {tag!r} in {save_dir}; every rank must pass the same save_dir and "
                              "tag (it is one checkpoint written by all ranks together)")
     check_tag(tag)  # after the agreement: every rank raises or none does
-    staging = staging_dir(save_dir, tag, proposals[0][2])
-    agree(comm, "creating the checkpoint directory", lambda: _prepare(save_dir, staging) if comm.rank == 0 else None)
+    staging = agree(comm, "creating the checkpoint directory",
+                    lambda: _prepare(save_dir, tag, proposals[0][2]) if comm.rank == 0 else None, share=True)[0]
     try:
         views = param_views(engine)
         reports = agree(comm, f"writing checkpoint {tag}",
@@ -78,10 +78,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     return final
 
 
-def _prepare(save_dir: str, staging: str) -> None:
+def _prepare(save_dir: str, tag: str, nonce: str) -> str:
     os.makedirs(save_dir, exist_ok=True)
     remove_stale_staging(save_dir)
-    os.mkdir(staging)
+    return create_staging(save_dir, tag, nonce)
 
 
 def _gradient_mode(engine, views: list[ParamView]) -> str:
@@ -192,7 +192,8 @@ def _finish(engine, views, reports, save_dir: str, staging: str, tag: str, save_
         files=files, config=engine.config.model_dump(mode="json"),
         versions={"zero_engine": __version__, "torch": torch.__version__})
     write_metadata(staging, meta)
-    final = publish(save_dir, staging, tag)
+    final = publish(save_dir, staging, tag, expected_files={
+        name: entry["bytes"] for name, entry in files.items()})
     if save_latest:
         write_latest(save_dir, tag)
     return final

@@ -7,12 +7,14 @@ all-reduce, broadcast) with ops sum/avg/max/min. Backends differ in what they im
   ``ReduceOp.AVG`` all work, sync and async, for float32/bfloat16/float16).
 * older gloo builds lack the single-tensor all-gather / reduce-scatter and ``ReduceOp.AVG``.
 
-[Note: native first, then emulate]
-Rather than keep a table of versions, each capability is tried natively on first use. A backend that lacks an op
-refuses it synchronously, at dispatch and before any byte is exchanged, with the same error on every rank (same
-build, same backend), so every rank switches to the emulation together and no collective is left half-issued. The
-decision is cached per backend name and logged once. An error that does not read like "unsupported" is re-raised
-untouched, so a real bug is never hidden behind an emulation.
+[Note: decided per backend, never by an error]
+What runs natively is decided from the backend's name and torch's version alone (``decide_support``), before the
+first collective, so every rank of a job (same torch, same backend) decides the same and issues the same
+collectives. Nothing is inferred from an error at run time: an earlier version tried each op and switched to the
+emulation when an error message contained "support", on one rank and process-wide, which let one rank's unrelated
+error (or a different message) make ranks issue different collectives. Now an error from a native op is always
+re-raised. A backend not in the table gets the emulations, which use only the list all-gather and SUM all-reduce
+every backend has. The decision is logged once per backend.
 
 Emulations keep async work async: the emulated collective is issued with ``async_op`` and whatever has to happen
 after it (copying this rank's slice out, dividing by the world size for "avg") is returned as a ``finalize``
@@ -22,7 +24,6 @@ callable that ``Pending.wait()`` runs once the work has completed.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -40,10 +41,6 @@ _REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
 }
 
-# Phrases backends use when they refuse an op they do not implement ("no support for _reduce_scatter_base in Gloo
-# process group", "Cannot use ReduceOp.AVG with Gloo", "... is not supported", "not implemented").
-_UNSUPPORTED_PATTERN = re.compile(r"support|cannot use|not implemented|unimplemented", re.IGNORECASE)
-
 # The single-tensor collectives were renamed in torch 2.13 (the old names still work but warn). Resolve once.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -59,33 +56,47 @@ def reduce_op(op: str) -> dist.ReduceOp:
 
 @dataclass
 class BackendSupport:
-    """What one backend runs natively. ``None`` means not tried yet (see [Note: native first, then emulate])."""
+    """What one backend runs natively (see [Note: decided per backend, never by an error])."""
 
-    all_gather_single: Optional[bool] = None
-    reduce_scatter_single: Optional[bool] = None
-    avg: Optional[bool] = None
+    all_gather_single: bool = False
+    reduce_scatter_single: bool = False
+    avg: bool = False
     logged: set = field(default_factory=set)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# Backends known to run all three natively, from the torch version on which that was checked.
+_NATIVE_SINCE = {"gloo": (2, 13), "nccl": (2, 0), "fake": (2, 0)}
+
+
+def decide_support(backend: str, torch_version: tuple[int, int] | None = None) -> BackendSupport:
+    """The capabilities of ``backend``, a pure function of its name and the torch version.
+
+    A composite backend ("cpu:gloo,cuda:nccl") runs natively only what every part runs natively."""
+    version = torch_version or _torch_version()
+    parts = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
+    native = all(name in _NATIVE_SINCE and version >= _NATIVE_SINCE[name] for name in parts)
+    return BackendSupport(all_gather_single=native, reduce_scatter_single=native, avg=native)
 
 
 _support_by_backend: dict[str, BackendSupport] = {}
 
 
 def support_for(backend: str) -> BackendSupport:
-    """The (mutable, shared) capability record for a backend name; tests may pre-set fields to force emulation."""
-    return _support_by_backend.setdefault(str(backend), BackendSupport())
-
-
-def _is_unsupported_error(error: BaseException) -> bool:
-    return isinstance(error, (RuntimeError, NotImplementedError, ValueError)) and bool(
-        _UNSUPPORTED_PATTERN.search(str(error))
-    )
-
-
-def _note_emulation(support: BackendSupport, backend: str, capability: str, how: str, error: BaseException) -> None:
-    if capability not in support.logged:
-        support.logged.add(capability)
-        logger.info("rank %d: backend %s lacks %s (%s); emulating it with %s", dist.get_rank(), backend, capability,
-                    error, how)
+    """The (shared) capability record for a backend name; tests may set fields to force the emulations."""
+    backend = str(backend)
+    if backend not in _support_by_backend:
+        support = _support_by_backend[backend] = decide_support(backend)
+        emulated = [name for name in ("all_gather_single", "reduce_scatter_single", "avg")
+                    if not getattr(support, name)]
+        if emulated:
+            logger.info("backend %s (torch %s): emulating %s with list all-gather / SUM all-reduce", backend,
+                        torch.__version__, ", ".join(emulated))
+    return _support_by_backend[backend]
 
 
 class _RunOnce:
@@ -119,24 +130,18 @@ class CollectiveIssuer:
         self.backend = str(backend)
         self.world_size = world_size
         self.support = support_for(self.backend)
+        if "nccl" in self.backend.lower():
+            # NCCL runs all_gather_into_tensor, reduce_scatter_tensor and AVG natively: never emulate on that path
+            # (an emulation would add a full-size copy per reduce-scatter and hide a real NCCL error).
+            self.support = BackendSupport(all_gather_single=True, reduce_scatter_single=True, avg=True)
 
     # -- avg ---------------------------------------------------------------------------------------------------
 
     def _reduce_with_avg_fallback(self, issue: Callable[[dist.ReduceOp], object], result: torch.Tensor, op: str,
-                                  async_op: bool, capability_name: str):
+                                  async_op: bool):
         """Run ``issue(reduce_op)``; for "avg" on a backend without AVG, issue SUM and divide when it completes."""
-        if op != "avg" or self.support.avg is not False:
-            try:
-                work = issue(reduce_op(op))
-                if op == "avg":
-                    self.support.avg = True
-                return _finish(work, None, async_op)
-            except Exception as error:  # noqa: BLE001 -- only "unsupported" errors are swallowed, see below
-                if op != "avg" or not _is_unsupported_error(error) or self.support.avg:
-                    raise
-                self.support.avg = False
-                _note_emulation(self.support, self.backend, f"ReduceOp.AVG in {capability_name}",
-                                "SUM followed by a division by the world size", error)
+        if op != "avg" or self.support.avg:
+            return _finish(issue(reduce_op(op)), None, async_op)
         work = issue(dist.ReduceOp.SUM)
         world_size = self.world_size
         return _finish(work, lambda: result.div_(world_size), async_op)
@@ -144,38 +149,19 @@ class CollectiveIssuer:
     # -- the four collectives ------------------------------------------------------------------------------------
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
-        if self.support.all_gather_single is not False:
-            try:
-                work = _all_gather_single(output, input, group=self.group, async_op=async_op)
-                self.support.all_gather_single = True
-                return _finish(work, None, async_op)
-            except Exception as error:  # noqa: BLE001
-                if not _is_unsupported_error(error) or self.support.all_gather_single:
-                    raise
-                self.support.all_gather_single = False
-                _note_emulation(self.support, self.backend, "all_gather_into_tensor",
-                                "all_gather into per-rank views of the output", error)
+        if self.support.all_gather_single:
+            return _finish(_all_gather_single(output, input, group=self.group, async_op=async_op), None, async_op)
         # The per-rank chunks are views of `output`, so the list form writes straight into it: no extra copy.
         chunks = list(output.view(-1).chunk(self.world_size))
         work = dist.all_gather(chunks, input.reshape(-1), group=self.group, async_op=async_op)
         return _finish(work, None, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, async_op: bool):
-        if self.support.reduce_scatter_single is not False:
-            try:
-                issued = self._reduce_with_avg_fallback(
-                    lambda torch_op: _reduce_scatter_single(output, input, op=torch_op, group=self.group,
-                                                            async_op=async_op),
-                    output, op, async_op, "reduce_scatter_tensor")
-                self.support.reduce_scatter_single = True
-                return issued
-            except Exception as error:  # noqa: BLE001
-                # Once it has worked natively, a later failure is a real error, never a reason to emulate.
-                if not _is_unsupported_error(error) or self.support.reduce_scatter_single:
-                    raise
-                self.support.reduce_scatter_single = False
-                _note_emulation(self.support, self.backend, "reduce_scatter_tensor",
-                                "all_reduce of a copy of the input, then a copy of this rank's slice", error)
+        if self.support.reduce_scatter_single:
+            return self._reduce_with_avg_fallback(
+                lambda torch_op: _reduce_scatter_single(output, input, op=torch_op, group=self.group,
+                                                        async_op=async_op),
+                output, op, async_op)
         # Emulation costs one temporary copy of the full input (the caller's input must stay untouched).
         reduced = input.detach().reshape(-1).clone()
         rank = dist.get_rank(self.group)
@@ -184,16 +170,10 @@ class CollectiveIssuer:
         def copy_my_slice() -> None:
             output.view(-1).copy_(my_slice)
 
-        def issue(torch_op):
-            return dist.all_reduce(reduced, op=torch_op, group=self.group, async_op=True)
-
-        if op == "avg" and self.support.avg is False:
-            work = issue(dist.ReduceOp.SUM)
-            world_size = self.world_size
-            return _finish(work, lambda: (copy_my_slice(), output.div_(world_size)), async_op)
-        # Issue async internally so the slice copy can be deferred to wait(); avg support is probed on the way.
-        work, finalize = self._reduce_with_avg_fallback(issue, reduced, op, async_op=True,
-                                                        capability_name="all_reduce")
+        # Issued async internally so the slice copy can be deferred to wait().
+        work, finalize = self._reduce_with_avg_fallback(
+            lambda torch_op: dist.all_reduce(reduced, op=torch_op, group=self.group, async_op=True),
+            reduced, op, async_op=True)
 
         def complete() -> None:
             if finalize is not None:
@@ -205,7 +185,7 @@ class CollectiveIssuer:
     def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool):
         return self._reduce_with_avg_fallback(
             lambda torch_op: dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=async_op),
-            tensor, op, async_op, "all_reduce")
+            tensor, op, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool):
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from zero_engine._profiling import profile_range as record_function  # no-op without a profiler
 from zero_engine.comm._backend import CollectiveIssuer, reduce_op
+from zero_engine.comm._records import CollectiveRecord, ProgressLog
+from zero_engine.comm.watchdog import StallWatchdog, default_store
 from zero_engine.comm._consistency import (
     CollectiveDescriptor,
     CollectiveMismatchError,
@@ -42,15 +44,22 @@ class Pending(NamedTuple):
     ``work`` is the backend's handle, or None when the collective already completed synchronously. ``finalize`` is
     what still has to run after the work completes (e.g. dividing by the world size for "avg" on a backend without
     AVG); it runs at most once. Always call ``wait()`` before reading ``tensor`` of an async collective.
+    ``record`` is its progress record; with a ``watchdog`` the wait goes in slices and a stall is diagnosed (see
+    [Note: how a stall is diagnosed] in watchdog.py).
     """
 
     work: Optional[Any]
     tensor: torch.Tensor
     finalize: Optional[Callable[[], None]] = None
+    record: Optional[CollectiveRecord] = None
+    watchdog: Optional[StallWatchdog] = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            if self.watchdog is not None and self.watchdog.watches_waits and not self.watchdog.stopped:
+                self.watchdog.wait(self.work, self.record)
+            else:
+                self.work.wait()
         if self.finalize is not None:
             self.finalize()
         return self.tensor
@@ -70,11 +79,19 @@ class Communicator:
             synchronous all-gather per collective (and serialises async collectives), so use it to find a bug, not
             in production runs.
 
+        stall_timeout_s: with a positive value (and the world group, more than one rank), waits go through a
+            ``StallWatchdog``: a collective not done after this many seconds makes the ranks compare their progress
+            records and raise ``RankDivergenceError`` / ``RankLostError`` instead of hanging. 0 or None: plain waits.
+        collective_timeout_s: with the watchdog, a wait longer than this raises ``DistributedError`` whoever created
+            the process group (the group's own timeout still applies too).
+
     Every collective runs inside ``torch.profiler.record_function("zero3::<kind> <name>")``; ``name`` is free text for
-    profiles and error messages (a module or bucket name). See [Note: byte counting convention] for ``stats()``.
+    profiles and error messages (a module or bucket name). Every collective also gets a progress record in
+    ``self.progress`` (see [Note: progress records]). See [Note: byte counting convention] for ``stats()``.
     """
 
-    def __init__(self, group=None, debug: bool = False) -> None:
+    def __init__(self, group=None, debug: bool = False, stall_timeout_s: Optional[float] = None,
+                 collective_timeout_s: float = 300.0) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "Communicator needs an initialized torch.distributed process group; call "
@@ -89,6 +106,60 @@ class Communicator:
         self._sequence = 0
         self._stats: dict[str, dict[str, int]] = {}
         self.reset_stats()
+        self.progress = ProgressLog()
+        self.watchdog: Optional[StallWatchdog] = None
+        self._agree_next = False
+        self._closed = False
+        store = default_store() if self.group is dist.group.WORLD and self.world_size > 1 else None
+        if stall_timeout_s and store is not None and self.backend in ("gloo", "nccl"):
+            self.watchdog = StallWatchdog(store, self.rank, self.world_size, self.progress, stall_timeout_s,
+                                          collective_timeout_s, self.backend)
+
+    def agree_before_next_collective(self) -> None:
+        """Make the next collective wait until every rank is about to issue the same one (store only, nothing
+        exchanged on the group); see [Note: holding back a collective that may not match] in watchdog.py. For the
+        rare points where ranks may legitimately or mistakenly take different paths."""
+        self._agree_next = self.watchdog is not None
+
+    def close(self) -> None:
+        """This rank is done with the group: wait until every rank is (store only with the watchdog, which then
+        stops; a barrier without it), so no rank destroys the group while a peer still talks to it. Raises
+        RankDivergenceError when a peer waits in a collective this rank never issued. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            if self.watchdog is not None:
+                if self.watchdog.failed:
+                    self.watchdog.stop()
+                else:
+                    self.watchdog.leave()
+            elif self.world_size > 1 and self.backend != "fake":
+                self.barrier()
+        finally:
+            self._closed = True
+            # Hold the process group no longer, so that destroy_process_group() really destroys it (its threads
+            # joined then) instead of leaving that to garbage collection at interpreter exit.
+            self.group = self._issuer = None
+
+    def _record(self, kind: str, tensor: Optional[torch.Tensor], numel: int, name: str) -> CollectiveRecord:
+        if self._closed:
+            raise RuntimeError(f"{kind} {name!r} on rank {self.rank}: this communicator was closed "
+                               "(engine.destroy()); build a new engine to train again")
+        record = self.progress.record(kind, str(tensor.dtype)[6:] if tensor is not None else "", numel, name)
+        if self._agree_next:
+            self._agree_next = False
+            self.watchdog.agree(record)
+        return record
+
+    def _pending(self, issued, tensor: torch.Tensor, record: CollectiveRecord, async_op: bool) -> Pending:
+        """Wrap what the issuer returned (always issued async) and, for a synchronous call, wait for it here so that
+        synchronous collectives are watched too."""
+        work, finalize = issued
+        pending = Pending(work, tensor, finalize, record, self.watchdog)
+        if async_op:
+            return pending
+        pending.wait()
+        return Pending(None, tensor)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}, "
@@ -124,7 +195,7 @@ class Communicator:
 
     # -- debug check -------------------------------------------------------------------------------------------
 
-    def _exchange_device(self, tensor: Optional[torch.Tensor]) -> torch.device:
+    def exchange_device(self, tensor: Optional[torch.Tensor]) -> torch.device:
         if tensor is not None:
             return tensor.device
         if self.backend == "nccl":
@@ -142,7 +213,7 @@ class Communicator:
             input_numel=input_numel, output_numel=output_numel, op=op, src=src, name=name,
             call_site=caller_outside_comm(), sequence=self._sequence,
         )
-        device = self._exchange_device(tensor)
+        device = self.exchange_device(tensor)
         mine = torch.tensor([descriptor.signature_hash()], dtype=torch.int64, device=device)
         hashes = torch.empty(self.world_size, dtype=torch.int64, device=device)
         with record_function("zero3::debug_check"):
@@ -167,10 +238,11 @@ class Communicator:
                       f"output has {output.numel()} elements; expected world_size x input = "
                       f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
         self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), name=name)
+        record = self._record(kind, input, input.numel(), name)
         with record_function(f"zero3::{kind} {name}"):
-            work, finalize = self._issuer.all_gather(output, input, async_op)
+            issued = self._issuer.all_gather(output, input, True)
         self._count(kind, _nbytes(output))
-        return Pending(work, output, finalize)
+        return self._pending(issued, output, record, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
                               async_op: bool = False, name: str = "") -> Pending:
@@ -188,10 +260,11 @@ class Communicator:
                       f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
         self._require_float_for_avg(kind, name, op, input)
         self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), op=op, name=name)
+        record = self._record(kind, input, input.numel(), name)
         with record_function(f"zero3::{kind} {name}"):
-            work, finalize = self._issuer.reduce_scatter(output, input, op, async_op)
+            issued = self._issuer.reduce_scatter(output, input, op, True)
         self._count(kind, _nbytes(input))
-        return Pending(work, output, finalize)
+        return self._pending(issued, output, record, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, name: str = "") -> Pending:
         """Reduce ``tensor`` in place across ranks with ``op`` ("sum", "avg", "max" or "min"). Counts its bytes."""
@@ -200,10 +273,11 @@ class Communicator:
         self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
         self._require_float_for_avg(kind, name, op, tensor)
         self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
+        record = self._record(kind, tensor, tensor.numel(), name)
         with record_function(f"zero3::{kind} {name}"):
-            work, finalize = self._issuer.all_reduce(tensor, op, async_op)
+            issued = self._issuer.all_reduce(tensor, op, True)
         self._count(kind, _nbytes(tensor))
-        return Pending(work, tensor, finalize)
+        return self._pending(issued, tensor, record, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, name: str = "") -> Pending:
         """Copy ``tensor`` from rank ``src`` (a rank of this communicator's group) to every rank. Counts its bytes."""
@@ -212,14 +286,16 @@ class Communicator:
                       f"(0..{self.world_size - 1})")
         self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
         self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
+        record = self._record(kind, tensor, tensor.numel(), name)
         with record_function(f"zero3::{kind} {name}"):
-            work, finalize = self._issuer.broadcast(tensor, src, async_op)
+            issued = self._issuer.broadcast(tensor, src, True)
         self._count(kind, _nbytes(tensor))
-        return Pending(work, tensor, finalize)
+        return self._pending(issued, tensor, record, async_op)
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, indexed by rank. For small metadata (e.g. order checks), not tensors."""
         self._check_consistency_if_debug("object", None, 0, 0)
+        self._record("object", None, 0, "")
         gathered: list = [None] * self.world_size
         with record_function("zero3::object"):
             dist.all_gather_object(gathered, obj, group=self.group)
@@ -229,8 +305,10 @@ class Communicator:
     def barrier(self) -> None:
         """Wait until every rank of the group reaches this point. Not counted."""
         self._check_consistency_if_debug("barrier", None, 0, 0)
+        record = self._record("barrier", None, 0, "")
         with record_function("zero3::barrier"):
-            dist.barrier(group=self.group)
+            work = dist.barrier(group=self.group, async_op=True)
+        Pending(work, torch.empty(0), None, record, self.watchdog).wait()
 
     def _require_float_for_avg(self, kind: str, name: str, op: str, tensor: torch.Tensor) -> None:
         self._require(op != "avg" or tensor.is_floating_point() or tensor.is_complex(), kind, name,

@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..device import device_for
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,6 +30,36 @@ def _free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+# [Note: NCCL errors and timeouts]
+# NCCL collectives run asynchronously on the GPU; a peer that died or diverged leaves them pending forever unless
+# something watches them. ProcessGroupNCCL's watchdog thread does: with TORCH_NCCL_ASYNC_ERROR_HANDLING=3 it aborts
+# the communicators of a collective that failed or ran past the process group's ``timeout`` (``timeout_s`` here,
+# zero_engine.collective_timeout_s from the engine) and raises in the training thread instead of hanging or killing
+# the process without a message (1 tears the process down; 3 is torch's default since 2.2, stated here so that an
+# older default or an inherited 0 cannot silently disable it). TORCH_NCCL_DUMP_ON_TIMEOUT writes the flight recorder
+# on a timeout, which names the collective each rank was in. Values the user set are kept.
+NCCL_ERROR_HANDLING_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
+
+def set_nccl_error_handling_defaults(environ=None) -> dict:
+    """Set [Note: NCCL errors and timeouts]'s variables where unset (before the NCCL group exists); returns them.
+
+    An inherited ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (errors ignored: a lost rank hangs the job) is overridden
+    with a warning: the engine relies on the abort to turn a stall into an error."""
+    environ = os.environ if environ is None else environ
+    for key, value in NCCL_ERROR_HANDLING_DEFAULTS.items():
+        if environ.get(key, "") == "":
+            environ[key] = value
+    if environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
+        logger.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=0 would let a failed or timed-out NCCL collective hang the "
+                       "job; using 3 (abort the communicators and raise)")
+        environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+    return {key: environ[key] for key in NCCL_ERROR_HANDLING_DEFAULTS}
 
 
 def init_distributed(backend: Optional[str] = None, init_method: Optional[str] = None, rank: Optional[int] = None,
@@ -53,7 +85,9 @@ def init_distributed(backend: Optional[str] = None, init_method: Optional[str] =
       single-process group without them rendezvous on a free local port. More than one rank without either is an
       error (the ranks would have no way to find each other).
     * ``backend``: the argument, else "nccl" when CUDA is available and "gloo" otherwise.
-    * the CUDA device (when CUDA is available): ``LOCAL_RANK``, else rank modulo the local device count.
+    * the CUDA device (when CUDA is available): ``LOCAL_RANK`` (else the rank) modulo the local device count; see
+      zero_engine.device. With NCCL the group is bound to it (``device_id``) and NCCL's asynchronous error handling
+      is on (see [Note: NCCL errors and timeouts]).
 
     ``timeout_s`` bounds how long a collective may wait for its peers before the backend gives up (a hung rank then
     becomes an error rather than a silent stall); raise it for very slow first steps (e.g. compilation).
@@ -114,15 +148,19 @@ def init_distributed(backend: Optional[str] = None, init_method: Optional[str] =
     cuda = torch.cuda.is_available()
     if backend is None:
         backend = "nccl" if cuda else "gloo"
-    if backend == "nccl" and not cuda:
+    if "nccl" in backend and not cuda:
         raise ValueError("init_distributed: backend='nccl' needs CUDA, which is not available; use backend='gloo'")
 
+    extra = {}
     if cuda:
         local_rank = _env_int("LOCAL_RANK")
-        device_index = local_rank if local_rank is not None else rank % torch.cuda.device_count()
-        torch.cuda.set_device(device_index)
+        device = device_for(local_rank if local_rank is not None else rank, torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        if "nccl" in backend:
+            set_nccl_error_handling_defaults()
+            extra["device_id"] = device  # binds the group to this GPU: eager NCCL init, no guessing of the device
 
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=datetime.timedelta(seconds=timeout_s), **extra)
     logger.log(logging.INFO if verbose else logging.DEBUG, "rank %d: initialized torch.distributed (backend %s, world size %d, init %s, timeout %.0fs)",
                 rank, backend, world_size, init_method.split("?")[0], timeout_s)

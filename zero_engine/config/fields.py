@@ -31,19 +31,28 @@ def value_error(message: str) -> PydanticCustomError:
     return PydanticCustomError(CONFIG_ERROR_TYPE, message)
 
 
+# Integers beyond 64 bits cannot reach torch or C++ (they would fail later, far from the config): refused at load.
+_INT_LIMIT = 2**63 - 1
+_FLOAT_INT_LIMIT = int(1.7976931348623157e308)  # the largest integer a float holds; above it float() overflows
+
+
 def _as_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise value_error("expected an integer")
     if isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
             raise value_error("expected an integer; the number has a fractional part")
-        return int(value)
+        value = int(value)
+    if abs(value) > _INT_LIMIT:
+        raise value_error("expected an integer that fits in 64 bits")
     return value
 
 
 def _as_float(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise value_error("expected a number")
+    if isinstance(value, int) and abs(value) > _FLOAT_INT_LIMIT:
+        raise value_error("expected a finite number; this integer is too large for a float")
     if not math.isfinite(value):
         raise value_error("expected a finite number")
     return value  # pydantic makes it a float after range checks, so errors show the number as written
@@ -129,6 +138,9 @@ class Section(BaseModel):
     ignored_keys: ClassVar[dict[str, str]] = {}
     # Deprecated keys the section maps onto current ones (the mapping lives in `prepare`), with the replacement.
     deprecated_keys: ClassVar[dict[str, str]] = {}
+    # Fields parsed and validated that change nothing in zero_engine, each with why (shown in the docs; said once in
+    # the log when a file sets it). A field must act or be listed here: tests/test_config_fields_act.py walks them.
+    no_effect: ClassVar[dict[str, str]] = {}
     # Fields whose "auto" is a value of their own, decided by the engine at run time (not resolved at load).
     runtime_auto: ClassVar[frozenset[str]] = frozenset()
     # Fields the loader computes; never read from the file.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zero_engine.config.fields import AUTO, Section, auto_rule, closest_key, show
+from zero_engine.config.fields import AUTO, Section, auto_rule, closest_key, same_json_value, show
 from zero_engine.config.models import EngineConfig
 from zero_engine.config.notes import LoadNotes
 from zero_engine.errors import ConfigError
@@ -21,10 +21,7 @@ TOP_LEVEL_TYPO_RATIO = 0.85
 def check_config_keys(raw: dict[str, Any], notes: LoadNotes) -> dict[str, Any]:
     """Return the top-level dict keyed by field names, holding only the sections the models validate."""
     raw = _map_deprecated_top_level(raw, notes)
-    checked = check_section(raw, EngineConfig, "", notes)
-    if "activation_checkpointing" in checked:
-        notes.ignored_sections.append("activation_checkpointing (use torch.utils.checkpoint in the model)")
-    return checked
+    return check_section(raw, EngineConfig, "", notes)
 
 
 def check_section(raw: Any, model: type[Section], path: str, notes: LoadNotes) -> Any:
@@ -40,6 +37,8 @@ def check_section(raw: Any, model: type[Section], path: str, notes: LoadNotes) -
         key_path = f"{path}.{key}" if path else key
         field = model.key_aliases.get(key, key)
         if field in file_fields:
+            if field in model.no_effect:
+                notes.no_effect(key_path, model.no_effect[field], changed=_differs_from_default(model, field, value))
             if field in given_as:
                 raise ConfigError(
                     f"{key_path}: same setting as {_join(path, given_as[field])} (alias); keep only one of them"
@@ -64,6 +63,13 @@ def check_section(raw: Any, model: type[Section], path: str, notes: LoadNotes) -
         else:
             raise ConfigError(_unknown_key_message(key_path, key, model))
     return checked
+
+
+def _differs_from_default(model: type[Section], field: str, value: Any) -> bool:
+    default = model.model_fields[field].get_default(call_default_factory=True)
+    if isinstance(default, Section):
+        return bool(value)  # a section given with any key in it
+    return not (same_json_value(value, default) or (default is None and value in (None, {}, False)))
 
 
 def _check_not_supported(model: type[Section], key: str, value: Any, key_path: str, notes: LoadNotes) -> None:

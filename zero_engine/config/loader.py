@@ -32,6 +32,14 @@ def load_config(source: dict | str | Path, world_size: int | None = None, model:
     Raises ConfigError for every problem; logs deprecations, ignored keys and "auto" resolutions on logger
     "zero_engine.config".
     """
+    try:
+        return _load_config(source, world_size, model)
+    except RecursionError:
+        raise ConfigError("config: nested too deeply to read (more levels than Python's recursion limit); a "
+                          "ds_config.json is a few levels deep") from None
+
+
+def _load_config(source: dict | str | Path, world_size: int | None, model: Any) -> EngineConfig:
     raw = read_config_source(source)
     notes = LoadNotes()
     checked = check_config_keys(raw, notes)
@@ -45,12 +53,19 @@ def load_config(source: dict | str | Path, world_size: int | None = None, model:
 
 def read_config_source(source: dict | str | Path) -> dict[str, Any]:
     if isinstance(source, dict):
+        _check_string_keys(source, "(top level)")
         return copy.deepcopy(source)
     if isinstance(source, Path) or (isinstance(source, str) and not source.lstrip().startswith("{")):
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found (expected a path, JSON text or a dict)")
-        text, origin = path.read_text(encoding="utf-8"), str(path)
+        origin = str(path)
+        try:
+            # utf-8-sig: a byte-order mark that some Windows editors write is accepted and dropped.
+            text = path.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{origin}: not UTF-8 text ({exc.reason} at byte {exc.start}); JSON files must be "
+                              "UTF-8: re-save it as UTF-8") from None
     elif isinstance(source, str):
         text, origin = source, "JSON text"
     else:
@@ -62,6 +77,19 @@ def read_config_source(source: dict | str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: expected a JSON object at the top level, got {type(raw).__name__}")
     return raw
+
+
+def _check_string_keys(raw: Any, path: str) -> None:
+    """Dict input may carry keys JSON cannot (ints, tuples, None): name where, before anything uses them."""
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{path}: key {key!r} ({type(key).__name__}): config keys must be strings, as in "
+                                  "JSON")
+            _check_string_keys(value, key if path == "(top level)" else f"{path}.{key}")
+    elif isinstance(raw, (list, tuple)):
+        for item in raw:
+            _check_string_keys(item, path)
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -35,7 +35,10 @@ class Fp16Config(Section):
     enabled: Annotated[ConfigBool, _ENABLED_AUTO] = Field(False, description="Train in fp16.")
     auto_cast: ConfigBool = Field(False, description="Cast floating-point inputs to fp16 before forward.")
     loss_scale: ConfigFloat = Field(0.0, ge=0, description="Static loss scale; 0 selects dynamic loss scaling.")
-    initial_scale_power: ConfigInt = Field(16, ge=0, description="Dynamic scaling starts at 2**initial_scale_power.")
+    initial_scale_power: ConfigInt = Field(
+        16, ge=0, le=64, description="Dynamic scaling starts at 2**initial_scale_power (at most 2**64: far beyond "
+        "any useful scale, and 2**1024 would overflow a float)."
+    )
     loss_scale_window: ConfigInt = Field(1000, ge=1, description="Steps without overflow before the scale doubles.")
     hysteresis: ConfigInt = Field(2, ge=1, description="Overflows tolerated before the scale is lowered.")
     consecutive_hysteresis: ConfigBool = Field(False, description="Refill hysteresis after a step without overflow.")
@@ -46,6 +49,7 @@ class Fp16Config(Section):
         "fused_mode": NotSupported(True, "DeepSpeed's unfused fp16 optimizer"),
     }
     ignored_keys = {"opt_level": "it is an Apex AMP setting that DeepSpeed's fp16 section never read"}
+    no_effect = {"auto_cast": "floating-point inputs are always cast to the compute dtype before forward"}
 
 
 class Bf16Config(Section):
@@ -56,12 +60,18 @@ class Bf16Config(Section):
         False, description="Accepted for compatibility; no effect (gradients are applied at the step)."
     )
     check_grad_overflow: ConfigBool = Field(
-        False, description="Check gradients for inf/nan and skip the step when any rank finds one."
+        False, description="No effect: every step with inf/nan gradients is skipped on all ranks, whatever this says "
+        "(see zero_engine.max_consecutive_skipped_steps)."
     )
 
     not_supported = {
         "bf16_master_weights_and_grads": NotSupported(False, "bf16 master weights"),
         "bf16_optimizer_states": NotSupported(False, "bf16 optimizer states"),
+    }
+    no_effect = {
+        "immediate_grad_update": "gradients are applied to the fp32 masters at step()",
+        "check_grad_overflow": "a step with inf/nan gradients is always skipped on every rank "
+                               "(zero_engine.max_consecutive_skipped_steps)",
     }
 
 
@@ -75,6 +85,11 @@ class ActivationCheckpointingConfig(Section):
     number_checkpoints: ConfigInt | None = Field(None, description="Not acted on.")
     synchronize_checkpoint_boundary: ConfigBool = Field(False, description="Not acted on.")
     profile: ConfigBool = Field(False, description="Not acted on.")
+
+    no_effect = {name: "DeepSpeed's activation-checkpointing API is not implemented; use torch.utils.checkpoint "
+                       "(use_reentrant=False) in the model" for name in (
+                           "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                           "number_checkpoints", "synchronize_checkpoint_boundary", "profile")}
 
 
 class MemoryTimelineConfig(Section):
@@ -93,7 +108,31 @@ class ZeroEngineSection(Section):
         "every rank instead of hanging. Costs one small all-gather per collective.",
     )
     collective_timeout_s: ConfigFloat = Field(
-        300.0, gt=0, description="Seconds a collective may take before the process group reports a timeout."
+        300.0, ge=0.1, le=31_536_000,
+        description="Seconds a collective may take before it is an error (0.1 s to a year). Acts whoever created "
+        "the process group: the engine's waits enforce it (with stall_timeout_s > 0), and a group the engine creates "
+        "gets it as its own timeout.",
+    )
+    stall_timeout_s: ConfigFloat = Field(
+        20.0, ge=0, description="Seconds a collective may wait before the ranks compare their progress records "
+        "through the store: ranks in different collectives raise RankDivergenceError, a dead rank RankLostError "
+        "(both on every surviving rank, naming the rank, module, phase and step); all ranks in the same slow "
+        "collective only log it. Costs nothing until a wait lasts this long, plus one heartbeat thread. 0 turns "
+        "the watchdog off (waits block in the backend until collective_timeout_s).",
+    )
+    step_fingerprint: ConfigBool = Field(
+        True, description="At each accumulation boundary, before the optimizer, compare a hash of the step's "
+        "collectives across ranks (one 2-element all-reduce) and raise RankDivergenceError on a difference, with "
+        "parameters and optimizer states untouched. Catches same-shaped collectives that paired up across "
+        "different modules (silently mixed data).",
+    )
+    max_consecutive_skipped_steps: ConfigInt = Field(
+        10, ge=0,
+        description="A step whose gradients are non-finite (inf/nan on any rank; a NaN loss on one rank is enough) is "
+        "skipped on every rank with a warning naming the ranks whose loss was non-finite: weights, optimizer states "
+        "and the LR schedule are untouched. After more than this many skips in a row, training raises "
+        "FloatingPointError (0: raise at the first). fp32 and bf16; fp16's loss scaler skips overflowing steps "
+        "while it adapts the scale, and those do not raise.",
     )
     memory_timeline: MemoryTimelineConfig = Field(
         default_factory=MemoryTimelineConfig, description="Memory timeline recording (see its section)."
@@ -110,6 +149,10 @@ _BATCH_DOC = "Resolved by the batch rule train_batch_size = micro x gas x world 
 _TRAIN_AUTO = Auto("train_micro_batch_size_per_gpu x gradient_accumulation_steps x world")
 _MICRO_AUTO = Auto("derived from the others, else 8 (HF's default)")
 _GAS_AUTO = Auto("derived from the others, else 1 (HF's default)")
+
+
+_AVERAGED = ("gradients are averaged by the reduce-scatter in fp32 (or communication_data_type); when the division "
+             "by the world size happens matters only for the range of DeepSpeed's fp16 all-reduce")
 
 
 class EngineConfig(Section):
@@ -163,6 +206,16 @@ class EngineConfig(Section):
     ignored_keys = HARMLESS_SECTIONS
     deprecated_keys = {}
     derived_fields = frozenset({"world_size"})
+    no_effect = {
+        "wall_clock_breakdown": "the step time is always measured (engine.last_step_time) and logged every "
+                                "steps_per_print steps; there is no finer breakdown",
+        "prescale_gradients": _AVERAGED,
+        "gradient_predivide_factor": _AVERAGED,
+        "zero_allow_untested_optimizer": "any torch.optim.Optimizer is accepted",
+        "zero_force_ds_cpu_optimizer": "a client optimizer is used as given; Adam built from the config runs "
+                                       "zero_engine's CPUAdam on CPU unless optimizer.params.torch_adam is true",
+        "activation_checkpointing": ActivationCheckpointingConfig.no_effect["profile"],
+    }
 
     @field_validator("communication_data_type", mode="before")
     @classmethod

@@ -19,6 +19,8 @@ class LoadNotes:
     # "not supported yet" problems; raised after the whole file was checked for unknown keys, so a typo is
     # reported as a typo even when the file also uses a feature we lack.
     unsupported: list[str] = field(default_factory=list)
+    # (path, why it has no effect, set to something else than its default) for keys that change nothing here.
+    inert: list[tuple[str, str, bool]] = field(default_factory=list)
 
     def auto(self, path: str, became: str) -> None:
         self.autos.append((path, became))
@@ -28,6 +30,10 @@ class LoadNotes:
 
     def deprecated(self, old_path: str, replacement: str) -> None:
         self.warn(f"{old_path} is deprecated; read as {replacement}. Write that instead.")
+
+    def no_effect(self, path: str, reason: str, changed: bool) -> None:
+        if not any(path.startswith(f"{noted}.") for noted, _, _ in self.inert):  # a section says it for its keys
+            self.inert.append((path, reason, changed))
 
     def not_supported(self, message: str) -> None:
         self.unsupported.append(message)
@@ -47,5 +53,12 @@ class LoadNotes:
                 "accepted but not acted on (zero_engine does not implement these tools): %s",
                 ", ".join(self.ignored_sections),
             )
+        changed = [f"{path} ({reason})" for path, reason, was_changed in self.inert if was_changed]
+        if changed:
+            logger.warning("set, but no effect in zero_engine: %s", "; ".join(changed))
+        same = [path for path, _, was_changed in self.inert if not was_changed]
+        if same:
+            logger.info("accepted at their defaults, no effect in zero_engine (see docs/config.md): %s",
+                        ", ".join(same))
         if self.autos:
             logger.info('resolved "auto": %s', ", ".join(f"{path}={became}" for path, became in self.autos))

@@ -111,6 +111,8 @@ def _add_file_keys(node: dict[str, Any], model: type[Section]) -> None:
                 "const": rule.default, "description": note}
     for key, reason in model.ignored_keys.items():
         properties[key] = {"description": f"Accepted and ignored: {reason}."}
+    for key, reason in model.no_effect.items():
+        properties[key]["description"] = f"{properties[key].get('description', '')} No effect here: {reason}.".strip()
 
 
 def _allow_auto(prop: dict[str, Any], rule: str) -> dict[str, Any]:

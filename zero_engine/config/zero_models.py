@@ -158,7 +158,8 @@ class ZeroConfig(Section):
         "latency-bound all-gathers at the cost of their full size on every rank.",
     )
     model_persistence_threshold: ConfigInt = Field(
-        sys.maxsize, ge=0, description="Stage 3: cap on the total elements kept persistent by the threshold above."
+        sys.maxsize, ge=0, description="Stage 3: cap on the total elements kept persistent by the threshold above "
+        "(parameters are taken in model order until the cap is reached; the rest are partitioned)."
     )
     max_live_parameters: Annotated[ConfigInt, Auto("DeepSpeed's default 1e9")] = Field(
         1_000_000_000,
@@ -227,6 +228,15 @@ class ZeroConfig(Section):
         "partition_stream_chunk_size": NotSupported(0, "streamed partitioning"),
     }
     ignored_keys = {"log_trace_cache_warnings": "it only controls DeepSpeed's trace-cache log messages"}
+    no_effect = {
+        "contiguous_gradients": "gradients are always reduced through contiguous per-bucket buffers into "
+                                "contiguous shards",
+        "reduce_scatter": "gradients are always averaged with a reduce-scatter (each rank keeps its shard); the "
+                          "averages are those of an all-reduce",
+        "allgather_partitions": "updated parameters are always all-gathered, one collective per bucket",
+        "round_robin_gradients": "it orders DeepSpeed's CPU-offload gradient copies across ranks; zero_engine's "
+                                 "copies do not depend on it",
+    }
     deprecated_keys = {
         "cpu_offload": 'offload_optimizer: {"device": "cpu"}',
         "cpu_offload_param": 'offload_param: {"device": "cpu"}',

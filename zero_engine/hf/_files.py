@@ -113,7 +113,7 @@ class _SafetensorsFile:
         entry = self.entries[key]
         itemsize = entry.dtype.itemsize
         pos = self._data_start + self._offsets[key] + start * itemsize
-        if out.dtype == entry.dtype and out.is_contiguous():
+        if out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu":  # else staged (GPU shards)
             self._readinto(pos, out.view(torch.uint8))
             return
         step = max(1, _STAGING_BYTES // itemsize)

@@ -15,6 +15,13 @@
 """
 
 from zero_engine.testing._fake import fake_world
-from zero_engine.testing._harness import RankError, RankFailure, RankTimeoutError, on_ranks, run_ranks
+from zero_engine.testing._harness import (
+    RankError,
+    RankFailure,
+    RankTimeoutError,
+    kill_this_rank,
+    on_ranks,
+    run_ranks,
+)
 
-__all__ = ["run_ranks", "on_ranks", "RankError", "RankTimeoutError", "RankFailure", "fake_world"]
+__all__ = ["run_ranks", "on_ranks", "RankError", "RankTimeoutError", "RankFailure", "fake_world", "kill_this_rank"]

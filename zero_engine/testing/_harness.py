@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 import importlib
 import multiprocessing.connection
+import os
 import pickle
+import signal
 import sys
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -87,7 +89,15 @@ def _section(title: str, body: str) -> str:
     return f"--- {title}\n{body.rstrip()}"
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, **kwargs: Any) -> list:
+def kill_this_rank() -> None:
+    """SIGKILL the calling rank process at once, as the kernel's OOM killer would: no exception, no cleanup, no
+    Python traceback. For tests of lost ranks; the pool is replaced after the call (see [Note: why a pool, and when
+    it is thrown away]), so the next ``run_ranks`` gets fresh processes."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
+              grace_after_failure: float = _GRACE_AFTER_FAILURE_S, **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks (gloo, file store) and return each rank's result.
 
     Each rank already has the default process group initialized when ``fn`` starts (``dist.get_rank()`` tells it
@@ -96,6 +106,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
     stacks in the message. If the call takes longer than ``timeout`` seconds, ``RankTimeoutError`` (a ``RankError``
     and a ``TimeoutError``) reports every rank's Python stack. Processes are pooled per world size and reused across
     calls; any failure kills the pool (see [Note: why a pool, and when it is thrown away] in _pool.py).
+    ``grace_after_failure`` is how long the other ranks get after the first failure (a rank killed with
+    ``kill_this_rank``) to finish or raise on their own -- raise it to test how survivors react.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_ranks: world_size={world_size!r} must be a positive int")
@@ -110,7 +122,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
         task = Task(payload, list(sys.path), pool.next_store_path(), _PROCESS_GROUP_TIMEOUT_S)
         for connection in pool.connections:
             connection.send(task)
-        replies, failures, timed_out = _collect(pool, timeout)
+        replies, failures, timed_out = _collect(pool, timeout, grace_after_failure)
     except BaseException:
         # Interrupted (pytest-timeout, Ctrl-C) or the pool could not start: nothing of this call may survive.
         discard_pool(world_size, pool)
@@ -139,7 +151,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
                          f.traceback) for f in sorted(failures.values())]
     stuck_failures = []
     for rank in unfinished:
-        reason = f"did not finish within {_GRACE_AFTER_FAILURE_S:.0f}s after the failure (killed)"
+        reason = f"did not finish within {grace_after_failure:.0f}s after the failure (killed)"
         sections.append(_section(f"rank {rank} {reason}; its Python stack:", stacks[rank]))
         stuck_failures.append(RankFailure(rank, reason, stacks[rank]))
     failed_ranks = sorted(failures)
@@ -157,7 +169,7 @@ def _unpickle_result(result: bytes, rank: int, label: str) -> Any:
                         "plain data (numbers, lists, dicts, tensors)", [failure]) from error
 
 
-def _collect(pool, timeout: float) -> tuple[dict[int, Reply], dict[int, RankFailure], bool]:
+def _collect(pool, timeout: float, grace: float) -> tuple[dict[int, Reply], dict[int, RankFailure], bool]:
     """Wait for every rank's reply, stopping early (after a grace) once one fails.
 
     Returns (replies, failures, timed_out)."""
@@ -190,7 +202,7 @@ def _collect(pool, timeout: float) -> tuple[dict[int, Reply], dict[int, RankFail
                 failures[rank] = RankFailure(rank, reply.exception, reply.traceback)
             waiting.discard(rank)
         if failures and waiting:
-            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+            deadline = min(deadline, time.monotonic() + grace)
     return replies, failures, False
 
 

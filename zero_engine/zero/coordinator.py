@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..errors import RankDivergenceError
 from .gather import GatherWork
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
@@ -98,8 +99,10 @@ class ParamCoordinator:
         self._kept: dict[int, ShardedParam] = {}  # released by their modules but kept for a near reuse
         self._warned_deviation = False
         unique = {id(p): p for params in module_params.values() for p in params}
-        self.live_numel = sum(p.padded_numel for p in unique.values() if p.status is not ParamStatus.NOT_AVAILABLE)
-        self.peak_live_numel = self.live_numel
+        self.live_numel = self.peak_live_numel = 0
+        for p in unique.values():
+            if p.status is not ParamStatus.NOT_AVAILABLE:
+                self._count_live(p)
         self.fetch_count = 0
         self.prefetch_count = 0
 
@@ -108,6 +111,7 @@ class ParamCoordinator:
         """A training forward starts: record (first step) or follow the trace."""
         if self._in_step:  # a training forward without a backward: drop what it recorded
             self.end_step(adopt_trace=False)
+            self.comm.agree_before_next_collective()  # another rank may be in its backward: no mismatched gather
         self._in_step = True
         self._recording = []
         self._pos = 0
@@ -120,7 +124,7 @@ class ParamCoordinator:
         for params in self.module_params.values():
             for p in params:
                 p.active_users = 0
-                if p.is_available and not p.is_persistent:
+                if p.is_available and not p.is_persistent and not p.held_by_user:
                     self._release(p)
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
@@ -136,11 +140,13 @@ class ParamCoordinator:
     def fetch(self, module: nn.Module, phase: str) -> None:
         params = self.module_params.get(module, [])
         event = TraceEvent(self.module_names[module], phase)
+        self.comm.progress.module = event.module
         recording = self._in_step
         if recording:
             self._recording.append((event, params))
             if self._following and (self._pos >= len(self.trace.events) or self.trace.events[self._pos] != event):
                 self._following = False
+                self.comm.agree_before_next_collective()  # other ranks may not take this turn: no mismatched gather
                 self._log_deviation_once(
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
@@ -154,6 +160,8 @@ class ParamCoordinator:
             for p in params:
                 if p.status is ParamStatus.INFLIGHT:
                     self._wait(self._inflight[id(p)])
+                if p.live_owner is None:  # gathered outside the coordinator (GatheredParameters): count it now
+                    self._count_live(p)
                 p.active_users += 1
             self.fetch_count += 1
             if self._following:
@@ -168,7 +176,7 @@ class ParamCoordinator:
         with profile_range(f"zero3::release {self.module_names[module]}"):
             for p in params:
                 p.active_users = max(0, p.active_users - 1)
-                if p.active_users or p.is_persistent or not p.is_available:
+                if p.active_users or p.is_persistent or p.held_by_user or not p.is_available:
                     continue
                 if event_index is not None:
                     # [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept
@@ -192,9 +200,15 @@ class ParamCoordinator:
         work = self.gatherer.issue(params, name=name)
         for p in params:
             self._inflight[id(p)] = work
-        self.live_numel += work.numel
-        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+            self._count_live(p)
         return work
+
+    def _count_live(self, p: ShardedParam) -> None:
+        if p.live_owner is self:  # already counted (released behind our back and gathered again)
+            return
+        p.live_owner = self
+        self.live_numel += p.padded_numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def _wait(self, work: GatherWork) -> None:
         work.wait()
@@ -204,7 +218,13 @@ class ParamCoordinator:
     def _release(self, p: ShardedParam) -> None:
         p.release()
         self._kept.pop(id(p), None)
-        self.live_numel -= p.padded_numel
+        if p.live_owner is self:
+            p.live_owner = None
+            self.live_numel -= p.padded_numel
+
+    def release_param(self, p: ShardedParam) -> None:
+        """Release ``p`` on behalf of someone else (GatheredParameters' exit), keeping the live count right."""
+        self._release(p)
 
     def _make_room(self, numel: int) -> None:
         """Give up parameters kept for reuse (oldest first) until ``numel`` more fits under max_live_parameters."""
@@ -260,7 +280,7 @@ class ParamCoordinator:
             seen = {r: (t[i] if i < len(t) else "<end of step>") for r, t in enumerate(all_traces)}
             if len(set(seen.values())) > 1:
                 detail = ", ".join(f"rank {r}: {m}" for r, m in seen.items())
-                raise RuntimeError(
+                raise RankDivergenceError(
                     f"ranks ran different module orders; first difference at fetch #{i}: {detail}. Every rank must "
                     "run the same modules in the same order in a step (ZeRO-3 gathers are collectives); make "
                     "data-dependent branches agree across ranks (e.g. decide on rank 0 and broadcast).")

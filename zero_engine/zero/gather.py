@@ -79,17 +79,27 @@ def _runs(params: list[ShardedParam], run_numel: int) -> list[list[ShardedParam]
     return runs
 
 
-def _gather_direct(comm, work: GatherWork, p: ShardedParam, name: str) -> None:
-    work.pending.append(comm.all_gather_into_tensor(p.alloc_full(), p.shard, async_op=True, name=name or p.fqn))
+def _all_gather(comm, streams, out: torch.Tensor, inp: torch.Tensor, name: str):
+    """Issue one all-gather, on the all-gather stream on CUDA (see [Note: streams, events and buffer lifetime]:
+    ``out`` was allocated on the compute stream before this call, and ``wait()`` orders its readers)."""
+    if streams is None:
+        return comm.all_gather_into_tensor(out, inp, async_op=True, name=name)
+    return streams.collective_on(streams.all_gather,
+                                 lambda: comm.all_gather_into_tensor(out, inp, async_op=True, name=name))
+
+
+def _gather_direct(comm, work: GatherWork, p: ShardedParam, name: str, streams=None) -> None:
+    work.pending.append(_all_gather(comm, streams, p.alloc_full(), p.shard, name or p.fqn))
 
 
 class CoalescedGather:
     name = "coalesced"
 
-    def __init__(self, comm, bucket_numel: int, accounting=None):
+    def __init__(self, comm, bucket_numel: int, accounting=None, streams=None):
         self.comm = comm
         self.bucket_numel = max(1, int(bucket_numel))
         self.accounting = accounting
+        self.streams = streams  # CommStreams on CUDA (None: issue on the current stream)
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
         work = GatherWork(params=list(params), pending=[], accounting=self.accounting,
@@ -98,18 +108,18 @@ class CoalescedGather:
         for p in params:
             p.to_inflight(refresh)
             if p.padded_numel >= DIRECT_GATHER_NUMEL:
-                _gather_direct(self.comm, work, p, name)
+                _gather_direct(self.comm, work, p, name, self.streams)
             else:
                 small.append(p)
         for run in _runs(small, self.bucket_numel):
             if len(run) == 1:  # alone, it needs no staging either
-                _gather_direct(self.comm, work, run[0], name)
+                _gather_direct(self.comm, work, run[0], name, self.streams)
                 continue
             inp = run[0].bucket.run_view(run) if run[0].bucket is not None else None
             if inp is None:
                 inp = torch.cat([p.shard for p in run])
             out = torch.empty(inp.numel() * self.comm.world_size, dtype=inp.dtype, device=inp.device)
-            work.pending.append(self.comm.all_gather_into_tensor(out, inp, async_op=True, name=name))
+            work.pending.append(_all_gather(self.comm, self.streams, out, inp, name))
             layout, offset = [], 0
             for p in run:
                 layout.append((p, offset))
@@ -123,21 +133,22 @@ class CoalescedGather:
 class SequentialGather:
     name = "sequential"
 
-    def __init__(self, comm):
+    def __init__(self, comm, streams=None):
         self.comm = comm
+        self.streams = streams
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
         work = GatherWork(params=list(params), pending=[], numel=sum(p.padded_numel for p in params))
         for p in params:
             p.to_inflight(refresh)
-            _gather_direct(self.comm, work, p, name)
+            _gather_direct(self.comm, work, p, name, self.streams)
         return work
 
 
-def make_gatherer(comm, zero_config, accounting=None):
+def make_gatherer(comm, zero_config, accounting=None, streams=None):
     if zero_config.allgather_sequential is True:
-        return SequentialGather(comm)
-    return CoalescedGather(comm, zero_config.prefetch_bucket_size, accounting)
+        return SequentialGather(comm, streams)
+    return CoalescedGather(comm, zero_config.prefetch_bucket_size, accounting, streams)
 
 
 def choose_sequential_buckets(buckets: list[ShardBucket], headroom_bytes: int, states_to_come: int, comm,

@@ -7,6 +7,14 @@
 Without ``modifier_rank`` the block may only read: an edit is detected on exit (a fingerprint of each parameter
 taken on entry) and raises instead of being silently dropped. Nested blocks and parameters already gathered (a
 module in forward, a persistent parameter, stages 1-2) are fine: only what this block gathered is released.
+
+With ``modifier_rank``, the modifier's full values are broadcast on exit and each rank takes its slice into its
+shard; only the elements that changed (compared with the shard, which holds the values from before the block)
+are written, so the fp32 master of everything not edited keeps its bits instead of being rounded to 16 bits.
+
+Engine calls inside the block (a forward, an eval loop) work: the parameters stay gathered for the block (the
+engine's coordinator does not release what a block holds), and the block's exit hands each one back to the
+coordinator that counted it, so its live-parameter budget stays right.
 """
 
 from __future__ import annotations
@@ -23,8 +31,26 @@ __all__ = ["GatheredParameters"]
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     x = t.detach().reshape(-1).double()
-    weights = torch.arange(x.numel(), dtype=torch.float64) % 251 + 1  # order-sensitive, cheap
+    weights = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 251 + 1  # order-sensitive, cheap
     return torch.stack([x.sum(), (x * weights).sum()])
+
+
+def _take_edits_into_shard(sp: ShardedParam) -> None:
+    """Write the elements of this rank's slice of ``sp.full`` that differ from its shard into the shard and into
+    every fp32 copy (master, or the master-to-be of a parameter no optimizer owns yet); the rest keep their bits."""
+    local = sp.local_slice()
+    n = local.stop - local.start
+    if n == 0:
+        return
+    new = sp.full[local]
+    old = sp.shard[:n]
+    changed = (new != old) & ~(new.isnan() & old.isnan())
+    if not bool(changed.any()):
+        return
+    old.copy_(torch.where(changed, new, old))
+    for fp32 in (None if sp.master_is_shard else sp.master, sp.master_init):
+        if fp32 is not None:
+            fp32[:n].copy_(torch.where(changed, new.to(fp32.dtype), fp32[:n]))
 
 
 class GatheredParameters:
@@ -61,6 +87,8 @@ class GatheredParameters:
         self._gathered = [sp for sp in self.sharded if sp.status is ParamStatus.NOT_AVAILABLE]
         if self._gathered:
             SequentialGather(self.comm).issue(self._gathered, name="GatheredParameters").wait()
+        for sp in self.sharded:
+            sp.held_by_user += 1
         if self.modifier_rank is None:
             self._fingerprints = [_fingerprint(sp.full[: sp.numel]) for sp in self.sharded]
         return self
@@ -71,17 +99,22 @@ class GatheredParameters:
         edited = []
         try:
             if exc_type is None and self.modifier_rank is not None:
-                for sp in self.sharded:  # the modifier's values everywhere, then into shards and fp32 masters
+                for sp in self.sharded:  # the modifier's values everywhere, then the edits into shards and masters
                     self.comm.broadcast(sp.full, src=self.modifier_rank, name=f"GatheredParameters {sp.fqn}")
-                    sp.take_full_into_shard()
+                    _take_edits_into_shard(sp)
             elif self.modifier_rank is None:
                 edited = [sp.fqn or str(tuple(sp.shape)) for sp, before in zip(self.sharded, self._fingerprints)
                           if not torch.allclose(_fingerprint(sp.full[: sp.numel]), before, rtol=0, atol=0,
                                                 equal_nan=True)]
         finally:
+            for sp in self.sharded:
+                sp.held_by_user -= 1
             for sp in self._gathered:
-                if sp.active_users == 0 and not sp.is_persistent:
-                    sp.release()
+                if sp.is_available and sp.active_users == 0 and not sp.is_persistent and not sp.held_by_user:
+                    if sp.live_owner is not None:
+                        sp.live_owner.release_param(sp)  # an engine call inside the block counted it
+                    else:
+                        sp.release()
         if edited and exc_type is None:
             raise RuntimeError(
                 f"GatheredParameters(modifier_rank=None): {', '.join(edited)} changed inside the block on rank "

@@ -83,8 +83,9 @@ class GradReducer:
     """
 
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
-                 grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None):
+                 grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None, streams=None):
         self.comm = comm
+        self.streams = streams  # CommStreams on CUDA: reduce-scatters issued from its side stream
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype
         self.async_op = async_op
@@ -150,6 +151,21 @@ class GradReducer:
         self._in_flight.clear()
         self._next_launch = 0
 
+    def discard(self) -> None:
+        """After a backward that raised: wait for reductions already issued (every rank issued them), then drop
+        half-filled buckets and every accumulated gradient shard. The next backward starts a new window."""
+        for bucket in self._in_flight:
+            for pending in bucket.pending or ():
+                pending.wait()
+        for bucket in self.buckets:
+            if bucket.send is not None:
+                self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
+            bucket.send = bucket.recv = bucket.pending = None
+            bucket.received.clear()
+        self._in_flight.clear()
+        self._next_launch = 0
+        self.zero_grad()
+
     # ---- the optimizer's side ----------------------------------------------------------------------------------
     def shard_grad(self, p: ShardedParam) -> torch.Tensor | None:
         bucket = self._bucket_of[id(p)]
@@ -201,18 +217,25 @@ class GradReducer:
         bucket.pending = []
         for p in bucket.large:
             offset = bucket.offsets[id(p)]
-            bucket.pending.append(self.comm.reduce_scatter_tensor(
-                bucket.recv[offset: offset + p.shard_numel], bucket.slot(p), op="avg", async_op=self.async_op,
-                name=f"grads bucket {bucket.index}"))
+            bucket.pending.append(self._reduce_scatter(bucket.recv[offset: offset + p.shard_numel],
+                                                       bucket.slot(p), bucket))
         if bucket.small:
-            bucket.pending.append(self.comm.reduce_scatter_tensor(
-                bucket.recv[bucket.small_start:], bucket.send[bucket.small_start * world:], op="avg",
-                async_op=self.async_op, name=f"grads bucket {bucket.index}"))
+            bucket.pending.append(self._reduce_scatter(bucket.recv[bucket.small_start:],
+                                                       bucket.send[bucket.small_start * world:], bucket))
         self._next_launch = bucket.index + 1
         # At most two buckets in flight (double buffering): overlap without holding every send buffer.
         self._in_flight.append(bucket)
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete(self._in_flight.pop(0))
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, bucket: _Bucket):
+        """One reduce-scatter, from the reduce-scatter stream on CUDA. Both buffers were allocated and filled on the
+        compute stream and stay referenced by the bucket until ``_complete`` has waited (see [Note: streams, events
+        and buffer lifetime] in streams.py)."""
+        def issue():
+            return self.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
+                                                   name=f"grads bucket {bucket.index}")
+        return issue() if self.streams is None else self.streams.collective_on(self.streams.reduce_scatter, issue)
 
     def _complete(self, bucket: _Bucket) -> None:
         if bucket.pending is None:
@@ -237,8 +260,14 @@ class GradReducer:
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int) -> None:
-    """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time.
+
+    Every parameter takes part, in the fixed order of ``params``: one that got no gradient on this rank (a branch
+    not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     start = 0
     while start < len(grads):
         end, size = start, 0

@@ -43,6 +43,10 @@ class BackwardEndCallback:
         self._queued = False
         self.fn()
 
+    def reset(self) -> None:
+        """After a backward that raised: autograd dropped the queued callback with the failed graph task."""
+        self._queued = False
+
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward runs once all gradients w.r.t. those inputs are computed."""

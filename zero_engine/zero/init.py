@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..comm import Communicator, init_distributed
+from ..device import local_device
 from .gathered import GatheredParameters
 from .partition import ParamStatus, ShardedParam, sharded_param_of
 
@@ -126,6 +127,7 @@ class Init:
                                       f"{dist.get_world_size(data_parallel_group)} of the {dist.get_world_size()} "
                                       "ranks; zero_engine partitions over the whole world only")
         self.dtype = dtype
+        self.device = local_device()  # each parameter is moved there before it is sharded (device.py)
         if self.config is not None:
             from ..config import load_config
             from ..precision import compute_dtype_of
@@ -187,6 +189,8 @@ class Init:
             for name, param in module.named_parameters():
                 if sharded_param_of(param) is not None or param.numel() == 0:
                     continue
+                if param.device.type != "meta" and param.device != self.device:
+                    param.data = param.data.to(self.device)  # see [Note: one device per rank] in device.py
                 self.comm.broadcast(param.data, src=0, name=f"zero.Init {name}")  # one init, whatever the seeds
                 sp = ShardedParam(param, name, -1, self.comm.rank, self.comm.world_size)
                 sp.release()

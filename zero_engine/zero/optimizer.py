@@ -144,6 +144,8 @@ class ZeroOptimizer(_OptimizerWrapper):
                  optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9):
         self.reducer = reducer
         self.comm = comm
+        # where the step's scalars live: the gradient shards' device (the parameters' device before offload)
+        self.device = next((sp.shard.device for sp in sharded), torch.device("cpu"))
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.sharded = [sp for sp in sharded if sp.param.requires_grad]
         self.masters: dict[int, nn.Parameter] = {}  # id(original param) -> master
@@ -204,12 +206,17 @@ class ZeroOptimizer(_OptimizerWrapper):
 
     def _global_grad_norm(self) -> float:
         """One all-reduce of the summed squares; inf/nan on any rank makes the result non-finite everywhere."""
-        sq = torch.zeros((), dtype=torch.float64)
+        # On the gradients' device: NCCL all-reduces device tensors only. The .item() below is the step's one
+        # documented host synchronisation (clipping and the overflow decision need the value on the host).
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for bucket in self.reducer.buckets:
             if bucket.shard_grads is not None:  # fp32 accumulation per bucket, as clip_grad_norm_; no copy
                 sq += torch.linalg.vector_norm(bucket.shard_grads, dtype=torch.float32).double() ** 2
         self.comm.all_reduce(sq, op="sum", name="grad norm")
-        return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float("inf")
+        if sq.device.type == "meta":
+            return 0.0  # shape-only run (fake process group): there are no values
+        value = sq.item()
+        return math.sqrt(value) if math.isfinite(value) else float("inf")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for master in self.masters.values():

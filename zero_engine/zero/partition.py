@@ -180,6 +180,8 @@ class ShardedParam:
         self.world_size = world_size
         self.is_persistent = False  # kept gathered between uses (small params; stages 1 and 2: all params)
         self.active_users = 0  # modules between their pre- and post- (forward or backward) hooks
+        self.held_by_user = 0  # GatheredParameters blocks holding it gathered: the coordinator must not release it
+        self.live_owner = None  # the coordinator counting its full data in its live budget, if any
         self.status = ParamStatus.NOT_AVAILABLE
         self.master: torch.Tensor | None = None  # the fp32 master shard, once an optimizer owns one
         self.master_is_shard = False  # fp32 training: the master and the compute shard are one tensor

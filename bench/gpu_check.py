@@ -1,0 +1,397 @@
+"""`make gpu-check`'s benchmark: a short set of GPU measurements written as JSON and markdown.
+
+    python bench/gpu_check.py [--out bench/results/gpu_check] [--parts adam,zero3,...] [--tiny]
+
+Parts, each run in its own subprocess (one part's memory or failure never touches another's figures):
+
+  adam          FusedAdam vs torch's fused AdamW on the same fp32 tensors: time per step, and time / the HBM bound
+                (28 bytes per element moved: read p, g, m, v; write p, m, v) at the copy bandwidth measured here
+  zero3         zero_engine ZeRO-3, world 1 (NCCL), bf16, GPT of ~1.1B parameters: step time, peak
+                torch.cuda.max_memory_allocated
+  torch         plain torch on the same model: fp32 parameters, bf16 autocast, fused AdamW (what ZeRO-3 saves at
+                world 1 is nothing; this is the single-GPU baseline)
+  fsdp2         FSDP2 (fully_shard per block + root; bf16 params, fp32 reduce), world 1 (NCCL)
+  deepspeed     DeepSpeed ZeRO-3 bf16, world 1, torch AdamW as the client optimizer, where `import deepspeed` works
+  fake8_zero3   per-rank peak GPU memory at world 8 on torch's fake process group (no data moves; shapes, buffers
+  fake8_fsdp2   and allocations are real): zero_engine under zero.Init vs FSDP2 built on meta
+
+Without CUDA the full run refuses (exit status 2, "no CUDA device"); ``--tiny`` runs every part at toy size on
+whatever device there is (CPU here: memory figures are then n/a), which is how tests/test_gpu_check.py checks the
+logic without a GPU. Timings: CUDA events around ``--steps`` steps after ``--warmup`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("adam", "zero3", "torch", "fsdp2", "deepspeed", "fake8_zero3", "fake8_fsdp2")
+NO_CUDA_EXIT = 2
+BYTES_PER_ADAM_ELEMENT = 28  # fp32: read param, grad, exp_avg, exp_avg_sq (16); write param, exp_avg, exp_avg_sq
+
+
+def model_config(tiny: bool):
+    from zero_engine.testing.models import GPTConfig
+
+    if tiny:
+        return GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32), 2
+    # 20 x 12 x 2048^2 + 32768 x 2048 (tied) + 1024 x 2048 = 1.076e9 parameters
+    return GPTConfig(vocab_size=32768, block_size=1024, n_layer=20, n_head=16, n_embd=2048), 4
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_bytes():
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def time_steps(step, warmup: int, steps: int) -> float:
+    """Seconds per call of ``step()``, after ``warmup`` calls (CUDA events on a GPU, wall clock otherwise)."""
+    for _ in range(warmup):
+        step()
+    synchronize()
+    if torch.cuda.is_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / steps
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - started) / steps
+
+
+def batch(cfg, micro: int, dev):
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (micro, cfg.block_size + 1), generator=g)
+    return idx[:, :-1].contiguous().to(dev), idx[:, 1:].contiguous().to(dev)
+
+
+# ---- parts ---------------------------------------------------------------------------------------------------------
+def part_adam(args) -> dict:
+    from zero_engine.ops import make_adam
+
+    dev = device()
+    numel = 1 << 12 if args.tiny else 1 << 27  # 134M fp32 elements: 3.75 GB moved per step
+    sizes = [numel // 8] * 8
+
+    def tensors(seed):
+        g = torch.Generator().manual_seed(seed)
+        params = [torch.randn(n, generator=g).to(dev).requires_grad_(True) for n in sizes]
+        for p in params:
+            p.grad = torch.randn(p.numel(), generator=g).to(dev) * 1e-2
+        return params
+
+    ours_params, torch_params = tensors(0), tensors(0)
+    ours, description = make_adam([{"params": ours_params}], dev.type, adamw_mode=True, lr=1e-3, weight_decay=0.1)
+    reference = torch.optim.AdamW(torch_params, lr=1e-3, weight_decay=0.1, fused=True)
+    ours_s = time_steps(ours.step, args.warmup, args.steps)
+    torch_s = time_steps(reference.step, args.warmup, args.steps)
+    # copy bandwidth: one read + one write per element of a buffer far larger than any cache
+    src = torch.empty(numel * 2, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    copy_s = time_steps(lambda: dst.copy_(src), 2, 5)
+    bandwidth = 2 * src.numel() * 4 / copy_s
+    bound_s = BYTES_PER_ADAM_ELEMENT * numel / bandwidth
+    return {"optimizer": description, "numel": numel, "ours_ms": ours_s * 1e3, "torch_fused_ms": torch_s * 1e3,
+            "ours_over_torch_fused": ours_s / torch_s, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "hbm_bound_ms": bound_s * 1e3, "ours_over_hbm_bound": ours_s / bound_s,
+            "torch_fused_over_hbm_bound": torch_s / bound_s}
+
+
+def _train_step(model_or_engine, optimizer, x, y, engine: bool):
+    def step():
+        if engine:
+            loss = model_or_engine(x, y)
+            model_or_engine.backward(loss)
+            model_or_engine.step()
+        else:
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+                loss = model_or_engine(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def _result(cfg, seconds: float, tokens: int) -> dict:
+    return {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "peak_bytes": peak_bytes(),
+            "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab": cfg.vocab_size, "seq": cfg.block_size}}
+
+
+def _build_model(cfg):
+    from zero_engine.testing.models import GPT
+
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def _zero3_config(micro: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 50_000_000,
+                                  "stage3_prefetch_bucket_size": 50_000_000,
+                                  "stage3_param_persistence_threshold": 100_000}}
+
+
+def part_zero3(args) -> dict:
+    import zero_engine
+
+    cfg, micro = model_config(args.tiny)
+    zero_engine.init_distributed()
+    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=_zero3_config(micro))
+    x, y = batch(cfg, micro, engine.device)
+    reset_peak()
+    seconds = time_steps(_train_step(engine, None, x, y, engine=True), args.warmup, args.steps)
+    out = _result(cfg, seconds, micro * cfg.block_size)
+    out["params"] = sum(sp.numel for sp in engine.sharded)
+    return out
+
+
+def part_torch(args) -> dict:
+    cfg, micro = model_config(args.tiny)
+    dev = device()
+    model = _build_model(cfg).to(dev)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    x, y = batch(cfg, micro, dev)
+    reset_peak()
+    seconds = time_steps(_train_step(model, optimizer, x, y, engine=False), args.warmup, args.steps)
+    return _result(cfg, seconds, micro * cfg.block_size)
+
+
+def _fully_shard(model, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def _time_fsdp2(model, cfg, micro: int, dev, warmup: int, steps: int) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    x, y = batch(cfg, micro, dev)
+    reset_peak()
+
+    def step():
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _result(cfg, time_steps(step, warmup, steps), micro * cfg.block_size)
+
+
+def part_fsdp2(args) -> dict:
+    import zero_engine
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg, micro = model_config(args.tiny)
+    zero_engine.init_distributed()
+    dev = device()
+    mesh = init_device_mesh(dev.type, (1,))
+    model = _fully_shard(_build_model(cfg).to(dev), mesh)
+    return _time_fsdp2(model, cfg, micro, dev, args.warmup, args.steps)
+
+
+def part_deepspeed(args) -> dict:
+    try:
+        import deepspeed
+    except Exception as error:  # noqa: BLE001 -- any import failure means "not available here"
+        return {"skipped": f"import deepspeed failed: {type(error).__name__}: {error}"}
+    cfg, micro = model_config(args.tiny)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    model = _build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    config = {k: v for k, v in _zero3_config(micro).items() if k != "optimizer"}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    x, y = batch(cfg, micro, engine.device)
+    reset_peak()
+
+    def step():
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+    out = _result(cfg, time_steps(step, args.warmup, args.steps), micro * cfg.block_size)
+    out["deepspeed"] = deepspeed.__version__
+    return out
+
+
+def part_fake8_zero3(args) -> dict:
+    import zero_engine
+    from zero_engine.testing import fake_world
+
+    cfg, micro = model_config(args.tiny)
+    with fake_world(8):
+        with zero_engine.zero.Init():
+            model = _build_model(cfg)
+        engine, *_ = zero_engine.initialize(model=model, config=_zero3_config(micro))
+        x, y = batch(cfg, micro, engine.device)
+        reset_peak()
+        seconds = time_steps(_train_step(engine, None, x, y, engine=True), 1, 2)
+        out = _result(cfg, seconds, micro * cfg.block_size)
+        out["model_state_bytes"] = engine.model_state_bytes(engine.memory_stats())
+    return out
+
+
+def part_fake8_fsdp2(args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_engine.testing import fake_world
+
+    cfg, micro = model_config(args.tiny)
+    dev = device()
+    with fake_world(8):
+        with torch.device("meta"):
+            model = _build_model(cfg)
+        mesh = init_device_mesh(dev.type, (8,))
+        model = _fully_shard(model, mesh)
+        model.to_empty(device=dev)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(0.0, 0.02)  # values do not matter for memory; finite ones keep it honest
+        return _time_fsdp2(model, cfg, micro, dev, 1, 2)
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_part(name: str, args) -> dict:
+    """One part in a fresh process (world-1 rendezvous on a free local port); its JSON result or its error."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, __file__, "--run-part", name, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    if args.tiny:
+        cmd.append("--tiny")
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.part_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.part_timeout}s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+            result["wall_s"] = round(time.perf_counter() - started, 1)
+            return result
+    return {"error": f"exit status {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+
+
+def _gib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _ratio(a: dict, b: dict, key: str) -> str:
+    if a.get(key) is None or b.get(key) is None:
+        return "n/a"
+    return f"{a[key] / b[key]:.2f}x"
+
+
+def markdown(report: dict) -> str:
+    r = report["results"]
+    lines = [f"# gpu-check on {report['device']} (torch {report['torch']}, {report['date']})", ""]
+    adam = r.get("adam", {})
+    if "ours_ms" in adam:
+        lines += ["## Adam step (fp32, %d elements)" % adam["numel"], "",
+                  "| optimizer | ms/step | ÷ torch fused AdamW | ÷ HBM bound |", "|---|---|---|---|",
+                  f"| {adam['optimizer']} | {adam['ours_ms']:.3f} | {adam['ours_over_torch_fused']:.2f} | "
+                  f"{adam['ours_over_hbm_bound']:.2f} |",
+                  f"| torch fused AdamW | {adam['torch_fused_ms']:.3f} | 1.00 | "
+                  f"{adam['torch_fused_over_hbm_bound']:.2f} |", "",
+                  f"HBM bound: {BYTES_PER_ADAM_ELEMENT} bytes/element at the measured copy bandwidth "
+                  f"{adam['copy_bandwidth_GBps']:.0f} GB/s = {adam['hbm_bound_ms']:.3f} ms.", ""]
+    lines += ["## Training step, world 1, bf16", "",
+              "| runtime | ms/step | tokens/s | peak allocated | step ÷ zero3 | peak ÷ zero3 |",
+              "|---|---|---|---|---|---|"]
+    zero3 = r.get("zero3", {})
+    for name in ("zero3", "torch", "fsdp2", "deepspeed"):
+        res = r.get(name, {})
+        if "step_ms" in res:
+            lines.append(f"| {name} | {res['step_ms']:.1f} | {res['tokens_per_s']:.0f} | {_gib(res['peak_bytes'])} | "
+                         f"{_ratio(res, zero3, 'step_ms')} | {_ratio(res, zero3, 'peak_bytes')} |")
+        else:
+            lines.append(f"| {name} | {res.get('skipped') or res.get('error', 'not run')[:200]} | | | | |")
+    lines += ["", "## Per-rank peak at world 8 (fake process group)", "", "| runtime | peak allocated per rank |",
+              "|---|---|"]
+    for name in ("fake8_zero3", "fake8_fsdp2"):
+        res = r.get(name, {})
+        value = _gib(res["peak_bytes"]) if "step_ms" in res else res.get("error", "not run")[:200]
+        lines.append(f"| {name.replace('fake8_', '')} | {value} |")
+    lines += ["", f"Command: `{report['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check"))
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--tiny", action="store_true", help="toy sizes on any device (tests the logic on CPU)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--part-timeout", type=int, default=240)
+    parser.add_argument("--run-part", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_part:
+        result = globals()[f"part_{args.run_part}"](args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    if not torch.cuda.is_available() and not args.tiny:
+        print("gpu-check: no CUDA device (torch.cuda.is_available() is False with torch "
+              f"{torch.__version__}); nothing was run. Run it on a machine with a GPU and a CUDA build of torch.",
+              file=sys.stderr)
+        return NO_CUDA_EXIT
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "command": " ".join(["python", "bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+              "tiny": args.tiny, "results": {}}
+    for name in parts:
+        print(f"gpu-check: {name} ...", flush=True)
+        report["results"][name] = result = run_part(name, args)
+        print(f"gpu-check: {name}: {json.dumps(result)[:300]}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    out.with_suffix(".md").write_text(markdown(report))
+    print(f"gpu-check: wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    failed = [name for name, res in report["results"].items() if "error" in res]
+    if failed:
+        print(f"gpu-check: parts that failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

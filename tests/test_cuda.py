@@ -1,0 +1,131 @@
+"""CUDA: streams and events, host<->device copies, engine parity on a GPU (NCCL at world 1, gloo at world 2 on one
+GPU), 16-bit training, save_16bit_model's device memory. Every test here skips without CUDA (the reason is shown
+with ``pytest -rs``); ``make gpu-check`` runs them together with the FusedAdam parity tests in tests/test_ops.py.
+
+Parity tolerances are those of tests/test_zero3.py (fp32: 1e-4 loss, 1e-3 parameters) and tests/test_precision.py
+(bf16: 2e-2 loss / 1e-2 masters; fp16: 5e-3 / 5e-3), for the same reasons (different reduction orders; 16-bit
+compute). On a GPU, cuBLAS picks different kernels for a micro-batch than for the full batch, which is within them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_engine.zero.streams import CommStreams, to_device, to_host
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run `make gpu-check` on a GPU)")
+TOLERANCES = {"fp32": (1e-4, 1e-3), "bf16": (2e-2, 1e-2), "fp16": (5e-3, 5e-3)}
+
+
+def test_streams_collapse_to_no_ops_off_cuda():
+    """On CPU (and meta) the stream API runs the enclosed code in place and returns no events."""
+    streams = CommStreams(torch.device("cpu"))
+    assert streams.all_gather is None and streams.reduce_scatter is None and streams.current() is None
+    out = torch.zeros(3)
+    with streams.issue_on(streams.all_gather):
+        out.add_(1)
+    assert out.tolist() == [1.0, 1.0, 1.0]
+    assert streams.record() is None
+    streams.wait(None)
+    host = torch.arange(3.0)
+    assert to_device(host, torch.device("cpu")) is host
+    copy = torch.empty(3)
+    assert to_host(host, out=copy) is None and copy.tolist() == [0.0, 1.0, 2.0]
+
+
+@needs_cuda
+def test_side_stream_is_ordered_after_compute_and_consumer_after_side_stream():
+    """A long matmul on the compute stream, its result read on the all-gather stream, that read waited for by an
+    event: the values are right although the host never synchronised in between."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    streams = CommStreams(device)
+    a = torch.randn(4096, 4096, device=device)
+    produced = a @ a  # queued on the compute stream; still running when the side stream is entered
+    with streams.issue_on(streams.all_gather):
+        copied = produced * 2
+    done = streams.record(streams.all_gather)
+    streams.wait(done)
+    result = copied + 0
+    torch.cuda.synchronize()
+    torch.testing.assert_close(result, (a @ a) * 2)
+
+
+@needs_cuda
+def test_pinned_copies_are_asynchronous_and_correct():
+    device = torch.device("cuda", torch.cuda.current_device())
+    host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    on_device = to_device(host, device)
+    back = torch.empty_like(host).pin_memory()
+    event = to_host(on_device * 3, out=back)
+    assert event is not None
+    event.synchronize()
+    torch.testing.assert_close(back, host * 3)
+
+
+def _run_parity(nproc: int, backend: str, precision: str, tmp_path) -> dict:
+    out = tmp_path / f"parity_{backend}_{nproc}_{precision}.json"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(ROOT / "tests" / "cuda_parity_worker.py"), backend, precision, str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_engine_parity_on_cuda_world1_nccl(precision, tmp_path):
+    result = _run_parity(1, "nccl", precision, tmp_path)
+    loss_tol, param_tol = TOLERANCES[precision]
+    assert result["backend"] == "nccl"
+    assert result["loss_rel_err"] < loss_tol and result["param_rel_err"] < param_tol, result
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_engine_parity_on_cuda_world2_one_gpu_gloo(precision, tmp_path):
+    """Two ranks on one GPU (NCCL refuses that): gloo moves CUDA tensors through host memory."""
+    result = _run_parity(2, "gloo", precision, tmp_path)
+    loss_tol, param_tol = TOLERANCES[precision]
+    assert result["world"] == 2
+    assert result["loss_rel_err"] < loss_tol and result["param_rel_err"] < param_tol, result
+
+
+def _save16_body(save_dir):
+    import torch.distributed as dist
+
+    import zero_engine
+    from zero_engine.testing.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=96, n_head=4, vocab_size=4096))
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_gather_16bit_weights_on_model_save": True}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    largest = max(sp.full_bytes for sp in engine.sharded)
+    model_bytes = sum(sp.full_bytes for sp in engine.sharded)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine.save_16bit_model(save_dir)
+    growth = torch.cuda.max_memory_allocated() - before
+    state = torch.load(os.path.join(save_dir, "pytorch_model.bin")) if dist.get_rank() == 0 else {}
+    return growth, largest, model_bytes, {k: v.device.type for k, v in state.items()}
+
+
+@needs_cuda
+def test_save_16bit_model_streams_to_host(tmp_path):
+    """Rank 0's GPU holds one gathered parameter at a time (plus allocator slack), never the whole model."""
+    from zero_engine.testing import run_ranks
+
+    growth, largest, model_bytes, devices = run_ranks(_save16_body, 1, str(tmp_path), timeout=120)[0]
+    assert set(devices.values()) == {"cpu"}
+    assert growth <= 2 * largest + (1 << 20) < model_bytes, (growth, largest, model_bytes)

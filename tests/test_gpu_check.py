@@ -1,0 +1,43 @@
+"""bench/gpu_check.py (what `make gpu-check` runs after the CUDA tests), checked here at toy size on the CPU: every
+part runs in its own process and reports, the JSON and markdown are written, and without CUDA a full run refuses."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA; this machine has a GPU")
+def test_full_run_without_cuda_refuses_with_a_clear_message(capsys, tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path / "r")]) == gpu_check.NO_CUDA_EXIT
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_tiny_run_writes_json_and_markdown(tmp_path):
+    out = tmp_path / "gpu_check"
+    parts = "adam,zero3,fsdp2,deepspeed,fake8_zero3"
+    assert gpu_check.main(["--tiny", "--parts", parts, "--out", str(out), "--warmup", "1", "--steps", "1"]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    results = report["results"]
+    assert list(results) == parts.split(",")
+    assert results["adam"]["ours_ms"] > 0 and results["adam"]["hbm_bound_ms"] > 0
+    assert results["zero3"]["step_ms"] > 0 and results["zero3"]["params"] > 0
+    assert results["fsdp2"]["step_ms"] > 0
+    assert results["fake8_zero3"]["model_state_bytes"] > 0
+    assert "step_ms" in results["deepspeed"] or "skipped" in results["deepspeed"]
+    md = out.with_suffix(".md").read_text()
+    assert "## Adam step" in md and "| zero3 |" in md and "world 8" in md
+
+
+def test_a_failing_part_is_reported_not_hidden(tmp_path):
+    out = tmp_path / "gpu_check"
+    assert gpu_check.main(["--tiny", "--parts", "zero3", "--out", str(out), "--part-timeout", "1"]) == 1
+    assert "timed out" in json.loads(out.with_suffix(".json").read_text())["results"]["zero3"]["error"]

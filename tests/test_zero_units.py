@@ -1,0 +1,230 @@
+"""The coordinator and the gradient reducer on their own, against a loopback communicator (no process group).
+
+``LoopbackComm`` stands in for the Communicator as rank ``rank`` of ``world_size`` ranks that all hold this rank's
+data: an all-gather tiles the input, a reduce-scatter of identical inputs hands back this rank's row, and every call
+is recorded. That is enough to check what these parts decide (which collectives, in which order, of which sizes;
+when parameters are gathered, prefetched and released; where gradients land) without an engine.
+
+Ranks that see different data must issue identical collectives; ``test_reducer_issues_the_same_collectives_*``
+checks that property directly: whatever order gradients arrive in and whichever parameters get none.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from zero_engine.zero.coordinator import ParamCoordinator
+from zero_engine.zero.gather import CoalescedGather, SequentialGather
+from zero_engine.zero.grads import GradReducer
+from zero_engine.zero.partition import ParamStatus, ShardedParam
+
+
+class _Done:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def wait(self):
+        return self.tensor
+
+
+class LoopbackComm:
+    def __init__(self, world_size: int = 2, rank: int = 0, other_traces=None):
+        self.world_size, self.rank = world_size, rank
+        self.calls: list[tuple] = []
+        self.other_traces = other_traces  # what the other ranks report from all_gather_object, if not the same
+
+    def all_gather_into_tensor(self, out, inp, async_op=False, name=""):
+        self.calls.append(("all_gather", out.numel(), inp.dtype))
+        out.view(self.world_size, -1).copy_(inp.reshape(1, -1))
+        return _Done(out)
+
+    def reduce_scatter_tensor(self, out, inp, op="avg", async_op=False, name=""):
+        self.calls.append(("reduce_scatter", inp.numel(), inp.dtype, name))
+        row = inp.view(self.world_size, -1)[self.rank]
+        out.copy_(row if op == "avg" else row * self.world_size)
+        return _Done(out)
+
+    def all_reduce(self, tensor, op="sum", async_op=False, name=""):
+        self.calls.append(("all_reduce", tensor.numel()))
+        if op == "sum":
+            tensor.mul_(self.world_size)
+        return _Done(tensor)
+
+    def all_gather_object(self, obj):
+        self.calls.append(("all_gather_object",))
+        others = self.other_traces or [obj] * (self.world_size - 1)
+        return [obj, *others]
+
+
+def sharded(module: nn.Module, world: int, rank: int, prefix: str) -> list[ShardedParam]:
+    return [ShardedParam(p, f"{prefix}.{n}", i, rank, world) for i, (n, p) in enumerate(module.named_parameters())]
+
+
+# ---- the coordinator ------------------------------------------------------------------------------------------------
+def zero_config(**overrides):
+    values = dict(prefetch_bucket_size=10_000, max_live_parameters=10**9, max_reuse_distance=0,
+                  allgather_sequential=False)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def build_coordinator(n_layers=4, width=16, world=2, comm=None, **overrides):
+    torch.manual_seed(0)
+    layers = [nn.Linear(width, width) for _ in range(n_layers)]
+    comm = comm or LoopbackComm(world)
+    params, names = {}, {}
+    for i, layer in enumerate(layers):
+        sps = sharded(layer, world, comm.rank, f"layers.{i}")
+        for sp in sps:
+            sp.release()
+        params[layer], names[layer] = sps, f"layers.{i}"
+    zc = zero_config(**overrides)
+    gatherer = SequentialGather(comm) if zc.allgather_sequential else CoalescedGather(comm, zc.prefetch_bucket_size)
+    return ParamCoordinator(params, names, gatherer, comm, zc), layers, comm
+
+
+def run_step(coordinator, layers, observe=None):
+    coordinator.begin_step()
+    for phase, order in (("forward", layers), ("backward", layers[::-1])):
+        for layer in order:
+            coordinator.fetch(layer, phase)
+            assert all(sp.status is ParamStatus.AVAILABLE for sp in coordinator.module_params[layer])
+            if observe:
+                observe(coordinator)
+            coordinator.release(layer)
+    coordinator.end_step()
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_coordinator_records_then_prefetches_and_releases_everything(sequential):
+    coordinator, layers, comm = build_coordinator(allgather_sequential=sequential)
+    run_step(coordinator, layers)
+    assert coordinator.prefetch_count == 0, "nothing to prefetch before the trace is recorded"
+    assert coordinator.trace is not None and len(coordinator.trace.events) == 2 * len(layers)
+    first_fetches = coordinator.fetch_count
+    run_step(coordinator, layers)
+    assert coordinator.fetch_count == 2 * first_fetches
+    # Following the trace, every module after the first one of each pass finds its parameters prefetched.
+    assert coordinator.prefetch_count > 0
+    assert coordinator.prefetch_count >= (2 * len(layers) - 2) * (1 if sequential else 2)
+    everything = [sp for sps in coordinator.module_params.values() for sp in sps]
+    assert all(sp.status is ParamStatus.NOT_AVAILABLE for sp in everything)
+    assert coordinator.live_numel == 0
+
+
+def test_coordinator_never_exceeds_the_live_budget():
+    per_layer = 16 * 16 + 16
+    budget = 2 * per_layer  # room for the module in use and one prefetched
+    coordinator, layers, _ = build_coordinator(max_live_parameters=budget)
+    seen = []
+    for _ in range(3):
+        run_step(coordinator, layers, observe=lambda c: seen.append(c.live_numel))
+    assert max(seen) <= budget, (max(seen), budget)
+    assert coordinator.prefetch_count > 0
+
+
+def test_coordinator_keeps_a_parameter_reused_soon():
+    coordinator, layers, comm = build_coordinator(max_reuse_distance=100)
+    run_step(coordinator, layers)
+    coordinator.begin_step()
+    for layer in layers:
+        coordinator.fetch(layer, "forward")
+        coordinator.release(layer)
+    # The last layer's forward is followed at once by its backward (reuse distance 0 < 100): kept gathered. The
+    # first layer is used again only after six other fetches (1632 elements >= 100): released.
+    assert all(sp.is_available for sp in coordinator.module_params[layers[-1]])
+    assert not any(sp.is_available for sp in coordinator.module_params[layers[0]])
+    gathers = len([c for c in comm.calls if c[0] == "all_gather"])
+    coordinator.fetch(layers[-1], "backward")
+    assert len([c for c in comm.calls if c[0] == "all_gather"]) == gathers, "a kept parameter was gathered again"
+    coordinator.release(layers[-1])
+    coordinator.end_step(adopt_trace=False)
+
+
+def test_coordinator_raises_when_ranks_record_different_module_orders():
+    comm = LoopbackComm(2, other_traces=[["layers.1:forward"]])
+    coordinator, layers, _ = build_coordinator(comm=comm)
+    with pytest.raises(RuntimeError, match=r"first difference at fetch #0: rank 0: layers.0:forward, rank 1: "
+                                           r"layers.1:forward"):
+        run_step(coordinator, layers)
+
+
+# ---- the reducer ----------------------------------------------------------------------------------------------------
+def build_reducer(world=2, rank=0, bucket_numel=40):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 7), nn.Linear(7, 5), nn.Linear(5, 3))
+    params = sharded(model, world, rank, "model")
+    comm = LoopbackComm(world, rank)
+    return GradReducer(list(reversed(params)), comm, bucket_numel, reduce_dtype=torch.float32), params, comm
+
+
+def expected_shard(sp: ShardedParam, grad: torch.Tensor | None) -> torch.Tensor:
+    out = torch.zeros(sp.shard_numel)
+    if grad is not None:
+        local = sp.local_slice()
+        out[: local.stop - local.start] = grad.reshape(-1)[local]
+    return out
+
+
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 2)])
+def test_reducer_puts_each_gradient_slice_in_this_ranks_shard(world, rank):
+    reducer, params, _ = build_reducer(world, rank)
+    grads = {sp.fqn: torch.randn(sp.shape) for sp in params}
+    for sp in random.Random(0).sample(params, len(params)):  # arrival order does not matter
+        reducer.add(sp, grads[sp.fqn])
+    reducer.finish()
+    for sp in params:
+        assert torch.equal(reducer.shard_grad(sp), expected_shard(sp, grads[sp.fqn])), sp.fqn
+
+
+def test_reducer_issues_the_same_collectives_whatever_arrives():
+    """A data-dependent branch on one rank (a parameter without gradient, another arrival order) must not change
+    which reduce-scatters this rank issues: the other ranks issue theirs from the fixed bucket layout."""
+    sequences = []
+    for seed, missing in ((0, set()), (1, {"model.1.weight"}), (2, {"model.0.bias", "model.2.weight"})):
+        reducer, params, comm = build_reducer()
+        present = [sp for sp in params if sp.fqn not in missing]
+        for sp in random.Random(seed).sample(present, len(present)):
+            reducer.add(sp, torch.ones(sp.shape))
+        reducer.finish()
+        sequences.append(comm.calls)
+        for sp in params:  # a parameter that got no gradient contributes zeros
+            expected = expected_shard(sp, None if sp.fqn in missing else torch.ones(sp.shape))
+            assert torch.equal(reducer.shard_grad(sp), expected), sp.fqn
+    assert len(sequences[0]) == len(build_reducer()[0].buckets) > 1
+    assert sequences[0] == sequences[1] == sequences[2]
+
+
+def test_reducer_accumulates_across_passes_and_refuses_a_late_gradient():
+    reducer, params, _ = build_reducer(bucket_numel=10**6)  # one bucket
+    for _ in range(2):
+        for sp in params:
+            reducer.add(sp, torch.ones(sp.shape))
+        reducer.finish()
+    for sp in params:
+        assert torch.equal(reducer.shard_grad(sp), 2 * expected_shard(sp, torch.ones(sp.shape)))
+    reducer.zero_grad()
+    for sp in params:
+        reducer.add(sp, torch.ones(sp.shape))  # the bucket is complete and reduced at once
+    with pytest.raises(RuntimeError, match="model.0.weight: gradient arrived after its bucket was reduced"):
+        reducer.add(params[0], torch.ones(params[0].shape))
+
+
+def test_reducer_discard_drops_a_half_filled_pass():
+    reducer, params, comm = build_reducer()
+    for sp in params:
+        reducer.add(sp, torch.ones(sp.shape))
+    reducer.finish()
+    reducer.zero_grad()
+    reducer.add(params[-1], torch.full(params[-1].shape, 5.0))  # a pass that then fails
+    reducer.discard()
+    for sp in params:
+        reducer.add(sp, torch.full(sp.shape, 3.0))
+    reducer.finish()
+    for sp in params:
+        assert torch.equal(reducer.shard_grad(sp), expected_shard(sp, torch.full(sp.shape, 3.0))), sp.fqn

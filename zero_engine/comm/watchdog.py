@@ -1,0 +1,576 @@
+"""Stall watchdog and step fingerprint: a desync or a lost rank becomes an error on every rank, never a hang.
+
+[Note: how a stall is diagnosed]
+``Pending.wait()`` does not block in one call: it waits in slices (gloo: ``work.wait(timeout)``, which leaves the
+work intact when it times out; other backends: ``is_completed()`` polling), so the main thread stays in Python and
+can decide. After ``stall_timeout_s`` without completion, the rank publishes its recent progress records (see
+[Note: progress records]) under its own key in the process group's store and reads the other ranks' keys:
+
+* another rank published a different record at a sequence number both have -> ``RankDivergenceError`` naming each
+  rank's record (every stuck rank reads the same keys, so every rank raises the same message);
+* another rank has left (``destroy()`` ran there) while this one waits -> ``RankDivergenceError`` (it ran fewer
+  collectives);
+* another rank's process is gone (same host: its pid) or its heartbeat stopped for ``heartbeat_timeout_s`` ->
+  ``RankLostError`` naming it and its last known position (the heartbeat carries it);
+* otherwise (all in the same collective, or a rank still computing) -> log once that it is slow, keep waiting, up to
+  ``collective_timeout_s``, then ``DistributedError``.
+
+A heartbeat thread bumps ``hb/<rank>`` (with the rank's position) every ``HEARTBEAT_PERIOD_S``. Nothing of this runs
+in the normal path except the sliced wait, which costs nothing when the work is done.
+
+[Note: holding back a collective that may not match]
+gloo cannot survive a mismatched collective: a rank that receives more bytes than it posted aborts the process
+(``terminate called after throwing an instance of 'gloo::EnforceNotMet'``), so a different-shaped divergence would
+kill a rank before anyone could say why. The one place the engine knows a collective may not match is where a step
+leaves the recorded module order (data-dependent control flow). There the coordinator asks for the next collective
+to be *agreed* first: the rank publishes the record it is about to issue and waits until every other rank has
+published the record at that number (ranks that took the same turn do so at once; a rank that did not stalls in its
+own collective and publishes after ``stall_timeout_s``). Same records -> issue; different -> RankDivergenceError
+before a byte is exchanged.
+
+[Note: step fingerprint]
+At the accumulation boundary, before the optimizer touches anything, each rank's CRC of this step's records
+(kind, dtype, size, name, phase, step of each) is compared with one 2-element all-reduce (max of [crc, -crc]). Equal
+everywhere -> go on. Otherwise the ranks exchange the records (error path only) and raise RankDivergenceError
+naming the first difference, with parameters, masters and optimizer states untouched. This catches what the stall
+watchdog cannot see: same-shaped collectives that paired up across different modules (mixed data in the gathered
+weights and gradients, never applied).
+
+[Note: clean shutdown]
+`make demo` sometimes ended with one rank aborting after training ("terminate called without an active exception",
+SIGABRT, exit 2); never with a barrier before ``destroy_process_group``. The abort is C++ terminating a thread that
+is still running at interpreter exit: gloo's worker threads are still alive then because (a) the last collectives'
+works can still be finishing on them when a rank that is ahead tears its group down or reaches interpreter exit,
+and (b) the engine kept references to the process group, so ``destroy_process_group()`` did not destroy it and its
+threads were left to garbage collection during interpreter finalization, where a thread that needs the GIL (to
+free a tensor a finished work held) is force-unwound. ``engine.destroy()`` removes both: it waits for this rank's
+gathers in flight, then waits (store only, no collective that could mismatch) until every rank is done, stops the
+heartbeat thread (joined), and drops the communicator's references to the group, so that
+``destroy_process_group()`` destroys it there and then, with its threads joined while the interpreter is whole.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import itertools
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import weakref
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from zero_engine.comm._records import CollectiveRecord, ProgressLog, describe_pair
+from zero_engine.errors import DistributedError, RankDivergenceError, RankLostError
+
+log = logging.getLogger("zero_engine.watchdog")
+
+__all__ = ["StallWatchdog", "check_step_fingerprint", "default_store"]
+
+HEARTBEAT_PERIOD_S = 0.5
+_CHECK_PERIOD_S = 1.0  # how often a stalled rank re-reads the others' state
+_HOLD_POLL_S = 0.01
+_PUBLISHED_RECORDS = 48
+# gloo's work.wait(timeout) returns on time for these. Its reduce-scatter (torch 2.13) ignores the timeout and its
+# is_completed() stays False until wait() is called, so that one is waited on a helper thread (_BlockingWaiter).
+_WAIT_HONOURS_TIMEOUT = frozenset({"all_gather", "all_reduce", "broadcast", "barrier"})
+
+BRANCH_ADVICE = ("make data-dependent branches agree across ranks (decide on rank 0 and broadcast the decision), "
+                 "and call engine(), engine.backward() and engine.step() the same number of times on every rank")
+UNUSABLE = ("The process group cannot be used any more (a collective is left pending in the backend): end the job "
+            "on every rank, fix the cause and restart from the last checkpoint.")
+
+_instances = itertools.count()
+_live: "weakref.WeakSet[StallWatchdog]" = weakref.WeakSet()
+
+
+def default_store():
+    """The default process group's store (the one it rendezvoused through), or None when it has none."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 -- a fake or exotic group: no watchdog, the engine still works
+        return None
+
+
+def _stop_all_at_exit() -> None:
+    for watchdog in list(_live):
+        watchdog.stop()
+    _heartbeat.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+def _process_is_gone(host_pid: str) -> bool:
+    """True when ``host_pid`` ("host pid") names a process on this host that no longer runs (or is a zombie)."""
+    host, _, pid = host_pid.partition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+_HEARTBEAT_KEY = "zero_engine/heartbeat/"
+
+
+class _Heartbeat:
+    """One thread per process that keeps ``zero_engine/heartbeat/<rank>`` fresh in the store, with the position of
+    the most recent watchdog's progress log. Liveness is a property of the process, so engines built one after the
+    other (tests) share it instead of each starting a thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._store = None
+        self._key = ""
+        self._progress = lambda: None
+
+    def track(self, store, rank: int, progress: ProgressLog) -> None:
+        with self._lock:
+            self._progress = weakref.ref(progress)
+            if self._store is not store:  # a new process group: beat into its store
+                self._store = store.clone() if hasattr(store, "clone") else store
+            self._key = f"{_HEARTBEAT_KEY}{rank}"
+            self._beat()
+            if self._thread is None:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name=f"zero_engine-heartbeat-rank{rank}",
+                                                daemon=True)
+                self._thread.start()
+
+    def _beat(self) -> None:
+        progress = self._progress()
+        self._store.set(self._key, f"{time.monotonic_ns()} {progress.position() if progress else 'idle'}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_PERIOD_S):
+            try:
+                with self._lock:
+                    self._beat()
+            except Exception:  # noqa: BLE001 -- the store is gone (job ending): nothing left to tell anyone
+                return
+
+    def stop(self) -> None:
+        """Stop and join the thread (interpreter exit, or the last engine destroyed)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+
+_heartbeat = _Heartbeat()
+
+
+class _BlockingWaiter:
+    """One helper thread that calls ``work.wait()`` for works whose wait cannot be sliced, so that the main thread
+    waits on an Event (in slices) instead. A work stuck for good leaves this thread stuck with it, which is harmless:
+    the process group is unusable by then and the thread is a daemon."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._current: Optional[tuple] = None
+        self._thread = threading.Thread(target=self._run, name="zero_engine-blocking-wait", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, done, outcome = item
+            try:
+                work.wait()
+            except BaseException as error:  # noqa: BLE001 -- handed to the waiting thread
+                outcome.append(error)
+            done.set()
+
+    def wait(self, work, seconds: float) -> bool:
+        """True once ``work`` completed (re-raising its error); False if ``seconds`` passed first."""
+        if self._current is None or self._current[0] is not work:
+            self._current = (work, threading.Event(), [])
+            self._queue.put(self._current)
+        _, done, outcome = self._current
+        if not done.wait(seconds):
+            return False
+        self._current = None
+        if outcome:
+            raise outcome[0]
+        return True
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+_waiter: Optional[_BlockingWaiter] = None  # one per process; replaced when a failed group leaves it stuck
+
+
+class StallWatchdog:
+    """Watches this rank's waits; see [Note: how a stall is diagnosed]. One per Communicator on the world group.
+
+    Args:
+        store: the c10d store every rank of the group can reach (``default_store()``).
+        rank, world_size: in the default group.
+        progress: this rank's ProgressLog.
+        stall_timeout_s: a wait longer than this makes the ranks compare notes.
+        collective_timeout_s: a wait longer than this (all ranks alive and in the same collective) is an error.
+        heartbeat_timeout_s: a rank whose heartbeat has not moved for this long is lost.
+    """
+
+    def __init__(self, store, rank: int, world_size: int, progress: ProgressLog, stall_timeout_s: float,
+                 collective_timeout_s: float, backend: str, heartbeat_timeout_s: Optional[float] = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.progress = progress
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.collective_timeout_s = float(collective_timeout_s)
+        self.heartbeat_timeout_s = heartbeat_timeout_s or max(5.0, min(self.stall_timeout_s, 15.0))
+        # Waits are sliced on gloo only. On NCCL, work.wait() only makes the current stream wait and returns at once
+        # (polling is_completed() would be a host sync and end compute/communication overlap); stalls there are
+        # left to NCCL's own watchdog and the process group's timeout, while records, holds, the step fingerprint
+        # and the heartbeat work as on gloo.
+        self.watches_waits = self.wait_with_timeout = backend == "gloo"
+        # Every rank builds its communicators in the same order, so the n-th watchdog has the same prefix everywhere
+        # and a later engine in the same process group never reads an earlier one's keys.
+        self.prefix = f"zero_engine/watchdog{next(_instances)}/"
+        self.store = store
+        self._published: Optional[int] = None
+        self._slow_logged: set[int] = set()
+        self._processes: dict[int, str] = {}
+        self._hb_seen: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat value, when it changed)
+        self._waiter: Optional[_BlockingWaiter] = None
+        self.stopped = False
+        self.failed = False  # a DistributedError was raised: the process group is unusable
+        self.store.set(self._key("proc", rank), f"{socket.gethostname()} {os.getpid()}")
+        _heartbeat.track(store, rank, progress)
+        _live.add(self)
+
+    def _key(self, what: str, rank: int) -> str:
+        return f"{self.prefix}{what}/{rank}"
+
+    # ---- shutdown ----------------------------------------------------------------------------------------------
+    def stop(self, left: bool = True) -> None:
+        """Stop watching; the heartbeat thread stops (joined) with the last live watchdog of the process. With
+        ``left``, tell the other ranks this rank is done."""
+        if self.stopped:
+            return
+        self.stopped = True
+        _live.discard(self)
+        if not _live:
+            _heartbeat.stop()
+        if left:
+            try:
+                self.store.set(self._key("left", self.rank), self.progress.position())
+            except Exception:  # noqa: BLE001 -- the store may already be gone at the end of a job
+                pass
+        _live.discard(self)
+
+    def leave(self) -> None:
+        """This rank is done (engine.destroy()): say so, and wait (store only) until every rank is done too.
+
+        A rank still waiting in a collective this rank never issued gets RankDivergenceError from its watchdog
+        (it reads the "left" key); this rank raises the same kind of error when it sees such a rank. A lost rank is
+        logged, not waited for. See [Note: clean shutdown].
+        """
+        if self.stopped:
+            return
+        self.store.set(self._key("left", self.rank), self.progress.position())
+        deadline = time.monotonic() + self.stall_timeout_s + self.heartbeat_timeout_s
+        try:
+            while True:
+                waiting_for = []
+                for rank in range(self.world_size):
+                    if rank == self.rank or self._read("left", rank) is not None:
+                        continue
+                    state = self._state_of(rank)
+                    if state is not None and state["waiting"] is not None and state["waiting"] > self.progress.seq:
+                        theirs = self._records_of(state)[state["waiting"]]
+                        raise RankDivergenceError(
+                            f"rank {rank} waits in collective #{theirs.seq} {theirs.describe()}, which rank "
+                            f"{self.rank} never issued: rank {self.rank} finished (engine.destroy()) after "
+                            f"{self.progress.position()}. The ranks ran a different number of collectives; "
+                            f"{BRANCH_ADVICE}.")
+                    lost = self._lost(rank)
+                    if lost is not None:
+                        log.warning("rank %d: engine.destroy(): rank %d is gone (%s); not waiting for it",
+                                    self.rank, rank, lost)
+                        continue
+                    waiting_for.append(rank)
+                if not waiting_for:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning("rank %d: engine.destroy(): ranks %s did not finish within %.0fs; going on",
+                                self.rank, waiting_for, self.stall_timeout_s + self.heartbeat_timeout_s)
+                    return
+                time.sleep(_HOLD_POLL_S * 2)
+        finally:
+            self.stop(left=False)
+
+    # ---- the wait ------------------------------------------------------------------------------------------------
+    def wait(self, work, record: Optional[CollectiveRecord]) -> None:
+        """Wait for ``work`` in slices; diagnose a stall; turn a backend failure into a DistributedError."""
+        try:
+            self._wait(work, record)
+        except DistributedError:
+            self._mark_failed()
+            raise
+
+    def agree(self, record: CollectiveRecord) -> None:
+        """Block until every rank has published the same record at ``record.seq``; see [Note: holding back a
+        collective that may not match]."""
+        try:
+            self._agree(record)
+        except DistributedError:
+            self._mark_failed()
+            raise
+
+    def _mark_failed(self) -> None:
+        global _waiter
+        self.failed = True
+        if self._waiter is not None and self._waiter._current is not None and _waiter is self._waiter:
+            _waiter = None  # its thread is stuck in a work of the broken group: the next group gets a fresh one
+
+    def _wait(self, work, record: Optional[CollectiveRecord]) -> None:
+        started = time.monotonic()
+        stall_at = started + self.stall_timeout_s
+        give_up_at = started + self.collective_timeout_s
+        while True:
+            now = time.monotonic()
+            until = stall_at if now < stall_at else now + _CHECK_PERIOD_S
+            if self._wait_slice(work, max(0.0, min(until, give_up_at) - now), record):
+                return
+            now = time.monotonic()
+            if now >= give_up_at:
+                raise DistributedError(
+                    f"rank {self.rank}: {self._what(record)} did not complete within "
+                    f"zero_engine.collective_timeout_s={self.collective_timeout_s:g}s although every rank is alive "
+                    f"({now - started:.0f}s waited). Raise collective_timeout_s if a step can legitimately take "
+                    f"this long. {UNUSABLE}")
+            if now >= stall_at:
+                self._diagnose(record, now - started)
+
+    def _wait_slice(self, work, seconds: float, record) -> bool:
+        """True when the work completed within ``seconds``; raises the translated error when it failed."""
+        try:
+            if self.wait_with_timeout:
+                if record is not None and record.kind in _WAIT_HONOURS_TIMEOUT:
+                    work.wait(timeout=datetime.timedelta(seconds=max(seconds, 1e-3)))
+                    return True
+                return self._blocking_waiter().wait(work, seconds)
+            deadline = time.monotonic() + seconds
+            delay = 2e-5
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 1.5, 1e-3)  # overshoot at most ~1/3 of the wait, and at most 1 ms
+            work.wait()
+            return True
+        except RuntimeError as error:
+            if not work.is_completed():
+                return False  # this slice timed out; the work goes on
+            try:
+                work.wait()
+                return True
+            except Exception as real:  # noqa: BLE001
+                self.explain_failure(record, real)
+                raise  # explain_failure raises; unreachable
+
+    def _blocking_waiter(self) -> _BlockingWaiter:
+        global _waiter
+        if _waiter is None:
+            _waiter = _BlockingWaiter()
+        self._waiter = _waiter
+        return _waiter
+
+    def _what(self, record: Optional[CollectiveRecord]) -> str:
+        return f"collective #{record.seq} {record.describe()}" if record is not None else "a collective"
+
+    # ---- publishing and reading ---------------------------------------------------------------------------------
+    def _publish(self, waiting: Optional[CollectiveRecord], holding: bool = False) -> None:
+        records = list(self.progress.recent)[-_PUBLISHED_RECORDS:]
+        state = {"waiting": waiting.seq if waiting is not None else None, "holding": holding,
+                 "module": self.progress.module,
+                 "records": [r.as_list() for r in records], "position": self.progress.position()}
+        if holding and waiting is not None and (not records or records[-1].seq < waiting.seq):
+            state["records"].append(waiting.as_list())
+        self.store.set(self._key("state", self.rank), json.dumps(state))
+        self._published = waiting.seq if waiting is not None else None
+
+    def _read(self, what: str, rank: int) -> Optional[str]:
+        key = self._key(what, rank)
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def _state_of(self, rank: int) -> Optional[dict]:
+        text = self._read("state", rank)
+        return json.loads(text) if text else None
+
+    def _lost(self, rank: int) -> Optional[str]:
+        """Why ``rank`` counts as lost, or None while it looks alive."""
+        if rank not in self._processes:
+            self._processes[rank] = self._read("proc", rank) or ""
+        key = f"{_HEARTBEAT_KEY}{rank}"
+        beat = self.store.get(key).decode() if self.store.check([key]) else ""
+        now = time.monotonic()
+        last, since = self._hb_seen.get(rank, (None, now))
+        if beat != last:
+            self._hb_seen[rank] = (beat, now)
+            since = now
+        position = beat.partition(" ")[2] or "unknown"
+        if self._processes[rank] and _process_is_gone(self._processes[rank]):
+            host, _, pid = self._processes[rank].partition(" ")
+            return f"its process (pid {pid} on {host}) has ended; last known position: {position}"
+        if now - since >= self.heartbeat_timeout_s:
+            return (f"its heartbeat stopped (no sign of life for {now - since:.0f}s); last known position: "
+                    f"{position}")
+        return None
+
+    # ---- decisions -----------------------------------------------------------------------------------------------
+    def _records_of(self, state: dict) -> dict[int, CollectiveRecord]:
+        return {values[0]: CollectiveRecord.from_list(values) for values in state["records"]}
+
+    def _first_difference(self, mine: dict[int, CollectiveRecord], other: dict[int, CollectiveRecord],
+                          from_seq: int) -> Optional[int]:
+        for seq in sorted(set(mine) & set(other)):
+            if seq >= from_seq and not mine[seq].same_collective(other[seq]):
+                return seq
+        return None
+
+    def _divergence(self, seq: int, mine: CollectiveRecord, rank: int, theirs: CollectiveRecord,
+                    hold: bool = False, their_module: str = "") -> RankDivergenceError:
+        a, b = describe_pair(mine, theirs)
+        sides = sorted([(self.rank, a, self.progress.module), (rank, b, their_module)])
+        detail = "; ".join(f"rank {r}: {d}" for r, d, _ in sides)
+        if any(m for _, _, m in sides):
+            detail += " (modules entered last: " + ", ".join(f"rank {r}: {m or '-'}" for r, _, m in sides) + ")"
+        tail = ("Nothing was exchanged for it: this rank held the collective back until the ranks agreed. " if hold
+                else "")
+        return RankDivergenceError(
+            f"ranks issued different collectives at collective #{seq}: {detail}. The ranks ran different code "
+            f"(data-dependent control flow or a rank-dependent call); {BRANCH_ADVICE}. {tail}{UNUSABLE}")
+
+    def _check_others(self, record: Optional[CollectiveRecord], hold: bool) -> Optional[list[int]]:
+        """Raise when another rank diverged, left or was lost; return the ranks not yet published at ``record``."""
+        mine = {r.seq: r for r in self.progress.recent}
+        if record is not None:
+            mine[record.seq] = record
+        from_seq = min(mine) if mine else 0
+        pending = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            state = self._state_of(rank)
+            if state is not None:
+                theirs = self._records_of(state)
+                seq = self._first_difference(mine, theirs, from_seq)
+                if seq is not None:
+                    raise self._divergence(seq, mine[seq], rank, theirs[seq], hold=hold or state["holding"],
+                                           their_module=state.get("module", ""))
+                if record is not None and record.seq in theirs:
+                    continue
+            left = self._read("left", rank)
+            if left is not None:
+                raise RankDivergenceError(
+                    f"rank {rank} has finished (engine.destroy() after {left}) while rank {self.rank} waits in "
+                    f"{self._what(record)}: the ranks ran a different number of collectives; {BRANCH_ADVICE}. "
+                    f"{UNUSABLE}")
+            lost = self._lost(rank)
+            if lost is not None:
+                raise RankLostError(
+                    f"rank {rank} was lost: {lost}. Rank {self.rank} was waiting for it in {self._what(record)}. "
+                    f"Check rank {rank}'s log and the kernel log (an OOM kill leaves no Python traceback). "
+                    f"{UNUSABLE}")
+            pending.append(rank)
+        return pending
+
+    def _diagnose(self, record: Optional[CollectiveRecord], waited: float) -> None:
+        if record is None or self._published != record.seq:
+            self._publish(record)
+        pending = self._check_others(record, hold=False)
+        key = record.seq if record is not None else -1
+        if key not in self._slow_logged:
+            self._slow_logged.add(key)
+            busy = f"; ranks {pending} are not in a collective yet (still computing?)" if pending else ""
+            log.warning("rank %d: %s is slow (%.0fs so far) but no rank diverged or was lost%s; still waiting "
+                        "(up to zero_engine.collective_timeout_s=%gs)", self.rank, self._what(record), waited, busy,
+                        self.collective_timeout_s)
+
+    def _agree(self, record: CollectiveRecord) -> None:
+        self._publish(record, holding=True)
+        started = time.monotonic()
+        while True:
+            if not self._check_others(record, hold=True):
+                self._published = None
+                return
+            if time.monotonic() - started > self.collective_timeout_s:
+                raise DistributedError(
+                    f"rank {self.rank}: the other ranks did not reach {self._what(record)} within "
+                    f"zero_engine.collective_timeout_s={self.collective_timeout_s:g}s. {UNUSABLE}")
+            time.sleep(_HOLD_POLL_S)
+
+    def explain_failure(self, record: Optional[CollectiveRecord], error: BaseException) -> None:
+        """A backend error ("Connection reset by peer", an NCCL error): find the rank that caused it and raise."""
+        self._publish(record)
+        deadline = time.monotonic() + self.heartbeat_timeout_s + 2 * HEARTBEAT_PERIOD_S
+        while time.monotonic() < deadline:
+            try:
+                self._check_others(record, hold=False)
+            except DistributedError as found:
+                raise found from error
+            except Exception:  # noqa: BLE001 -- the store went with the rank that hosted it
+                raise RankLostError(
+                    f"rank {self.rank}: {self._what(record)} failed ({error}) and the store is unreachable, so the "
+                    f"rank hosting it (rank 0, or the launcher) is gone. {UNUSABLE}") from error
+            time.sleep(_CHECK_PERIOD_S / 4)
+        raise DistributedError(f"rank {self.rank}: {self._what(record)} failed: {error}. Every other rank still "
+                               f"looks alive. {UNUSABLE}") from error
+
+
+def check_step_fingerprint(comm) -> None:
+    """See [Note: step fingerprint]. Collective; call at the accumulation boundary before any update."""
+    crc, records = comm.progress.take_step_fingerprint()
+    if comm.world_size == 1:
+        return
+    device = comm.exchange_device(None)
+    both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
+    comm.all_reduce(both, op="max", name="step fingerprint")
+    if int(both[0]) == -int(both[1]):
+        comm.progress.take_step_fingerprint()  # the fingerprint's own all-reduce belongs to no step
+        return
+    described = comm.all_gather_object([r.as_list() for r in records])
+    comm.progress.take_step_fingerprint()
+    per_rank = [[CollectiveRecord.from_list(v) for v in rank_records] for rank_records in described]
+    length = max(len(rs) for rs in per_rank)
+    for i in range(length):
+        here = [rs[i] if i < len(rs) else None for rs in per_rank]
+        reference = next(r for r in here if r is not None)
+        if all(r is not None and r.same_collective(reference) for r in here):
+            continue
+        parts = []
+        for rank, rec in enumerate(here):
+            other = reference if rec is None or not rec.same_collective(reference) else next(
+                (r for r in here if r is not None and not r.same_collective(rec)), rec)
+            text = describe_pair(rec, other)[0] if rec is not None else "no more collectives in this step"
+            parts.append(f"rank {rank}: {text}")
+        raise RankDivergenceError(
+            f"ranks ran different collectives in step {comm.progress.step} (step fingerprints differ; the "
+            f"collectives paired up, so their data is mixed); first difference at this step's collective #{i + 1}: "
+            f"{'; '.join(parts)}. The optimizer step was not taken: parameters, master weights and optimizer states "
+            f"are as before this step. {BRANCH_ADVICE}.")
+    raise RankDivergenceError(f"step {comm.progress.step}: step fingerprints differ across ranks but the records "
+                              f"agree (hash collision?): {BRANCH_ADVICE}.")

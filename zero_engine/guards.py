@@ -1,0 +1,162 @@
+"""Guards around the training step: what the engine checks so that bad data and misuse fail loudly or leave
+nothing stale. engine.py calls each in one line; README's "Reliability" section lists what they guarantee.
+
+- ``broadcast_initial_state``: every rank starts from rank 0's parameters and buffers (DDP and DeepSpeed do the
+  same), whatever each rank's seed; without it stage 3 would train a patchwork of per-rank initialisations.
+- ``claim_model`` / ``ModelSnapshot``: one engine per model; parameters added, or requires_grad flipped, after
+  initialize are errors naming the parameter instead of being silently trained wrong or not at all.
+- ``NonFiniteSteps``: a non-finite gradient norm (inf/nan on any rank) skips the step on every rank, names the ranks
+  whose loss was non-finite, and raises after too many skips in a row.
+- ``discard_failed_backward``: an exception inside backward drops the accumulation window it happened in (queued
+  callback, half-filled buckets, gathered parameters, partial gradients), so training continues as if that window
+  had never started.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .zero.partition import sharded_param_of
+
+log = logging.getLogger("zero_engine.engine")
+
+__all__ = ["broadcast_initial_state", "claim_model", "release_model", "ModelSnapshot", "NonFiniteSteps",
+           "discard_failed_backward"]
+
+
+# ---- rank 0's initial state -------------------------------------------------------------------------------------
+@torch.no_grad()
+def broadcast_initial_state(model: nn.Module, comm) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's (one broadcast per tensor, once).
+
+    Parameters partitioned by zero.Init are skipped: Init broadcast them from rank 0 before sharding.
+    """
+    if comm.world_size == 1:
+        return
+    tensors = [(name, p.data) for name, p in model.named_parameters() if sharded_param_of(p) is None]
+    tensors += list(model.named_buffers())
+    for name, tensor in tensors:
+        if tensor.numel() == 0:
+            continue
+        # Collectives need contiguous memory, and gloo has no bool: send a contiguous/uint8 copy, copy it back.
+        wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor.contiguous()
+        comm.broadcast(wire, src=0, name=f"initialize {name}")
+        if wire is not tensor:
+            tensor.copy_(wire)
+
+
+# ---- the model after initialize ---------------------------------------------------------------------------------
+_ENGINE_OF = WeakIdKeyDictionary()  # model -> weakref to the engine wrapping it
+
+
+def claim_model(model: nn.Module, engine) -> None:
+    """Register ``engine`` as the one wrapping ``model``; a second live engine on it is an error."""
+    previous = _ENGINE_OF.get(model)
+    if previous is not None and previous() is not None:
+        raise RuntimeError(
+            f"initialize: this {type(model).__name__} is already wrapped by a zero_engine engine (its parameters "
+            "are partitioned and hooked by it). Keep using that engine, call its destroy() first, or build a new "
+            "model")
+    _ENGINE_OF[model] = weakref.ref(engine)
+
+
+def release_model(model: nn.Module) -> None:
+    """Forget the engine of ``model`` (engine.destroy() calls this once the engine let go of the model)."""
+    _ENGINE_OF.pop(model, None)
+
+
+class ModelSnapshot:
+    """The parameters initialize partitioned and their requires_grad flags; ``check`` compares the model now."""
+
+    def __init__(self, model: nn.Module):
+        self.requires_grad = {id(p): p.requires_grad for p in model.parameters()}
+
+    def check(self, model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            known = self.requires_grad.get(id(p))
+            if known is None:
+                raise RuntimeError(
+                    f"{name} was added to the model after initialize (a new module or a replaced parameter): the "
+                    "engine neither partitions nor optimizes it. Build the whole model before initialize")
+            if p.requires_grad != known:
+                raise RuntimeError(
+                    f"{name}: requires_grad changed from {known} to {p.requires_grad} after initialize; the engine "
+                    "decided at initialize which parameters get gradient buckets and optimizer states. Freeze or "
+                    "unfreeze parameters before initialize (or initialize a new engine)")
+
+
+# ---- non-finite steps -------------------------------------------------------------------------------------------
+class NonFiniteSteps:
+    """Counts skipped steps in a row; says which ranks saw a non-finite loss; raises past ``max_consecutive``.
+
+    The skip decision itself needs no extra collective: the global gradient norm is already all-reduced, so it is
+    non-finite on every rank at once. Naming the ranks costs one small all_gather, only when a step is skipped.
+    """
+
+    def __init__(self, comm, max_consecutive: int, loss_scaled: bool, has_values: bool = True):
+        self.comm = comm
+        self.has_values = has_values  # False for shape-only runs (meta tensors): there is no norm to check
+        self.max_consecutive = max_consecutive
+        self.loss_scaled = loss_scaled  # fp16: skipping while the scale adapts is normal; the scaler reports it
+        self.consecutive = 0
+        self._loss_finite: torch.Tensor | None = None  # this window's losses all finite (a tensor: no sync)
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        finite = torch.isfinite(loss.detach()).all()
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+
+    def reset_window(self) -> None:
+        self._loss_finite = None
+
+    def after_step(self, skipped: bool, step: int) -> None:
+        window_loss_finite, self._loss_finite = self._loss_finite, None
+        if not skipped or not self.has_values:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        if self.loss_scaled:
+            return
+        loss_finite = True if window_loss_finite is None else bool(window_loss_finite)  # read only on this path
+        finite_by_rank = self.comm.all_gather_object(loss_finite)
+        bad = [r for r, ok in enumerate(finite_by_rank) if not ok]
+        cause = (f"non-finite loss on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}" if bad else
+                 "non-finite gradients (every rank's loss was finite)")
+        if self.consecutive > self.max_consecutive:
+            raise FloatingPointError(
+                f"rank {self.comm.rank}: {self.consecutive} consecutive steps skipped, the last at step {step} "
+                f"({cause}); more than zero_engine.max_consecutive_skipped_steps={self.max_consecutive}. Training "
+                "is not recovering: lower the learning rate, check the data, or raise the limit")
+        log.warning("rank %d: step %d skipped on every rank: %s; weights, optimizer states and the LR schedule are "
+                    "unchanged (%d in a row, limit zero_engine.max_consecutive_skipped_steps=%d)", self.comm.rank,
+                    step, cause, self.consecutive, self.max_consecutive)
+
+
+# ---- an exception inside backward -------------------------------------------------------------------------------
+def discard_failed_backward(engine) -> None:
+    """Drop everything the failed backward (and its accumulation window) left behind; see the module docstring.
+
+    The window's earlier micro-steps are dropped too: their gradients were already summed with the failed pass's
+    partial ones in the same buffers, and cannot be separated again. The next backward starts a new window.
+    """
+    engine._backward_end.reset()
+    if engine.reducer is not None:
+        engine.reducer.discard()
+    if engine.coordinator is not None:
+        engine.coordinator.release_all()
+    for p in engine.module.parameters():
+        p.grad = None
+    engine.optimizer.zero_grad()
+    engine.nonfinite.reset_window()
+    dropped = engine.micro_steps % engine.gradient_accumulation_steps()
+    engine._backwards_since_update = 0
+    engine._awaiting_step = False
+    engine.micro_steps -= dropped
+    engine.global_samples -= dropped * engine.config.train_micro_batch_size_per_gpu * engine.comm.world_size
+    log.warning("rank %d: backward raised at step %d; the gradients of this accumulation window (%d earlier "
+                "micro-step(s) and the failed one) were dropped; the next backward starts the window again",
+                engine.comm.rank, engine.global_steps, dropped)
