@@ -53,8 +53,9 @@ def sources() -> dict[str, str]:
 
 
 def is_read(name: str, texts: dict[str, str]) -> bool:
-    # `.name` not followed by an assignment, annotation or call of the same name (a definition or a setter).
-    pattern = re.compile(r"\.%s\b(?!\s*(?:=[^=]|:))" % re.escape(name))
+    # `.name` not followed by an assignment or an annotation (a definition or a setter); a colon that ends the line
+    # (`if config.name:`) is a read.
+    pattern = re.compile(r"\.%s\b(?!\s*(?:=[^=]|:[ \t]*[^\s]))" % re.escape(name))
     return any(pattern.search(text) for text in texts.values())
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from zero_engine.comm._records import ProgressLog
 from zero_engine.zero.coordinator import ParamCoordinator
 from zero_engine.zero.gather import CoalescedGather, SequentialGather
 from zero_engine.zero.grads import GradReducer
@@ -37,6 +38,7 @@ class LoopbackComm:
         self.world_size, self.rank = world_size, rank
         self.calls: list[tuple] = []
         self.other_traces = other_traces  # what the other ranks report from all_gather_object, if not the same
+        self.progress = ProgressLog()  # the coordinator names the module it gathers for in the progress records
 
     def all_gather_into_tensor(self, out, inp, async_op=False, name=""):
         self.calls.append(("all_gather", out.numel(), inp.dtype))

@@ -320,7 +320,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._stepped_at_micro_step = self.micro_steps
         self.progress.phase = "step"
         if self.config.zero_engine.step_fingerprint:
-            check_step_fingerprint(self.comm)  # before anything is reduced or updated
+            check_step_fingerprint(self.comm, self._device)  # before anything is reduced or updated
         if self.stage == 1:  # gradients accumulated whole across micro-steps; reduce once now
             for bucket in self.reducer.buckets:
                 for sp in bucket.params:

@@ -541,15 +541,16 @@ class StallWatchdog:
                                f"looks alive. {UNUSABLE}") from error
 
 
-def check_step_fingerprint(comm) -> None:
-    """See [Note: step fingerprint]. Collective; call at the accumulation boundary before any update."""
+def check_step_fingerprint(comm, device: Optional[torch.device] = None) -> None:
+    """See [Note: step fingerprint]. Collective; call at the accumulation boundary before any update. ``device``:
+    the parameters' device (where the engine's collectives run); the communicator's default when not given."""
     crc, records = comm.progress.take_step_fingerprint()
     if comm.world_size == 1:
         return
-    device = comm.exchange_device(None)
+    device = device if device is not None else comm.exchange_device(None)
     both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
     comm.all_reduce(both, op="max", name="step fingerprint")
-    if int(both[0]) == -int(both[1]):
+    if both.device.type == "meta" or int(both[0]) == -int(both[1]):  # meta: a shape-only run has no values
         comm.progress.take_step_fingerprint()  # the fingerprint's own all-reduce belongs to no step
         return
     described = comm.all_gather_object([r.as_list() for r in records])
