@@ -68,6 +68,8 @@ DEEPSPEED_DEFAULTS = {
         "pipeline_write": False, "fast_init": False, "ratio": 1.0, "super_offload": False,
         "convert_grad_on_cpu": True, "cpuadam_cores_perc": 0.8,
     },
+    "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True},
     "activation_checkpointing": {
         "partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,
         "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False,
@@ -116,7 +118,7 @@ def test_defaults_table_covers_every_field():
             continue  # optimizer/scheduler sections: tested below
         fields = set(model.file_fields()) - {"train_batch_size", "train_micro_batch_size_per_gpu",
                                              "gradient_accumulation_steps", "fp16", "bf16", "zero_optimization",
-                                             "activation_checkpointing", "zero_engine", "memory_timeline"}
+                                             "activation_checkpointing", "zero_engine", "memory_timeline", "aio"}
         assert fields == covered[path], f"{path}: add DeepSpeed's default of each new field to the table"
 
 
@@ -275,10 +277,10 @@ def test_other_tools_top_level_keys_are_ignored_with_a_warning(caplog):
 
 def test_harmless_sections_are_reported_once_as_ignored(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    load({"tensorboard": {"enabled": True}, "flops_profiler": {"enabled": True}, "wandb": {}, "aio": {}})
+    load({"tensorboard": {"enabled": True}, "flops_profiler": {"enabled": True}, "wandb": {}})
     infos = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.INFO]
     assert infos == ["accepted but not acted on (zero_engine does not implement these tools): "
-                     "tensorboard, flops_profiler, wandb, aio"]
+                     "tensorboard, flops_profiler, wandb"]
 
 
 def test_ignored_legacy_key_inside_a_section_warns(caplog):

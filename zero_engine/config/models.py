@@ -99,6 +99,30 @@ class MemoryTimelineConfig(Section):
     path: str | None = Field(None, description="Where to write the timeline; null: not written.")
 
 
+class AioConfig(Section):
+    """Asynchronous I/O for NVMe offload (zero_engine/offload/nvme.py: a thread pool of O_DIRECT preadv/pwritev)."""
+
+    block_size: ConfigInt = Field(
+        1_048_576, ge=1, description="Bytes per I/O request: a tensor is read and written in chunks of this size "
+        "(rounded up to 4096), spread over the I/O threads.",
+    )
+    queue_depth: ConfigInt = Field(8, ge=1, description="libaio's requests in flight per submission.")
+    thread_count: ConfigInt = Field(
+        1, ge=1, description="I/O threads per rank (DeepSpeed's intra_op_parallelism): chunks of one tensor are "
+        "transferred in parallel by this many threads.",
+    )
+    single_submit: ConfigBool = Field(False, description="libaio: submit requests one at a time.")
+    overlap_events: ConfigBool = Field(True, description="libaio: overlap request submission and completion.")
+
+    key_aliases = {"intra_op_parallelism": "thread_count"}
+    not_supported = {"use_gds": NotSupported(False, "GPUDirect Storage")}
+    no_effect = {
+        "queue_depth": "each I/O thread has one synchronous request in flight, so the depth is thread_count",
+        "single_submit": "requests are issued by the I/O threads one each; there is no batched submission",
+        "overlap_events": "I/O always overlaps the step: it runs on the I/O threads while the optimizer updates",
+    }
+
+
 class ZeroEngineSection(Section):
     """zero_engine's own settings (DeepSpeed ignores this section)."""
 
@@ -197,6 +221,7 @@ class EngineConfig(Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="Accepted; not acted on."
     )
+    aio: AioConfig = Field(default_factory=AioConfig, description="Asynchronous I/O for NVMe offload.")
     zero_engine: ZeroEngineSection = Field(
         default_factory=ZeroEngineSection, description="zero_engine's own settings (DeepSpeed ignores them)."
     )

@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 from zero_engine.config.fields import AUTO, Section, auto_rule
 from zero_engine.config.models import (
     ActivationCheckpointingConfig,
+    AioConfig,
     Bf16Config,
     EngineConfig,
     Fp16Config,
@@ -53,6 +54,7 @@ SECTIONS: list[tuple[str, type[Section]]] = [
     ("scheduler.params for WarmupLR", WarmupLRParams),
     ("scheduler.params for WarmupDecayLR", WarmupDecayLRParams),
     ("scheduler.params for WarmupCosineLR", WarmupCosineLRParams),
+    ("aio", AioConfig),
     ("activation_checkpointing", ActivationCheckpointingConfig),
     ("zero_engine", ZeroEngineSection),
     ("zero_engine.memory_timeline", MemoryTimelineConfig),

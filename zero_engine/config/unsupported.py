@@ -129,5 +129,4 @@ HARMLESS_SECTIONS: dict[str, str] = {
     "dump_state": "debug printing",
     "vocabulary_size": "a tensor-core alignment warning",
     "autotuning": "the launcher's autotuner",
-    "aio": "async I/O for NVMe offload, which is not supported yet",
 }
