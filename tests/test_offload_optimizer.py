@@ -1,0 +1,188 @@
+"""Optimizer offload (issue 13): placement, CPU and NVMe offload of masters and Adam moments, on simulated ranks.
+
+Parity is bitwise: offload changes where the fp32 masters, the moments and the gradient shards live and in which
+order the sub-groups are read and written, never the arithmetic (same CPUAdam kernel over the same values, gradient
+shards kept in the same dtype; see [Note: gradient shards on the host] in zero/grads.py). So losses and parameters
+with offload must equal those without it exactly, in fp32 and bf16, at stages 1-3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_engine
+from zero_engine.offload.placement import Placement
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+TIMEOUT = 60
+MODEL = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=3, n_embd=33)
+
+
+def config(stage: int, offload: str, nvme_path: str | None = None, bf16: bool = False, **offload_knobs) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 700, "stage3_prefetch_bucket_size": 3000,
+            "stage3_param_persistence_threshold": 40, "sub_group_size": 900}
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, **offload_knobs}
+    elif offload == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3,
+                                     "pipeline_read": True, "pipeline_write": True, **offload_knobs}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, "zero_optimization": zero}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def gathered_params(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    for sp in engine.sharded:
+        buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
+        dist.all_gather_into_tensor(buf, sp.shard)
+        out[sp.fqn] = buf[: sp.numel].clone()
+    return out
+
+
+def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    if separate_host:  # the accelerator's code path (host copies, host gradient shards) on a CPU-only machine
+        Placement.has_separate_host = property(lambda self: True)
+    try:
+        engine, *_ = zero_engine.initialize(model=model, config=cfg)
+        losses = []
+        for x, y in make_batches(MODEL, steps, world * 4):
+            for m in range(2):
+                lo = (m * world + rank) * 2
+                loss = engine(x[lo: lo + 2], y[lo: lo + 2])
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float().item())
+        stats = engine.memory_stats()
+        params = gathered_params(engine)
+        files = [engine.optimizer.swapper.store.dir] if getattr(engine.optimizer, "swapper", None) else []
+        engine.destroy()
+    finally:
+        if separate_host:
+            del Placement.has_separate_host  # back to the class's own property
+            Placement.has_separate_host = _SEPARATE_HOST
+    return losses, params, stats, [os.path.exists(f) for f in files]
+
+
+_SEPARATE_HOST = Placement.__dict__["has_separate_host"]
+
+
+def _parity_body(stage: int, bf16: bool, nvme_path: str):
+    off = _train(config(stage, "none", bf16=bf16))
+    cpu = _train(config(stage, "cpu", bf16=bf16))
+    nvme = _train(config(stage, "nvme", nvme_path, bf16=bf16))
+    return off, cpu, nvme
+
+
+def _assert_same(a, b, what):
+    assert a[0] == b[0], f"{what}: losses differ: {a[0]} vs {b[0]}"
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), f"{what}: {name} differs"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage,bf16", [(1, False), (2, True), (3, False), (3, True)])
+def test_offload_cpu_and_nvme_match_no_offload_bitwise(stage, bf16, world, tmp_path):
+    results = run_ranks(_parity_body, world, stage, bf16, str(tmp_path), timeout=TIMEOUT)
+    for off, cpu, nvme in results:
+        _assert_same(off, cpu, f"stage {stage} bf16={bf16} cpu offload")
+        _assert_same(off, nvme, f"stage {stage} bf16={bf16} nvme offload")
+        assert nvme[3] == [False], "NVMe files left after engine.destroy()"
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def _separate_host_body(stage: int, bf16: bool):
+    off = _train(config(stage, "none", bf16=bf16))
+    host = _train(config(stage, "cpu", bf16=bf16), separate_host=True)
+    return off, host
+
+
+@pytest.mark.parametrize("stage,bf16", [(2, False), (3, True)])
+def test_accelerator_code_path_on_the_cpu_matches_bitwise(stage, bf16):
+    """Separate host masters, host gradient shards and shard copies back (the CUDA path), run with CPU tensors."""
+    for off, host in run_ranks(_separate_host_body, 2, stage, bf16, timeout=TIMEOUT):
+        _assert_same(off, host, f"stage {stage} bf16={bf16} separate-host offload")
+        # fp32 masters are separate host copies now, even in fp32 training
+        assert host[2]["master_params"] > 0 and host[2]["by_location"]["host"]["master_params"] > 0
+
+
+def _buffers_body(nvme_path: str, buffer_count: int, pipeline: bool):
+    cfg = config(3, "nvme", nvme_path, bf16=True, buffer_count=buffer_count, pipeline_read=pipeline,
+                 pipeline_write=pipeline)
+    return _train(cfg)
+
+
+@pytest.mark.parametrize("buffer_count,pipeline", [(1, True), (2, False)])
+def test_nvme_buffer_counts_and_pipelines_give_the_same_result(buffer_count, pipeline, tmp_path):
+    ref = run_ranks(_parity_body, 1, 3, True, str(tmp_path), timeout=TIMEOUT)[0][0]
+    got = run_ranks(_buffers_body, 1, str(tmp_path), buffer_count, pipeline, timeout=TIMEOUT)[0]
+    _assert_same(ref, got, f"buffer_count={buffer_count} pipeline={pipeline}")
+
+
+def _stats_body(nvme_path: str):
+    _, _, stats, _ = _train(config(3, "nvme", nvme_path, bf16=True), steps=1)
+    return stats
+
+
+def test_memory_stats_by_location_under_nvme_offload(tmp_path):
+    stats = run_ranks(_stats_body, 2, str(tmp_path), timeout=TIMEOUT)[0]
+    where = stats["by_location"]
+    assert where["nvme"]["master_params"] == stats["master_params"] > 0
+    assert where["nvme"]["optimizer_states"] == stats["optimizer_states"] == 2 * stats["master_params"]
+    assert where["nvme"]["files"] == stats["master_params"] + stats["optimizer_states"]
+    assert where["device"]["params_sharded"] == stats["params_sharded"]
+    assert where["device"]["master_params"] == where["device"]["optimizer_states"] == 0
+    assert where["host"]["swap_buffers"] > 0
+
+
+def test_placement_from_config_and_log(caplog):
+    cfg = zero_engine.config.load_config(config(2, "cpu"), world_size=1)
+    placement = Placement.from_config(cfg.zero_optimization, torch.device("cpu"))
+    assert (placement.params, placement.masters, placement.optimizer_states, placement.grads) == \
+        ("device", "host", "host", "host")
+    assert not placement.has_separate_host and not placement.pins  # pin_memory asked, nothing to pin on a CPU
+    caplog.set_level("INFO", logger="zero_engine.offload")
+    placement.log_once(0)
+    text = caplog.text
+    assert "optimizer states: host" in text and "already live in host memory" in text
+    assert "pin_memory ignored (no accelerator)" in text
+    plain = Placement.from_config(zero_engine.config.load_config(config(3, "none"), world_size=1).zero_optimization,
+                                  torch.device("cpu"))
+    assert plain.optimizer_states == "device" and plain.grads == "device"
+
+
+def test_stage_0_with_offload_is_refused():
+    cfg = config(0, "cpu")
+    cfg["zero_optimization"]["stage"] = 0
+    with pytest.raises(Exception, match="offload_optimizer needs zero_optimization.stage >= 1"):
+        run_ranks(_train, 1, cfg, timeout=TIMEOUT)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the device->host / host->device copies")
+def test_cuda_offload_cpu_keeps_states_on_the_host():
+    assert run_ranks(_cuda_body, 1, timeout=TIMEOUT)[0]
+
+
+def _cuda_body():
+    cfg = config(3, "cpu", bf16=True)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
+    x, y = next(iter(make_batches(MODEL, 1, 2)))
+    for _ in range(2):
+        engine.backward(engine(x.cuda(), y.cuda()))
+        engine.step()
+    sp = engine.sharded[0]
+    state = engine.optimizer.optimizer.state[engine.optimizer.masters[id(sp.param)]]
+    ok = sp.master.device.type == "cpu" and sp.master.is_pinned() and state["exp_avg"].device.type == "cpu"
+    ok = ok and sp.shard.device.type == "cuda" and engine.memory_stats()["by_location"]["host"]["master_params"] > 0
+    engine.destroy()
+    return ok
