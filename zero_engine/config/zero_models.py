@@ -9,8 +9,10 @@ import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from zero_engine.config.fields import (
+    CONFIG_ERROR_TYPE,
     Auto,
     ConfigBool,
     ConfigFloat,
@@ -93,6 +95,14 @@ class OffloadOptimizerConfig(Section):
         "ratio": NotSupported(1.0, "partial optimizer offload"),
         "super_offload": NotSupported(False, "SuperOffload"),
     }
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> "OffloadOptimizerConfig":
+        if self.device == "nvme" and not self.nvme_path:
+            raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}", {
+                "detail": 'device "nvme" needs nvme_path: a directory on the NVMe drive (e.g. "/local_nvme")',
+                "subpath": "nvme_path"})
+        return self
+
     no_effect = {
         "fast_init": "optimizer states are created by the first step and written then, so start-up never writes "
                      "zero moments (what DeepSpeed's fast_init skips); see zero_engine/offload/optimizer_swap.py",
