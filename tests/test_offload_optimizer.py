@@ -55,14 +55,7 @@ def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
         Placement.has_separate_host = property(lambda self: True)
     try:
         engine, *_ = zero_engine.initialize(model=model, config=cfg)
-        losses = []
-        for x, y in make_batches(MODEL, steps, world * 4):
-            for m in range(2):
-                lo = (m * world + rank) * 2
-                loss = engine(x[lo: lo + 2], y[lo: lo + 2])
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach().float().item())
+        losses = _run_steps(engine, make_batches(MODEL, steps, world * 4))
         stats = engine.memory_stats()
         params = gathered_params(engine)
         files = [engine.optimizer.swapper.store.dir] if getattr(engine.optimizer, "swapper", None) else []
@@ -75,6 +68,19 @@ def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
 
 
 _SEPARATE_HOST = Placement.__dict__["has_separate_host"]
+
+
+def _run_steps(engine, batches) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for x, y in batches:
+        for m in range(2):
+            lo = (m * world + rank) * 2
+            loss = engine(x[lo: lo + 2], y[lo: lo + 2])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float().item())
+    return losses
 
 
 def _parity_body(stage: int, bf16: bool, nvme_path: str):
@@ -127,6 +133,34 @@ def test_nvme_buffer_counts_and_pipelines_give_the_same_result(buffer_count, pip
     ref = run_ranks(_parity_body, 1, 3, True, str(tmp_path), timeout=TIMEOUT)[0][0]
     got = run_ranks(_buffers_body, 1, str(tmp_path), buffer_count, pipeline, timeout=TIMEOUT)[0]
     _assert_same(ref, got, f"buffer_count={buffer_count} pipeline={pipeline}")
+
+
+def _checkpoint_body(save_cfg: dict, load_cfg: dict, ckpt: str):
+    """Train 2 steps under save_cfg, save, train 2 more; a fresh engine under load_cfg loads and trains the same 2."""
+    batches = make_batches(MODEL, 4, dist.get_world_size() * 4)
+    torch.manual_seed(0)
+    first, *_ = zero_engine.initialize(model=GPT(MODEL), config=save_cfg)
+    _run_steps(first, batches[:2])
+    first.save_checkpoint(ckpt, tag="t")
+    after_save = _run_steps(first, batches[2:]), gathered_params(first)
+    first.destroy()
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    second, *_ = zero_engine.initialize(model=GPT(MODEL), config=load_cfg)
+    second.load_checkpoint(ckpt, tag="t")
+    resumed = _run_steps(second, batches[2:]), gathered_params(second)
+    second.destroy()
+    return after_save, resumed
+
+
+@pytest.mark.parametrize("save,load", [("nvme", "none"), ("none", "nvme"), ("cpu", "nvme")])
+def test_checkpoint_moves_between_offload_and_no_offload_with_bitwise_resume(save, load, tmp_path):
+    nvme = str(tmp_path / "nvme")
+    os.makedirs(nvme)
+    results = run_ranks(_checkpoint_body, 2, config(3, save, nvme, bf16=True), config(3, load, nvme, bf16=True),
+                        str(tmp_path / "ckpt"), timeout=TIMEOUT)
+    for after_save, resumed in results:
+        _assert_same(after_save, resumed, f"saved with {save}, loaded with {load}")
+    assert os.listdir(nvme) == []
 
 
 def _stats_body(nvme_path: str):
