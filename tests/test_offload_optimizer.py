@@ -220,3 +220,52 @@ def _cuda_body():
     ok = ok and sp.shard.device.type == "cuda" and engine.memory_stats()["by_location"]["host"]["master_params"] > 0
     engine.destroy()
     return ok
+
+
+def _estimator_body(cases, nvme_path: str):
+    return [_train(config(stage, offload, nvme_path, bf16=bf16), steps=1)[2] for stage, offload, bf16 in cases]
+
+
+ESTIMATOR_CASES = [(3, "nvme", True), (2, "cpu", False), (1, "cpu", True)]
+
+
+def test_offload_aware_estimate_matches_memory_stats_by_location(tmp_path):
+    from zero_engine.memory.estimator import PRECISIONS, GatherPolicy, count_model_params, estimate_rank_memory
+
+    world = 2
+    with torch.device("meta"):
+        counts = count_model_params(GPT(MODEL))
+    results = run_ranks(_estimator_body, world, ESTIMATOR_CASES, str(tmp_path), timeout=TIMEOUT)
+    for rank, per_case in enumerate(results):
+        for (stage, offload, bf16), measured in zip(ESTIMATOR_CASES, per_case):
+            zc = zero_engine.config.load_config(config(stage, offload, str(tmp_path), bf16=bf16),
+                                                world_size=world).zero_optimization
+            est = estimate_rank_memory(counts, world, stage, PRECISIONS["bf16" if bf16 else "fp32"],
+                                       GatherPolicy.from_zero_config(zc), offload_optimizer=offload,
+                                       accelerator=False, sub_group_size=zc.sub_group_size,
+                                       buffer_count=zc.offload_optimizer.buffer_count)
+            where = f"rank {rank}/{world}, stage {stage}, {offload}, bf16={bf16}"
+            want, got = est.by_location(), measured["by_location"]
+            for location in ("device", "host", "nvme"):
+                for key in ("params_sharded", "master_params", "grads", "optimizer_states"):
+                    w, g = want[location][key], got[location][key]
+                    assert abs(w - g) <= 0.02 * max(w, g), (where, location, key, w, g)
+            assert got["host"]["swap_buffers"] <= want["host"]["swap_buffers"], where
+            assert (got["nvme"]["files"] > 0) == (offload == "nvme"), where
+
+
+def test_estimate_cli_and_deepspeed_keywords_are_offload_aware(capsys):
+    from zero_engine.cli import main
+    from zero_engine.memory.estimator import estimate_from_counts
+
+    assert main(["estimate", "--params", "7e9", "--largest-layer", "1e9", "--ranks-per-node", "8",
+                 "--offload-optimizer", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "Offload: optimizer cpu" in out and out.splitlines()[5].split()[-3:] == ["device", "host", "nvme"]
+    est = estimate_from_counts(7e9, 1e9, 8, cpu_offload=True, print_table=False, stages=(3,), precisions=("bf16",))
+    row = est.get(3, "bf16")
+    plain = estimate_from_counts(7e9, 1e9, 8, print_table=False, stages=(3,), precisions=("bf16",)).get(3, "bf16")
+    # DeepSpeed's ZeRO-Offload: only the 16-bit shards stay on the device (2 bytes per parameter / N)
+    assert row.by_location()["device"]["total"] == row.params_sharded == plain.params_sharded
+    assert row.host_bytes == row.master_params + row.optimizer_states + row.grads + row.host_staging
+    assert row.device_bytes < plain.device_bytes and plain.host_bytes == 0

@@ -57,12 +57,20 @@ class Placement:
         if opt is not None and (opt.ratio != 1.0 or opt.super_offload):  # refused by the config (NotSupported)
             raise AssertionError(f"offload_optimizer ratio={opt.ratio}, super_offload={opt.super_offload} reached the "
                                  "engine; only ratio 1.0 without SuperOffload is implemented")
-        states = _FROM_CONFIG[opt.device] if opt is not None else DEVICE
-        params = _FROM_CONFIG[par.device] if par is not None and zc.stage == 3 else DEVICE
+        return cls.of(zc.stage, opt.device if opt is not None else "none", par.device if par is not None else "none",
+                      device, pin_memory=bool(opt is not None and opt.pin_memory),
+                      nvme_path=opt.nvme_path if opt is not None else None)
+
+    @classmethod
+    def of(cls, stage: int, offload_optimizer: str = "none", offload_param: str = "none",
+           device: torch.device | str = "cpu", pin_memory: bool = False, nvme_path: str | None = None) -> "Placement":
+        """From the two offload devices as the config spells them ("none", "cpu", "nvme"); the estimator's way in.
+        ``offload_param`` acts at stage 3 only (as in DeepSpeed)."""
+        states = _FROM_CONFIG[offload_optimizer]
+        params = _FROM_CONFIG[offload_param] if stage == 3 else DEVICE
         return cls(device=torch.device(device), params=params, masters=states, optimizer_states=states,
-                   grads=HOST if states != DEVICE else DEVICE,
-                   pin_memory=bool(opt is not None and opt.pin_memory and states != DEVICE),
-                   nvme_path=opt.nvme_path if states == NVME else None)
+                   grads=HOST if states != DEVICE else DEVICE, pin_memory=pin_memory and states != DEVICE,
+                   nvme_path=nvme_path if states == NVME else None)
 
     # ---- questions the runtime asks ---------------------------------------------------------------------------
     @property
@@ -121,18 +129,20 @@ class Placement:
         """``memory_stats()["by_location"]``: the model-state categories of ``stats`` split by where they live.
 
         ``{"device": {...}, "host": {...}, "nvme": {...}}``, each with ``params_sharded``, ``master_params``,
-        ``grads`` and ``optimizer_states`` (0 where a category lives elsewhere) and ``total``. Under NVMe offload the
-        masters and states are counted under "nvme" (``nvme_bytes`` the files' size on disk), and the host buffers
+        ``grads`` (the gradient shards at their peak in the accumulation window, ``grads_peak``, as
+        ``model_state_bytes`` counts them) and ``optimizer_states`` (0 where a category lives elsewhere) and
+        ``total``. Under NVMe offload the
+        masters and states are counted under "nvme" (``files``: the files' size on disk, 0 without NVMe), and the host buffers
         the step streams them through under "host" as ``swap_buffers``.
         """
         out = {loc: {"params_sharded": 0, "master_params": 0, "grads": 0, "optimizer_states": 0}
                for loc in LOCATIONS}
         for category, location in (("params_sharded", self.params), ("master_params", self.masters),
                                    ("grads", self.grads), ("optimizer_states", self.optimizer_states)):
-            out[location][category] += int(stats.get(category, 0))
+            key = "grads_peak" if category == "grads" and "grads_peak" in stats else category
+            out[location][category] += int(stats.get(key, 0))
         out[HOST]["swap_buffers"] = swap_buffer_bytes
-        if self.swaps_optimizer:
-            out[NVME]["files"] = nvme_bytes
+        out[NVME]["files"] = nvme_bytes
         for entry in out.values():
             entry["total"] = sum(v for k, v in entry.items() if k not in ("total", "files"))
         return out
