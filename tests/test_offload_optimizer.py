@@ -164,12 +164,23 @@ def test_checkpoint_moves_between_offload_and_no_offload_with_bitwise_resume(sav
 
 
 def _stats_body(nvme_path: str):
-    _, _, stats, _ = _train(config(3, "nvme", nvme_path, bf16=True), steps=1)
-    return stats
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config(3, "nvme", nvme_path, bf16=True))
+    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    # between steps the masters and moments are on disk only: the tensors the optimizer keys are 0-element
+    opt = engine.optimizer
+    resident = sum(sp.master.numel() for sp in opt.sharded) + sum(
+        t.numel() for s in opt.optimizer.state.values() for t in s.values() if t.dim() > 0)
+    with opt.states_in_memory():
+        inside = sum(sp.master.numel() for sp in opt.sharded)
+    stats = engine.memory_stats()
+    engine.destroy()
+    return stats, resident, inside, sum(sp.shard_numel for sp in opt.sharded)
 
 
 def test_memory_stats_by_location_under_nvme_offload(tmp_path):
-    stats = run_ranks(_stats_body, 2, str(tmp_path), timeout=TIMEOUT)[0]
+    stats, resident, inside, numel = run_ranks(_stats_body, 2, str(tmp_path), timeout=TIMEOUT)[0]
+    assert resident == 0 and inside == numel
     where = stats["by_location"]
     assert where["nvme"]["master_params"] == stats["master_params"] > 0
     assert where["nvme"]["optimizer_states"] == stats["optimizer_states"] == 2 * stats["master_params"]
@@ -269,3 +280,30 @@ def test_estimate_cli_and_deepspeed_keywords_are_offload_aware(capsys):
     assert row.by_location()["device"]["total"] == row.params_sharded == plain.params_sharded
     assert row.host_bytes == row.master_params + row.optimizer_states + row.grads + row.host_staging
     assert row.device_bytes < plain.device_bytes and plain.host_bytes == 0
+
+
+def _edits_body(offload: str, nvme_path: str):
+    from zero_engine.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, \
+        safe_set_full_optimizer_state
+
+    world = dist.get_world_size()
+    batches = make_batches(MODEL, 3, world * 4)
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config(3, offload, nvme_path, bf16=True))
+    losses = _run_steps(engine, batches[:1])
+    weight = engine.module.blocks[0].mlp.fc.weight
+    with zero_engine.zero.GatheredParameters(weight, modifier_rank=0):
+        weight.data.mul_(0.5)  # into the shards and the fp32 masters, which are on disk under nvme
+    state = safe_get_full_optimizer_state(weight, "exp_avg")
+    safe_set_full_optimizer_state(weight, state * 2, "exp_avg")
+    losses += _run_steps(engine, batches[1:])
+    out = losses, safe_get_full_fp32_param(weight), safe_get_full_optimizer_state(weight, "exp_avg_sq")
+    engine.destroy()
+    return out
+
+
+def test_gathered_parameters_edits_and_safe_helpers_reach_nvme_states(tmp_path):
+    plain = run_ranks(_edits_body, 2, "none", str(tmp_path), timeout=TIMEOUT)
+    nvme = run_ranks(_edits_body, 2, "nvme", str(tmp_path), timeout=TIMEOUT)
+    for a, b in zip(plain, nvme):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])

@@ -104,6 +104,7 @@ class OptimizerSwapper:
         self._free: list[torch.Tensor] = []
         self._allocated = 0  # pool buffers that exist (free, holding a sub-group, or under a write)
         self._writes: list[_Pending] = []
+        self._all_in_depth = 0  # all_in() blocks entered
         self._empty = torch.empty(0, dtype=torch.float32)
         with profile_range("zero3::nvme_swap initial masters"):
             for group in self.groups:  # 16-bit: the fp32 masters made at initialize go to disk now
@@ -134,13 +135,23 @@ class OptimizerSwapper:
     def all_in(self):
         """Every sub-group in memory for the block (checkpoint save and load), written back and freed after.
 
-        Needs host memory for this rank's whole optimizer states for the length of the block."""
+        Needs host memory for this rank's whole optimizer states for the length of the block. Re-entrant: an inner
+        block (a safe_get_* helper inside GatheredParameters) finds everything in already."""
+        if self._all_in_depth:
+            self._all_in_depth += 1
+            try:
+                yield
+            finally:
+                self._all_in_depth -= 1
+            return
+        self._all_in_depth = 1
         reads = [(g, self._start_read(g, extra=True)) for g in self.groups]
         for group, handles in reads:
             self._finish_read(group, handles)
         try:
             yield
         finally:
+            self._all_in_depth = 0
             for group in self.groups:
                 self._swap_out(group)
             self._trim()  # buffers borrowed beyond the pool go back to the allocator
