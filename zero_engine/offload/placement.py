@@ -119,11 +119,14 @@ class Placement:
             return
         log.info("zero_engine: %s", self.describe())
         if self.offloads_optimizer and not self.has_separate_host:
-            log.info("zero_engine: offload_optimizer.device=%s on a CPU-only machine: %s already live in host "
-                     "memory, so nothing is copied%s (see [Note: host and device on a CPU-only machine])",
-                     "cpu" if self.optimizer_states == HOST else "nvme",
-                     "the optimizer states" if self.optimizer_states == HOST else "the step's buffers",
-                     "" if self.optimizer_states == HOST else "; masters and moments are swapped to nvme_path")
+            if self.optimizer_states == HOST:
+                log.info("zero_engine: offload_optimizer.device=cpu on a CPU-only machine: the fp32 masters, optimizer "
+                         "states and gradient shards already live in host memory; nothing is copied (see [Note: "
+                         "host and device on a CPU-only machine] in zero_engine/offload/placement.py)")
+            else:
+                log.info("zero_engine: offload_optimizer.device=nvme on a CPU-only machine: host and device memory "
+                         "are one here; masters and moments live in files under %s and the step streams them "
+                         "through host buffers", self.nvme_path)
 
     def by_location(self, stats: dict[str, int], nvme_bytes: int = 0, swap_buffer_bytes: int = 0) -> dict:
         """``memory_stats()["by_location"]``: the model-state categories of ``stats`` split by where they live.
