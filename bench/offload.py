@@ -9,7 +9,7 @@ gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time p
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that RSS follows the live tensors (peak RSS over the measured steps, after
 ``reset_memory_peaks()`` following the warm-up). Both passes check that every variant's losses are bitwise those of
 "none" (offload changes where states live, not the arithmetic). The NVMe variant puts the fp32 masters and the Adam
-moments in files under ``--nvme-path`` (``sub_group_size`` 2M elements, 4 buffers, both pipelines on).
+moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buffers, both pipelines on).
 Prints a markdown table; ``--json`` writes the raw numbers.
 """
 
@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SUB_GROUP = 2_000_000
+SUB_GROUP = 500_000
 
 
 def config(variant: str, nvme_path: str) -> dict:
