@@ -213,6 +213,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """See [Note: auto gather strategy] in zero/gather.py."""
         budget = memory_budget(self.sharded[0].shard.device, self.config.zero_engine.memory_limit)
         per_element = self.compute_dtype.itemsize + 8 + (4 if self.compute_dtype != torch.float32 else 0)
+        if self.placement.offloads_optimizer and self.placement.has_separate_host:
+            per_element = 0  # gradient shards, masters and moments go to the host, not into the device's headroom
         states_to_come = per_element * sum(sp.shard_numel for sp in self.sharded if sp.param.requires_grad)
         self.sequential_buckets = choose_sequential_buckets(self.shard_buckets, budget.headroom, states_to_come,
                                                             self.comm, budget.source)
