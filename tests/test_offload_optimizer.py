@@ -321,3 +321,24 @@ def test_gathered_parameters_edits_and_safe_helpers_reach_nvme_states(tmp_path):
     nvme = run_ranks(_edits_body, 2, "nvme", str(tmp_path), timeout=TIMEOUT)
     for a, b in zip(plain, nvme):
         assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def _state_dict_body(offload: str, nvme_path: str):
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config(2, offload, nvme_path, bf16=True))
+    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    state = engine.optimizer.state_dict()
+    engine.optimizer.load_state_dict(state)  # a round trip through the files changes nothing
+    again = engine.optimizer.state_dict()
+    engine.destroy()
+    return state, again
+
+
+def test_optimizer_state_dict_under_nvme_is_the_same_as_without(tmp_path):
+    plain, _ = run_ranks(_state_dict_body, 1, "none", str(tmp_path), timeout=TIMEOUT)[0]
+    nvme, again = run_ranks(_state_dict_body, 1, "nvme", str(tmp_path), timeout=TIMEOUT)[0]
+    for sd in (nvme, again):
+        assert sd["state"].keys() == plain["state"].keys()
+        for k, entry in plain["state"].items():
+            for name, value in entry.items():
+                assert torch.equal(sd["state"][k][name], value), (k, name)

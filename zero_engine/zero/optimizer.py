@@ -283,6 +283,21 @@ class ZeroOptimizer(_OptimizerWrapper):
             return self.swapper.state_bytes
         return optimizer_state_bytes(self.optimizer)
 
+    def state_dict(self) -> dict:
+        """The torch optimizer's state dict; under NVMe offload read in for the call and returned as copies (the
+        in-memory tensors are views of swap buffers that are reused once the states are written back)."""
+        if self.swapper is None:
+            return self.optimizer.state_dict()
+        with self.states_in_memory():
+            state = self.optimizer.state_dict()
+            state["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+                              for k, entry in state["state"].items()}
+            return state
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.states_in_memory():  # under NVMe offload: loaded into memory, then written to the files
+            self.optimizer.load_state_dict(state)
+
     def states_in_memory(self):
         """A context in which every master and optimizer state is an ordinary in-memory tensor (checkpoints read
         and write them); under NVMe offload they are swapped in for the block and written back after."""
