@@ -372,7 +372,8 @@ def estimate_rank_memory(counts: ModelCounts, world_size: int, stage: int, dtype
                             default=0)
         group = min(shard_trainable, max(sub_group_size, largest_shard))
         slots = (1 if master_bytes else 0) + optimizer_states_per_param
-        swap = min(buffer_count, -(-shard_trainable // max(1, group))) * group * slots * 4
+        stride = -(-group // 1024) * 1024  # each slot padded to 4 KiB (offload/optimizer_swap.py)
+        swap = min(buffer_count, -(-shard_trainable // max(1, group))) * stride * slots * 4
     return RankMemory(stage, dtypes.name, world_size, params_sharded=shard * c,
                       master_params=shard_trainable * master_bytes, grads=shard_trainable * dtypes.grad.itemsize,
                       optimizer_states=shard_trainable * opt_bytes, params_gathered_min=gathered_min,

@@ -54,6 +54,7 @@ __all__ = ["OptimizerSwapper"]
 log = logging.getLogger("zero_engine.offload")
 
 _MASTER = "master"
+_ALIGN_ELEMENTS = 4096 // 4  # fp32 elements per 4 KiB
 
 
 @dataclass
@@ -65,6 +66,12 @@ class _SubGroup:
     swap_masters: bool  # 16-bit training (or a separate host copy): the fp32 masters swap too
     on_disk: list[str] = field(default_factory=list)  # slots written: "master", then state keys
     buffer: torch.Tensor | None = None  # while in: the host buffer its tensors are views of
+
+    @property
+    def stride(self) -> int:
+        """Elements per slot in a buffer and per file: numel rounded up to 4 KiB, so that every region starts and
+        ends on an O_DIRECT boundary of an aligned buffer (the tail is never read as data)."""
+        return -(-self.numel // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
 
     def key(self, slot: str) -> str:
         return f"subgroup{self.index}.{slot}"
@@ -109,7 +116,7 @@ class OptimizerSwapper:
         with profile_range("zero3::nvme_swap initial masters"):
             for group in self.groups:  # 16-bit: the fp32 masters made at initialize go to disk now
                 if group.swap_masters:
-                    group.buffer = self._acquire(group, needed=group.numel)
+                    group.buffer = self._acquire(group, needed=group.stride)
                     self._swap_out(group)
             self._trim()
 
@@ -162,14 +169,6 @@ class OptimizerSwapper:
         self.store.close()
 
     # ---- sizes -------------------------------------------------------------------------------------------------
-    def state_slots(self) -> list[str]:
-        """The state keys that swap (known after the first step; Adam's before it)."""
-        for group in self.groups:
-            slots = [s for s in group.on_disk if s != _MASTER]
-            if slots:
-                return slots
-        return []
-
     @property
     def state_bytes(self) -> int:
         """Optimizer states of this rank, wherever they are now (their size on disk between steps)."""
@@ -199,8 +198,8 @@ class OptimizerSwapper:
     def _start_read(self, group: _SubGroup, extra: bool = False) -> list:
         if group.buffer is not None:
             raise AssertionError(f"optimizer sub-group {group.index} swapped in twice")
-        group.buffer = self._acquire(group, needed=group.numel * max(1, len(group.on_disk) or 1), extra=extra)
-        return [self.store.read(group.key(slot), self._region(group, i))
+        group.buffer = self._acquire(group, needed=group.stride * max(1, len(group.on_disk)), extra=extra)
+        return [self.store.read(group.key(slot), self._region(group, i, padded=True))
                 for i, slot in enumerate(group.on_disk)]
 
     def _finish_read(self, group: _SubGroup, handles: list) -> None:
@@ -212,7 +211,7 @@ class OptimizerSwapper:
     def _swap_out(self, group: _SubGroup) -> None:
         """Copy whatever is not yet a view of the buffer into it, write every slot, leave placeholders."""
         slots = self._slots_in_memory(group)
-        needed = group.numel * max(1, len(slots))
+        needed = group.stride * max(1, len(slots))
         if group.buffer.numel() < needed:  # the first step created the states: a larger buffer from now on
             old = group.buffer
             group.buffer = self._acquire(group, needed=needed, extra=True)
@@ -227,7 +226,7 @@ class OptimizerSwapper:
                 view = region[offset: offset + sp.shard_numel]
                 if value.data_ptr() != view.data_ptr():
                     view.copy_(value.reshape(-1))
-            handles.append(self.store.write(group.key(slot), region))
+            handles.append(self.store.write(group.key(slot), self._region(group, i, padded=True)))
         group.on_disk = slots
         for slot in slots:
             self._point(group, slot, None)
@@ -246,8 +245,9 @@ class OptimizerSwapper:
                 self.optimizer.state[master][slot] = view
             offset += sp.shard_numel
 
-    def _region(self, group: _SubGroup, i: int) -> torch.Tensor:
-        return group.buffer[i * group.numel: (i + 1) * group.numel]
+    def _region(self, group: _SubGroup, i: int, padded: bool = False) -> torch.Tensor:
+        start = i * group.stride
+        return group.buffer[start: start + (group.stride if padded else group.numel)]
 
     # ---- the buffer pool ---------------------------------------------------------------------------------------
     def _acquire(self, group: _SubGroup, needed: int, extra: bool = False) -> torch.Tensor:
@@ -274,7 +274,7 @@ class OptimizerSwapper:
 
     def _new_buffer(self, numel: int) -> torch.Tensor:
         # Whole multiples of the largest sub-group, so that buffers are interchangeable between sub-groups.
-        largest = max(g.numel for g in self.groups)
+        largest = max(g.stride for g in self.groups)
         numel = -(-numel // largest) * largest
         if self.pin_memory:  # cudaHostAlloc memory is page-aligned, as O_DIRECT needs
             return torch.empty(numel, dtype=torch.float32, pin_memory=True)
