@@ -121,19 +121,22 @@ def test_offload_parity_fp16_and_odd_world(stage, precision, world, tmp_path):
         _assert_same(off, nvme, f"stage {stage} {precision} world {world} nvme offload")
 
 
-def _separate_host_body(stage: int, bf16: bool):
+def _separate_host_body(stage: int, bf16: bool, offload: str, nvme_path: str):
     off = _train(config(stage, "none", bf16=bf16))
-    host = _train(config(stage, "cpu", bf16=bf16), separate_host=True)
+    host = _train(config(stage, offload, nvme_path, bf16=bf16), separate_host=True)
     return off, host
 
 
-@pytest.mark.parametrize("stage,bf16", [(2, False), (3, True)])
-def test_accelerator_code_path_on_the_cpu_matches_bitwise(stage, bf16):
-    """Separate host masters, host gradient shards and shard copies back (the CUDA path), run with CPU tensors."""
-    for off, host in run_ranks(_separate_host_body, 2, stage, bf16, timeout=TIMEOUT):
-        _assert_same(off, host, f"stage {stage} bf16={bf16} separate-host offload")
+@pytest.mark.parametrize("stage,bf16,offload", [(2, False, "cpu"), (3, True, "cpu"), (1, True, "nvme"),
+                                                (3, False, "nvme")])
+def test_accelerator_code_path_on_the_cpu_matches_bitwise(stage, bf16, offload, tmp_path):
+    """Separate host masters, host gradient shards and shard copies back (the CUDA path), run with CPU tensors;
+    under NVMe the fp32 masters are then separate and swap too."""
+    for off, host in run_ranks(_separate_host_body, 2, stage, bf16, offload, str(tmp_path), timeout=TIMEOUT):
+        _assert_same(off, host, f"stage {stage} bf16={bf16} separate-host {offload} offload")
         # fp32 masters are separate host copies now, even in fp32 training
-        assert host[2]["master_params"] > 0 and host[2]["by_location"]["host"]["master_params"] > 0
+        where = "host" if offload == "cpu" else "nvme"
+        assert host[2]["master_params"] > 0 and host[2]["by_location"][where]["master_params"] > 0
 
 
 def _buffers_body(nvme_path: str, buffer_count: int, pipeline: bool):
