@@ -30,8 +30,8 @@ crash between steps find complete states), and the host holds at most ``buffer_c
 
 The knobs of ``offload_optimizer``: ``buffer_count`` (as above; at least 1), ``pipeline_read`` / ``pipeline_write``
 (as above; pipeline_read needs buffer_count >= 2 -- with one buffer, which holds the sub-group being updated,
-reads are sequential), ``pin_memory`` (pinned pool buffers on CUDA; nothing to pin on a CPU-only machine), ``nvme_path`` (the
-store's directory), ``fast_init``: no effect -- optimizer states are created by the first step and written then,
+reads are sequential), ``pin_memory`` (pinned pool buffers on CUDA; nothing to pin on a CPU-only machine),
+``nvme_path`` (the store's directory), ``fast_init``: no effect -- optimizer states are created by the first step and written then,
 so start-up never writes zero moments (DeepSpeed's fast_init skips exactly that); only 16-bit training writes the
 fp32 masters once at start-up.
 

@@ -135,8 +135,8 @@ class Placement:
         ``grads`` (the gradient shards at their peak in the accumulation window, ``grads_peak``, as
         ``model_state_bytes`` counts them) and ``optimizer_states`` (0 where a category lives elsewhere) and
         ``total``. Under NVMe offload the
-        masters and states are counted under "nvme" (``files``: the files' size on disk, 0 without NVMe), and the host buffers
-        the step streams them through under "host" as ``swap_buffers``.
+        masters and states are counted under "nvme" (``files``: the files' size on disk, 0 without NVMe), and the
+        host buffers the step streams them through under "host" as ``swap_buffers``.
         """
         out = {loc: {"params_sharded": 0, "master_params": 0, "grads": 0, "optimizer_states": 0}
                for loc in LOCATIONS}
