@@ -15,6 +15,7 @@ of the sharded run's forward may differ) and to bf16 resolution (1e-2) for a bf1
 from __future__ import annotations
 
 import json
+from functools import partial
 import os
 import subprocess
 import sys
@@ -43,14 +44,18 @@ def tiny_llama(tie=False, base=False):
     return (transformers.LlamaModel if base else transformers.LlamaForCausalLM)(cfg)
 
 
-def tiny_gpt2():
+def tiny_gpt2(tie=True):
     cfg = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+                                  tie_word_embeddings=tie)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
 
 
-MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+# Both tie settings of both families: Llama unties by default, GPT-2 ties by default.
+MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "llama-tied": partial(tiny_llama, tie=True),
+          "gpt2-untied": partial(tiny_gpt2, tie=False)}
+TIED = {"llama": False, "gpt2": True, "llama-tied": True, "gpt2-untied": False}
 
 
 def save(model, directory, fmt="safetensors", max_shard_size=None, drop=(), extra=None):
@@ -127,7 +132,9 @@ def _load_body(directory, auto_class):
 
 @pytest.mark.parametrize("name,fmt,sharded,world", [
     ("llama", "safetensors", False, 2), ("gpt2", "safetensors", False, 2), ("llama", "safetensors", True, 3),
-    ("gpt2", "safetensors", True, 2), ("llama", "bin", False, 2), ("gpt2", "bin", True, 3)])
+    ("gpt2", "safetensors", True, 2), ("llama", "bin", False, 2), ("gpt2", "bin", True, 3),
+    ("llama-tied", "safetensors", False, 2), ("gpt2-untied", "safetensors", True, 2), ("llama-tied", "bin", True, 2),
+    ("gpt2-untied", "bin", False, 2)])
 def test_from_pretrained_holds_only_shards_equal_to_file(tmp_path, name, fmt, sharded, world):
     model = MODELS[name]()
     directory = save(model, str(tmp_path / name), fmt, max_shard_size="20KB" if sharded else None)
@@ -136,7 +143,7 @@ def test_from_pretrained_holds_only_shards_equal_to_file(tmp_path, name, fmt, sh
         assert any(f.endswith(".index.json") for f in files), files
     for held, total, tied in run_ranks(_load_body, world, directory, "AutoModelForCausalLM", timeout=TIMEOUT):
         assert held < total / world + 100 * world, (held, total)  # this rank's shards only (+ padding)
-        assert tied == (name == "gpt2")
+        assert tied == TIED[name]
 
 
 # ---- missing / unexpected keys -------------------------------------------------------------------------------------
@@ -273,24 +280,28 @@ def _train_body(directory, out_dir, steps):
     probe = torch.randint(0, 97, (2, 10), generator=gen)
     with torch.no_grad():
         logits = engine(input_ids=probe).logits
-    return worst, (diff / norm).item(), probe, logits
+    return worst, (diff / norm).item(), probe, logits, {n: t.detach().clone() for n, t in ours.items()}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "llama-tied", "gpt2-untied"])
 def test_training_matches_one_process_and_save_pretrained_round_trips(tmp_path, name):
     directory = save(MODELS[name](), str(tmp_path / name))
     out = str(tmp_path / "saved")
     results = run_ranks(_train_body, 2, directory, out, 4, timeout=TIMEOUT)
-    for loss_err, param_err, _, _ in results:
+    for loss_err, param_err, *_ in results:
         assert loss_err < 1e-5 and param_err < 2e-4, (loss_err, param_err)
     files = sorted(os.listdir(out))
     assert "config.json" in files and "model.safetensors.index.json" in files, files
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
-    if name == "gpt2":  # saved once, tied again on load
-        assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
-        with open(os.path.join(out, "model.safetensors.index.json")) as f:
-            assert "lm_head.weight" not in json.load(f)["weight_map"]
-    for *_, probe, logits in results:
+    tied = reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
+    assert tied == TIED[name]
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        saved_head = "lm_head.weight" in json.load(f)["weight_map"]
+    assert saved_head == (not TIED[name])  # a tied head is saved once, under the embedding's name
+    trained = results[0][4]
+    for n, p in reloaded.named_parameters():  # what transformers reads back is bitwise what was trained
+        assert torch.equal(p.detach(), trained[n]), n
+    for _, _, probe, logits, _ in results:
         with torch.no_grad():
             expected = reloaded(input_ids=probe).logits
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

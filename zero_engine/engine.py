@@ -43,6 +43,7 @@ from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
+from .zero.presence import irregular_params
 from .zero.streams import CommStreams
 
 log = logging.getLogger("zero_engine.engine")
@@ -282,6 +283,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
         self.progress.phase = "backward"
+        if self.stage == 3 and self.comm.world_size > 1:  # see [Note: a gradient on some ranks only]
+            self.reducer.begin_pass(irregular_params(scaled, self.reducer.params, self.comm, self._device))
         with profile_range("zero3::backward"):
             try:
                 scaled.backward(retain_graph=retain_graph)

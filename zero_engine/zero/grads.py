@@ -73,6 +73,7 @@ class _Bucket:
         self.recv: torch.Tensor | None = None
         self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
         self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
+        self.irregular = 0  # parameters of this bucket reduced on their own at the end of this pass
 
     def slot(self, p: ShardedParam) -> torch.Tensor:
         """Where ``p``'s padded gradient goes in the send buffer: [padded] (large) or a [world, shard] view (small)."""
@@ -116,13 +117,27 @@ class GradReducer:
             size += p.padded_numel
         if current:
             self.buckets.append(_Bucket(current, len(self.buckets), world))
+        self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._irregular: set[int] = set()  # see [Note: a gradient on some ranks only] in presence.py
+        self._held: dict[int, torch.Tensor] = {}  # their gradients on this rank, until the end of the pass
         self._next_launch = 0
         self._in_flight: list[_Bucket] = []
         self.grad_bytes = 0  # gradient shards that exist now
 
     # ---- during backward ---------------------------------------------------------------------------------------
+    def begin_pass(self, irregular: set[int]) -> None:
+        """Before a backward pass: ``irregular`` (ids of params) get a gradient on some ranks only; they are left out
+        of their buckets' readiness and reduced on their own by ``finish()``."""
+        self._irregular = irregular
+        for bucket in self.buckets:
+            bucket.irregular = sum(id(p) in irregular for p in bucket.params)
+
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
+        if id(p) in self._irregular:
+            held = self._held.get(id(p))
+            self._held[id(p)] = grad.detach() if held is None else held + grad.detach()
+            return
         bucket = self._bucket_of[id(p)]
         if bucket.pending is not None or bucket.index < self._next_launch:
             raise RuntimeError(
@@ -156,14 +171,31 @@ class GradReducer:
     def finish(self) -> None:
         """End of a backward pass: launch what is left (missing gradients are zeros), wait, accumulate."""
         while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.send is None:  # no gradient at all in this bucket: it still takes part in the collective
-                self._alloc_send(bucket)
-            self._launch(bucket)
+            self._launch(self.buckets[self._next_launch])
         for bucket in self._in_flight:
             self._complete(bucket)
         self._in_flight.clear()
         self._next_launch = 0
+        if self._irregular:
+            self._reduce_irregular()
+
+    def _reduce_irregular(self) -> None:
+        """Each irregular parameter on its own, in bucket order (the same on every rank), added to its shard (its
+        bucket contributed zeros there)."""
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if id(p) not in self._irregular:
+                    continue
+                send = torch.zeros(p.padded_numel, dtype=self.reduce_dtype, device=bucket.shard_grads.device)
+                held = self._held.pop(id(p), None)
+                if held is not None:
+                    send[: p.numel].copy_(held.reshape(-1))
+                recv = torch.empty(p.shard_numel, dtype=self.reduce_dtype, device=send.device)
+                self.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)")
+                offset = bucket.offsets[id(p)]
+                bucket.shard_grads[offset: offset + p.shard_numel].add_(recv)
+            bucket.irregular = 0
+        self._irregular = set()
 
     def discard(self) -> None:
         """After a backward that raised: wait for reductions already issued (every rank issued them), then drop
@@ -178,6 +210,9 @@ class GradReducer:
             bucket.received.clear()
         self._in_flight.clear()
         self._next_launch = 0
+        self._irregular, self._held = set(), {}
+        for bucket in self.buckets:
+            bucket.irregular = 0
         self.zero_grad()
 
     # ---- the optimizer's side ----------------------------------------------------------------------------------
@@ -214,11 +249,13 @@ class GradReducer:
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if len(bucket.received) < len(bucket.params):
+            if len(bucket.received) + bucket.irregular < len(bucket.params):
                 return
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.send is None:  # no gradient at all in this bucket: it still takes part in the collective
+            self._alloc_send(bucket)
         for p in bucket.params:
             if id(p) not in bucket.received:  # no gradient this pass: contributes zeros
                 bucket.slot(p).zero_()
