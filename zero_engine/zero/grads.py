@@ -186,14 +186,15 @@ class GradReducer:
             for p in bucket.params:
                 if id(p) not in self._irregular:
                     continue
-                send = torch.zeros(p.padded_numel, dtype=self.reduce_dtype, device=bucket.shard_grads.device)
+                # on the compute device (NCCL), even when the shards are on the host (offload)
+                send = torch.zeros(p.padded_numel, dtype=self.reduce_dtype, device=p.shard.device)
                 held = self._held.pop(id(p), None)
                 if held is not None:
                     send[: p.numel].copy_(held.reshape(-1))
                 recv = torch.empty(p.shard_numel, dtype=self.reduce_dtype, device=send.device)
                 self.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)")
                 offset = bucket.offsets[id(p)]
-                bucket.shard_grads[offset: offset + p.shard_numel].add_(recv)
+                bucket.shard_grads[offset: offset + p.shard_numel].add_(recv.to(bucket.shard_grads.device))
             bucket.irregular = 0
         self._irregular = set()
 
