@@ -347,3 +347,32 @@ def test_optimizer_state_dict_under_nvme_is_the_same_as_without(tmp_path):
         for k, entry in plain["state"].items():
             for name, value in entry.items():
                 assert torch.equal(sd["state"][k][name], value), (k, name)
+
+
+def _branch_body(offload: str, nvme_path: str, stage: int):
+    """A module used on rank 0 only (stages 1-2: at stage 3 the engine refuses different module orders)."""
+    import dataclasses
+
+    cfg_model = dataclasses.replace(MODEL, optional_branch=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = config(stage, offload, nvme_path, bf16=True)
+    engine, *_ = zero_engine.initialize(model=GPT(cfg_model), config=cfg)
+    losses = []
+    for x, y in make_batches(cfg_model, 2, world * 2):
+        loss = engine(x[rank * 2: rank * 2 + 2], y[rank * 2: rank * 2 + 2], use_branch=rank == 0)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    out = losses, gathered_params(engine)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_module_used_on_some_ranks_only_trains_the_same_with_offload(stage, tmp_path):
+    plain = run_ranks(_branch_body, 2, "none", str(tmp_path), stage, timeout=TIMEOUT)
+    for offload in ("cpu", "nvme"):
+        got = run_ranks(_branch_body, 2, offload, str(tmp_path), stage, timeout=TIMEOUT)
+        for a, b in zip(plain, got):
+            _assert_same(a, b, f"{offload}: branch on rank 0 only")
