@@ -23,12 +23,11 @@ import contextlib
 import logging
 import math
 import os
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-
-from functools import partial
 
 from .._profiling import profile_range
 from .grads import GradReducer, all_reduce_grads
