@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -71,6 +72,10 @@ def main() -> None:
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     config = json.load(open(args.config))
+    for section in ("offload_optimizer", "offload_param"):  # the example's NVMe directory (a real one: your drive)
+        nvme_path = (config.get("zero_optimization", {}).get(section) or {}).get("nvme_path")
+        if nvme_path:
+            os.makedirs(nvme_path, exist_ok=True)
     if args.timeline:
         config.setdefault("zero_engine", {})["memory_timeline"] = {"enabled": True, "path": args.timeline}
     engine, optimizer, _, _ = zero_engine.initialize(model=model, config=config)

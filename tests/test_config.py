@@ -528,8 +528,6 @@ def test_several_bad_values_are_reported_together():
     ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}},
      'zero_optimization.offload_param.device: "nvme" is not supported yet (NVMe offload); '
      'accepted: "none" or "cpu"'),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
-     'zero_optimization.offload_optimizer.device: "nvme" is not supported yet'),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      "zero_optimization.offload_optimizer.ratio: 0.5 is not supported yet (partial optimizer offload)"),
     ({"amp": {"enabled": True}}, 'amp: {"enabled": true} is not supported yet (Apex AMP; use fp16 or bf16)'),
@@ -655,3 +653,12 @@ def test_docs_reference_is_generated_from_the_models():
     assert block == config_reference_markdown(), (
         "docs/config.md's reference is out of date; replace the block between the markers with the output of "
         "`python -m zero_engine.config reference`")
+
+
+def test_nvme_optimizer_offload_loads_and_needs_a_path():
+    zero = load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme",
+                                                                          "pipeline_read": True}}}).zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.nvme_path, zero.offloads_optimizer) == \
+        ("nvme", "/nvme", True)
+    message = error_of({**BATCH, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})
+    assert message.startswith('zero_optimization.offload_optimizer.nvme_path: device "nvme" needs nvme_path'), message

@@ -61,7 +61,8 @@ def _estimate(args) -> int:
         from .config import load_config
 
         zero_config = load_config(args.config, world_size=args.ranks_per_node * args.nodes).zero_optimization
-    common = dict(num_ranks_per_node=args.ranks_per_node, num_nodes=args.nodes, zero_config=zero_config)
+    common = dict(num_ranks_per_node=args.ranks_per_node, num_nodes=args.nodes, zero_config=zero_config,
+                  offload_optimizer=args.offload_optimizer, offload_param=args.offload_param)
     if args.params is not None:
         if args.largest_layer is None:
             raise SystemExit("zero-engine estimate: --params needs --largest-layer (the most parameters one "
@@ -104,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     est.add_argument("--config", help="ds_config.json whose zero_optimization sets the stage-3 gather policy "
                      "(default: DeepSpeed's defaults)")
+    est.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),
+                     help="where masters and optimizer states live (default: the config's, else none); adds "
+                     "device / host / nvme columns")
+    est.add_argument("--offload-param", choices=("none", "cpu", "nvme"),
+                     help="where stage-3 parameter shards live (default: the config's, else none)")
     est.set_defaults(run=_estimate)
     fp32 = sub.add_parser("to-fp32", help="consolidate a sharded checkpoint into one fp32 state dict, offline")
     fp32.add_argument("checkpoint_dir", help="the directory given to save_checkpoint (or one checkpoint in it)")

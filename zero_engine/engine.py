@@ -35,6 +35,7 @@ from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
+from .offload.placement import Placement
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
@@ -85,6 +86,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         # every buffer below is allocated on the parameters' device: put them on this rank's (device.py)
         self._device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
         self.streams = CommStreams(self._device)  # side streams on CUDA, no-ops elsewhere (zero/streams.py)
+        self.placement = Placement.from_config(zc, self._device)  # where each state lives (offload/placement.py)
+        if self.stage == 0 and self.placement.offloads_optimizer:
+            raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1 (the offloaded "
+                             "optimizer steps over partitioned fp32 masters); set stage 1, or remove offload_optimizer")
         ze = self.config.zero_engine
         self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
                                  collective_timeout_s=ze.collective_timeout_s)
@@ -132,7 +137,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         else:
             self._partition(model, zc)
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
-                                           optimizer, self.config.optimizer, groups, zc.sub_group_size)
+                                           optimizer, self.config.optimizer, groups, zc.sub_group_size,
+                                           self.placement, zc.offload_optimizer, getattr(self.config, "aio", None))
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
         from .utils import register_engine
@@ -144,6 +150,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                      sum(p.numel() for p in model.parameters()) if self.stage == 0 else
                      sum(sp.numel for sp in self.sharded),
                      getattr(getattr(self.coordinator, "gatherer", None), "name", "none (params whole)"))
+        self.placement.log_once(self.comm.rank)
 
     # ---- construction ------------------------------------------------------------------------------------------
     def _partition(self, model: nn.Module, zc) -> None:
@@ -162,7 +169,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
                                    # gradients in 16-bit loses bits at every hop of the reduction
                                    reduce_dtype=DTYPES[comm_dtype] if comm_dtype else torch.float32,
                                    grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
-                                   accounting=self.accounting, streams=self.streams)
+                                   accounting=self.accounting, streams=self.streams,
+                                   grad_device=self.placement.optimizer_device, pin_memory=self.placement.pins)
         if self.stage >= 2:
             for sp in trainable:
                 sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
@@ -206,6 +214,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """See [Note: auto gather strategy] in zero/gather.py."""
         budget = memory_budget(self.sharded[0].shard.device, self.config.zero_engine.memory_limit)
         per_element = self.compute_dtype.itemsize + 8 + (4 if self.compute_dtype != torch.float32 else 0)
+        if self.placement.offloads_optimizer and self.placement.has_separate_host:
+            per_element = 0  # gradient shards, masters and moments go to the host, not into the device's headroom
         states_to_come = per_element * sum(sp.shard_numel for sp in self.sharded if sp.param.requires_grad)
         self.sequential_buckets = choose_sequential_buckets(self.shard_buckets, budget.headroom, states_to_come,
                                                             self.comm, budget.source)
@@ -403,7 +413,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if self.coordinator is not None:
                 self.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
         finally:
-            self.comm.close()
+            try:
+                if hasattr(self.optimizer, "close"):
+                    self.optimizer.close()  # NVMe offload: this run's files are removed
+            finally:
+                self.comm.close()
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -416,7 +430,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return self.comm.stats()
 
     def memory_stats(self) -> dict:
-        """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs)."""
+        """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs).
+
+        ``by_location`` splits the model-state categories by where they live: ``{"device": {...}, "host": {...},
+        "nvme": {...}}`` (see Placement.by_location in offload/placement.py and README's memory_stats section)."""
         esize = self.compute_dtype.itemsize
         if self.stage == 0:
             params = [p for p in self.module.parameters()]
@@ -434,7 +451,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                         for sp in self.sharded if sp.param.grad is not None)  # stage 1 accumulates whole grads
             grads = self.reducer.grad_bytes + whole
             grads_peak = max(self.accounting.peak["grads"] + whole, grads)
-        return {
+        stats = {
             "params_sharded": sharded,
             "params_gathered": gathered,
             "params_gathered_peak": peak,
@@ -446,6 +463,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
             "rss": rss_bytes(),
             "rss_peak": rss_peak_bytes(),
         }
+        swapper = getattr(self.optimizer, "swapper", None)
+        stats["by_location"] = self.placement.by_location(
+            stats, nvme_bytes=swapper.store.nbytes() if swapper is not None else 0,
+            swap_buffer_bytes=swapper.buffer_bytes if swapper is not None else 0)
+        return stats
 
     @staticmethod
     def model_state_bytes(stats: dict) -> int:

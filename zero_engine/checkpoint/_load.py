@@ -28,7 +28,7 @@ from ._errors import CheckpointError
 from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, GRADS_LOCAL, GRADS_NONE, GRADS_SHARDED,
                         CheckpointMeta, check_buffers_match, check_params_match, read_metadata)
 from ._reader import CheckpointReader, verify_files
-from ._views import ParamView, buffer_items, param_views
+from ._views import ParamView, buffer_items, param_views, states_in_memory
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -56,25 +56,27 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                         os.path.abspath(os.fspath(load_dir)))
         return None, None
     path, tag = located
-    views = param_views(engine)
-    full_resume = not load_module_only
-    with_optimizer = full_resume and load_optimizer_states
-    meta, engine_state = agree(comm, f"reading {path}", lambda: _read_and_check(
-        engine, views, path, with_optimizer, load_module_only))
-    agree(comm, f"verifying {path}", lambda: verify_files(path, meta, sorted(meta.files)[comm.rank::comm.world_size]))
-    reader = CheckpointReader(path, meta)
-    try:
-        optimizer_state = agree(comm, f"reading optimizer states of {path}", lambda: _optimizer_state_dict(
-            engine, views, reader, engine_state)) if with_optimizer else None
-        # From here the engine changes. Reads of verified files should not fail, but if one does (an I/O error),
-        # every rank still raises together instead of leaving the others in the refresh gather.
-        agree(comm, f"reading {path}", lambda: (_load_weights(engine, views, reader, meta),
-                                                _load_buffers(engine, reader)))
-        _refresh_whole_params(engine)
-        client_state = agree(comm, f"restoring the training state of {path}", lambda: _restore_training_state(
-            engine, views, reader, meta, engine_state, optimizer_state, full_resume, load_lr_scheduler_states))
-    finally:
-        reader.close()
+    with states_in_memory(engine):  # NVMe offload: read in, loaded into, written back after
+        views = param_views(engine)
+        full_resume = not load_module_only
+        with_optimizer = full_resume and load_optimizer_states
+        meta, engine_state = agree(comm, f"reading {path}", lambda: _read_and_check(
+            engine, views, path, with_optimizer, load_module_only))
+        agree(comm, f"verifying {path}",
+              lambda: verify_files(path, meta, sorted(meta.files)[comm.rank::comm.world_size]))
+        reader = CheckpointReader(path, meta)
+        try:
+            optimizer_state = agree(comm, f"reading optimizer states of {path}", lambda: _optimizer_state_dict(
+                engine, views, reader, engine_state)) if with_optimizer else None
+            # From here the engine changes. Reads of verified files should not fail, but if one does (an I/O error),
+            # every rank still raises together instead of leaving the others in the refresh gather.
+            agree(comm, f"reading {path}", lambda: (_load_weights(engine, views, reader, meta),
+                                                    _load_buffers(engine, reader)))
+            _refresh_whole_params(engine)
+            client_state = agree(comm, f"restoring the training state of {path}", lambda: _restore_training_state(
+                engine, views, reader, meta, engine_state, optimizer_state, full_resume, load_lr_scheduler_states))
+        finally:
+            reader.close()
     if comm.rank == 0:
         log.info("loaded checkpoint %s (saved at stage %d on %d ranks, %s) on %d ranks", path, meta.stage,
                  meta.world_size, meta.compute_dtype, comm.world_size)

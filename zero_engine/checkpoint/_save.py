@@ -26,7 +26,7 @@ from ._collective import agree
 from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, FORMAT, GRADS_LOCAL, GRADS_NONE, GRADS_SHARDED,
                         CheckpointMeta, rank_file_name, state_dict_layout, write_metadata)
 from ._tensorfile import FileDigest, sha256_of_file, write_tensor_file
-from ._views import ParamView, buffer_items, param_views
+from ._views import ParamView, buffer_items, param_views, states_in_memory
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -61,12 +61,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     staging = agree(comm, "creating the checkpoint directory",
                     lambda: _prepare(save_dir, tag, proposals[0][2]) if comm.rank == 0 else None, share=True)[0]
     try:
-        views = param_views(engine)
-        reports = agree(comm, f"writing checkpoint {tag}",
-                        lambda: _write_rank(engine, views, staging, client_state), share=True)
-        final = agree(comm, f"publishing checkpoint {tag}",
-                      lambda: _finish(engine, views, reports, save_dir, staging, tag, save_latest)
-                      if comm.rank == 0 else None, share=True)[0]
+        with states_in_memory(engine):  # NVMe offload: masters and moments read in for the save (views see them)
+            views = param_views(engine)
+            reports = agree(comm, f"writing checkpoint {tag}",
+                            lambda: _write_rank(engine, views, staging, client_state), share=True)
+            final = agree(comm, f"publishing checkpoint {tag}",
+                          lambda: _finish(engine, views, reports, save_dir, staging, tag, save_latest)
+                          if comm.rank == 0 else None, share=True)[0]
     except BaseException:
         if comm.rank == 0:
             shutil.rmtree(staging, ignore_errors=True)

@@ -8,6 +8,7 @@ need no stage-0 special case beyond where the values live.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from ._metadata import BufferInfo, ParamInfo, state_dict_layout
 
-__all__ = ["ParamView", "param_views", "buffer_items", "dtype_name"]
+__all__ = ["ParamView", "param_views", "buffer_items", "dtype_name", "states_in_memory"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -54,6 +55,14 @@ def param_views(engine) -> list[ParamView]:
         views.append(ParamView(info, local.start, local.stop, sp.param, sp.shard, master,
                                masters.get(id(sp.param)), sp))
     return views
+
+
+def states_in_memory(engine):
+    """Masters and optimizer states as in-memory tensors for the block. Under NVMe optimizer offload they live in
+    files between steps; they are read in (this rank's whole states: host memory for them is needed), and written
+    back after, so the checkpoint format is the same with and without offload."""
+    enter = getattr(engine.optimizer, "states_in_memory", None)
+    return enter() if enter is not None else contextlib.nullcontext()
 
 
 def buffer_items(module: nn.Module) -> list[tuple[BufferInfo, torch.Tensor]]:

@@ -9,8 +9,10 @@ import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from zero_engine.config.fields import (
+    CONFIG_ERROR_TYPE,
     Auto,
     ConfigBool,
     ConfigFloat,
@@ -55,33 +57,58 @@ class OffloadParamConfig(Section):
 
 
 class OffloadOptimizerConfig(Section):
-    """Where the fp32 master weights and optimizer states live, and where the optimizer step runs."""
+    """Where the fp32 master weights and optimizer states live, and where the optimizer step runs
+    (zero_engine/offload/: placement.py says where, optimizer_swap.py streams NVMe states)."""
 
     device: Literal["none", "cpu", "nvme"] = Field(
         "none",
-        description="'none' keeps optimizer states on the accelerator; 'cpu' keeps them in host memory and "
-        "runs the step there (removes 12 bytes/parameter from device memory, adds gradient/parameter copies); "
-        + _OFFLOAD_DEVICE_NOTE,
+        description="'none' keeps optimizer states on the accelerator; 'cpu' keeps fp32 masters, moments and "
+        "gradient shards in host memory and runs the step there with CPUAdam (removes 12 bytes/parameter plus the "
+        "gradient shards from device memory, adds a device-to-host gradient copy and a host-to-device parameter "
+        "copy per step); 'nvme' keeps masters and moments in per-rank files under nvme_path and streams them "
+        "through the step sub-group by sub-group (host memory: buffer_count sub-groups of states).",
     )
-    nvme_path: str | None = Field(None, description="NVMe directory (NVMe offload only).")
-    buffer_count: ConfigInt = Field(4, ge=0, description="NVMe buffer pool size (NVMe offload only).")
-    pin_memory: ConfigBool = Field(False, description="Page-locked host buffers for faster copies.")
-    pipeline_read: ConfigBool = Field(False, description="Overlap NVMe reads with the step (NVMe offload only).")
-    pipeline_write: ConfigBool = Field(False, description="Overlap NVMe writes with the step (NVMe offload only).")
-    fast_init: ConfigBool = Field(False, description="Fast optimizer initialisation (NVMe offload only).")
+    nvme_path: str | None = Field(None, description="Directory on the NVMe drive for the optimizer states' files "
+                                  "(device 'nvme'); each run and rank gets its own subdirectory, removed at exit.")
+    buffer_count: ConfigInt = Field(4, ge=0, description="Host buffers the NVMe step streams sub-groups through: "
+                                    "1 sequential, 2 overlaps the next read with the update, 3+ also the previous "
+                                    "write. Each holds one sub-group's master and moments.")
+    pin_memory: ConfigBool = Field(False, description="Page-locked host buffers (masters, gradient shards, swap "
+                                   "buffers): faster, asynchronous copies to and from the accelerator; pinned memory "
+                                   "cannot be swapped by the OS. No effect without an accelerator.")
+    pipeline_read: ConfigBool = Field(False, description="NVMe: read the next sub-group's states while this one "
+                                      "is updated (needs buffer_count >= 2).")
+    pipeline_write: ConfigBool = Field(False, description="NVMe: write an updated sub-group's states while the "
+                                       "next ones are read and updated (otherwise each write is waited at once).")
+    fast_init: ConfigBool = Field(False, description="Fast optimizer initialisation under NVMe offload.")
     ratio: ConfigFloat = Field(
         1.0, ge=0.0, le=1.0, description="Fraction of optimizer states offloaded; only 1.0 is supported."
     )
     super_offload: ConfigBool = Field(False, description="DeepSpeed SuperOffload; not supported yet.")
     convert_grad_on_cpu: ConfigBool = Field(True, description="Convert gradients to fp32 on the CPU side.")
     cpuadam_cores_perc: ConfigFloat = Field(
-        0.8, ge=0.0, le=1.0, description="Share of CPU cores the CPU optimizer may use."
+        0.8, ge=0.0, le=1.0, description="Share of this process's CPU cores CPUAdam's kernel uses under offload "
+        "(never more than torch's thread count)."
     )
 
     not_supported = {
-        "device": NotSupported("none", "NVMe offload", is_off=_not_nvme, accepted='"none" or "cpu"'),
         "ratio": NotSupported(1.0, "partial optimizer offload"),
         "super_offload": NotSupported(False, "SuperOffload"),
+    }
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> "OffloadOptimizerConfig":
+        if self.device == "nvme" and not self.nvme_path:
+            raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}", {
+                "detail": 'device "nvme" needs nvme_path: a directory on the NVMe drive (e.g. "/local_nvme")',
+                "subpath": "nvme_path"})
+        return self
+
+    no_effect = {
+        "fast_init": "optimizer states are created by the first step and written then, so start-up never writes "
+                     "zero moments (what DeepSpeed's fast_init skips); see zero_engine/offload/optimizer_swap.py",
+        "convert_grad_on_cpu": "gradients always reach the host in the gradient shards' dtype and CPUAdam converts "
+                               "them to fp32 inside its kernel (the CPU side), which keeps offload bitwise equal "
+                               "to no offload",
     }
 
 

@@ -33,8 +33,20 @@ Each precision is a ``StateDtypes`` (the dtype of every state); bytes follow fro
 
 Differences from DeepSpeed's estimator of the same name: counts tied parameters once by identity (DeepSpeed keys
 them by ``data_ptr()``, which is 0 for every tensor on the meta device); applies the real per-parameter padding;
-reports every stage and precision; returns a typed result instead of only printing. CPU/NVMe offload is not
-estimated (the engine does not offload yet).
+reports every stage and precision; returns a typed result instead of only printing.
+
+[Note: offload in the estimate]
+``offload_optimizer`` / ``offload_param`` ("none", "cpu", "nvme"; DeepSpeed's ``cpu_offload=True`` /
+``cpu_offload_params=True`` mean "cpu"; a ``zero_config`` supplies both) move categories as the engine's
+``Placement`` does (zero_engine/offload/placement.py): optimizer offload puts the fp32 masters, the optimizer
+states and the gradient shards on the host ("cpu") or the masters and states in files ("nvme", gradient shards on
+the host); parameter offload (stage 3) puts the compute shards there. ``RankMemory.by_location()`` has the shape of
+``engine.memory_stats()["by_location"]``; ``device_bytes`` adds the gathered parameters and unsharded gradients
+(they are always on the device), ``host_bytes`` the host-only buffers offload needs: with an accelerator
+(``accelerator=True``, the default) the masters are separate host copies even in fp32 training and a 16-bit host
+copy of the shards carries the update back (``host_staging``); under NVMe the step streams the states through
+``buffer_count`` buffers of one sub-group each (``swap_buffers``). On a CPU-only machine (``accelerator=False``)
+fp32 masters stay the compute shards and nothing is staged, as in the engine.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from zero_engine.offload.placement import Placement
 from zero_engine.zero.partition import shard_numel_for
 
 __all__ = [
@@ -203,6 +216,39 @@ class RankMemory:
     unsharded_grads_peak: int
     full_numel: int  # parameter elements of the model (unpadded, tied counted once)
     padding_numel: int  # zero elements the padding adds over all ranks: sum(ceil(numel / N) * N - numel)
+    offload_optimizer: str = "none"  # see [Note: offload in the estimate]
+    offload_param: str = "none"
+    host_staging: int = 0  # 16-bit host copy of the shards the offloaded step writes (accelerator only)
+    swap_buffers: int = 0  # NVMe: host buffers the optimizer step streams sub-groups through
+
+    def placement(self) -> Placement:
+        return Placement.of(self.stage, self.offload_optimizer, self.offload_param)
+
+    def by_location(self) -> dict:
+        """Model states split by where they live, as ``engine.memory_stats()["by_location"]``."""
+        stats = {"params_sharded": self.params_sharded, "master_params": self.master_params, "grads": self.grads,
+                 "optimizer_states": self.optimizer_states}
+        out = self.placement().by_location(stats, nvme_bytes=self.master_params + self.optimizer_states
+                                           if self.offload_optimizer == "nvme" else 0,
+                                           swap_buffer_bytes=self.swap_buffers)
+        out["host"]["host_staging"] = self.host_staging
+        out["host"]["total"] += self.host_staging
+        return out
+
+    @property
+    def device_bytes(self) -> int:
+        """Peak on the accelerator: its model states plus gathered parameters and unsharded gradients."""
+        return self.by_location()["device"]["total"] + self.params_gathered_peak + self.unsharded_grads_peak
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of the offloaded states and the buffers offload needs (0 without offload)."""
+        return self.by_location()["host"]["total"]
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes in this rank's NVMe files."""
+        return self.by_location()["nvme"]["total"]
 
     @property
     def padding_fraction(self) -> float:
@@ -229,7 +275,8 @@ class RankMemory:
                 "optimizer_states": self.optimizer_states, "model_states": self.model_states,
                 "params_gathered_min": self.params_gathered_min, "params_gathered_peak": self.params_gathered_peak,
                 "unsharded_grads_peak": self.unsharded_grads_peak, "peak": self.peak,
-                "padding_numel": self.padding_numel}
+                "padding_numel": self.padding_numel, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes, "nvme_bytes": self.nvme_bytes}
 
 
 def _padded(numel: int, world: int) -> int:
@@ -273,8 +320,17 @@ def _stage3_gathered(counts: ModelCounts, world: int, policy: GatherPolicy) -> t
 
 
 def estimate_rank_memory(counts: ModelCounts, world_size: int, stage: int, dtypes: StateDtypes,
-                         policy: GatherPolicy = GatherPolicy(), optimizer_states_per_param: int = 2) -> RankMemory:
-    """Bytes of each category on one rank of ``world_size`` at ``stage`` (0-3) in precision ``dtypes``."""
+                         policy: GatherPolicy = GatherPolicy(), optimizer_states_per_param: int = 2, *,
+                         offload_optimizer: str = "none", offload_param: str = "none", accelerator: bool = True,
+                         sub_group_size: int = 1_000_000_000, buffer_count: int = 4) -> RankMemory:
+    """Bytes of each category on one rank of ``world_size`` at ``stage`` (0-3) in precision ``dtypes``; for the
+    offload arguments see [Note: offload in the estimate] (``sub_group_size`` and ``buffer_count`` size the NVMe
+    swap buffers)."""
+    for what, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if value not in ("none", "cpu", "nvme"):
+            raise ValueError(f'{what} must be "none", "cpu" or "nvme", got {value!r}')
+    if stage == 0 and offload_optimizer != "none":
+        raise ValueError("offload_optimizer needs stage >= 1 (the engine refuses it at stage 0)")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if stage not in STAGES:
@@ -305,11 +361,25 @@ def estimate_rank_memory(counts: ModelCounts, world_size: int, stage: int, dtype
         minimum, peak = _stage3_gathered(counts, world_size, policy)
         gathered_min, gathered_peak = minimum * c, peak * c
         unsharded = largest_layer * c
+    master_bytes = dtypes.master_bytes
+    staging = swap = 0
+    if offload_optimizer != "none" and accelerator:  # host masters, and the shards' way back (zero/optimizer.py)
+        master_bytes = 4
+        staging = shard_trainable * c if dtypes.master is not None else 0
+    if offload_optimizer == "nvme":
+        # a sub-group is at most sub_group_size elements, or one shard larger than that (zero/optimizer.py)
+        largest_shard = max((shard_numel_for(n, world_size) for n, t in zip(counts.numels, counts.trainable) if t),
+                            default=0)
+        group = min(shard_trainable, max(sub_group_size, largest_shard))
+        slots = (1 if master_bytes else 0) + optimizer_states_per_param
+        stride = -(-group // 1024) * 1024  # each slot padded to 4 KiB (offload/optimizer_swap.py)
+        swap = min(buffer_count, -(-shard_trainable // max(1, group))) * stride * slots * 4
     return RankMemory(stage, dtypes.name, world_size, params_sharded=shard * c,
-                      master_params=shard_trainable * dtypes.master_bytes, grads=shard_trainable * dtypes.grad.itemsize,
+                      master_params=shard_trainable * master_bytes, grads=shard_trainable * dtypes.grad.itemsize,
                       optimizer_states=shard_trainable * opt_bytes, params_gathered_min=gathered_min,
                       params_gathered_peak=gathered_peak, unsharded_grads_peak=unsharded,
-                      full_numel=full, padding_numel=padded - full)
+                      full_numel=full, padding_numel=padded - full, offload_optimizer=offload_optimizer,
+                      offload_param=offload_param if stage == 3 else "none", host_staging=staging, swap_buffers=swap)
 
 
 @dataclass(frozen=True)
@@ -352,6 +422,13 @@ class MemoryEstimate:
                  format_bytes(r.grads), format_bytes(r.optimizer_states), format_bytes(r.model_states),
                  format_bytes(r.params_gathered_min), format_bytes(r.params_gathered_peak),
                  format_bytes(r.unsharded_grads_peak), format_bytes(r.peak)) for r in self.rows]
+        if any(r.offload_optimizer != "none" or r.offload_param != "none" for r in self.rows):
+            r0 = self.rows[-1]
+            head.append(f"Offload: optimizer {r0.offload_optimizer}, params {r0.offload_param}; device = its model "
+                        "states + gathered + unsharded grads, host = offloaded states + offload buffers.")
+            columns += ("device", "host", "nvme")
+            body = [row + (format_bytes(r.device_bytes), format_bytes(r.host_bytes), format_bytes(r.nvme_bytes))
+                    for row, r in zip(body, self.rows)]
         widths = [max(len(col), *(len(row[i]) for row in body)) for i, col in enumerate(columns)]
         lines = ["  ".join(col.rjust(w) for col, w in zip(columns, widths)),
                  "  ".join("-" * w for w in widths)]
@@ -373,24 +450,33 @@ def format_bytes(n: int) -> str:
 
 def _estimate(counts: ModelCounts, num_ranks_per_node: int, num_nodes: int, stages: Iterable[int],
               precisions: Iterable[str], zero_config, policy: GatherPolicy | None,
-              optimizer_states_per_param: int, print_table: bool) -> MemoryEstimate:
+              optimizer_states_per_param: int, print_table: bool, offload_optimizer: str | None = None,
+              offload_param: str | None = None, accelerator: bool = True) -> MemoryEstimate:
     for arg, value in (("num_ranks_per_node", num_ranks_per_node), ("num_nodes", num_nodes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be a positive integer, got {value!r}")
     if policy is not None and zero_config is not None:
         raise ValueError("give either zero_config or policy, not both (policy is derived from zero_config)")
+    swap_knobs = {}
     if policy is None:
         if zero_config is None:
             from zero_engine.config import ZeroConfig
 
             zero_config = ZeroConfig()  # DeepSpeed's defaults, as a run without a zero_optimization section
         policy = GatherPolicy.from_zero_config(zero_config)
+        opt, par = zero_config.offload_optimizer, zero_config.offload_param
+        offload_optimizer = offload_optimizer or (opt.device if opt is not None else "none")
+        offload_param = offload_param or (par.device if par is not None else "none")
+        swap_knobs = {"sub_group_size": int(zero_config.sub_group_size),
+                      "buffer_count": int(opt.buffer_count) if opt is not None else 4}
     stages, precisions = tuple(stages), tuple(precisions)
     unknown = [p for p in precisions if p not in PRECISIONS]
     if unknown:
         raise ValueError(f"precisions: unknown {unknown}; choose from {sorted(PRECISIONS)}")
     world = num_ranks_per_node * num_nodes
-    rows = tuple(estimate_rank_memory(counts, world, stage, PRECISIONS[p], policy, optimizer_states_per_param)
+    rows = tuple(estimate_rank_memory(counts, world, stage, PRECISIONS[p], policy, optimizer_states_per_param,
+                                      offload_optimizer=(offload_optimizer or "none") if stage else "none",
+                                      offload_param=offload_param or "none", accelerator=accelerator, **swap_knobs)
                  for stage in stages for p in precisions)
     result = MemoryEstimate(counts, num_ranks_per_node, num_nodes, policy, rows)
     if print_table:
@@ -411,7 +497,9 @@ def estimate_zero3_model_states_mem_needs_all_live(
         model: nn.Module, num_ranks_per_node: int = 1, num_nodes: int = 1, *, stages: Iterable[int] = STAGES,
         precisions: Iterable[str] = tuple(PRECISIONS), zero_config=None, policy: GatherPolicy | None = None,
         optimizer_states_per_param: int = 2, print_table: bool = True,
-        num_gpus_per_node: int | None = None) -> MemoryEstimate:
+        num_gpus_per_node: int | None = None, cpu_offload: bool = False, cpu_offload_params: bool = False,
+        offload_optimizer: str | None = None, offload_param: str | None = None,
+        accelerator: bool = True) -> MemoryEstimate:
     """Estimate per-rank memory for training ``model`` with ZeRO on ``num_nodes x num_ranks_per_node`` ranks.
 
     ``model`` may be built on the meta device (``with torch.device("meta"): model = Big()``): only shapes are
@@ -421,19 +509,28 @@ def estimate_zero3_model_states_mem_needs_all_live(
     to DeepSpeed's defaults; pass ``policy=GatherPolicy()`` for the bare minimum (largest layer only, as
     DeepSpeed's estimator). ``optimizer_states_per_param``: 2 for Adam/AdamW, 1 for SGD with momentum.
 
+    Offload: ``offload_optimizer`` / ``offload_param`` ("none", "cpu", "nvme"; default: the zero_config's, else
+    none), or DeepSpeed's ``cpu_offload=True`` / ``cpu_offload_params=True``; each row then splits its bytes into
+    device, host and NVMe (``row.by_location()``, ``row.device_bytes``...; see [Note: offload in the estimate]).
+
     Prints the table (as DeepSpeed's function does) unless ``print_table=False``; returns a ``MemoryEstimate``.
     ``num_gpus_per_node`` is DeepSpeed's name for ``num_ranks_per_node``, accepted so that existing calls work.
     """
     num_ranks_per_node = _ranks_per_node(num_ranks_per_node, num_gpus_per_node)
     return _estimate(count_model_params(model), num_ranks_per_node, num_nodes, stages, precisions, zero_config,
-                     policy, optimizer_states_per_param, print_table)
+                     policy, optimizer_states_per_param, print_table,
+                     offload_optimizer or ("cpu" if cpu_offload else None),
+                     offload_param or ("cpu" if cpu_offload_params else None), accelerator)
 
 
 def estimate_from_counts(total_params: int, largest_layer_params: int, num_ranks_per_node: int = 1,
                          num_nodes: int = 1, *, stages: Iterable[int] = STAGES,
                          precisions: Iterable[str] = tuple(PRECISIONS), zero_config=None,
                          policy: GatherPolicy | None = None, optimizer_states_per_param: int = 2,
-                         print_table: bool = True, num_gpus_per_node: int | None = None) -> MemoryEstimate:
+                         print_table: bool = True, num_gpus_per_node: int | None = None,
+                         cpu_offload: bool = False, cpu_offload_params: bool = False,
+                         offload_optimizer: str | None = None, offload_param: str | None = None,
+                         accelerator: bool = True) -> MemoryEstimate:
     """As ``estimate_zero3_model_states_mem_needs_all_live`` from two counts instead of a model.
 
     Without the individual parameter sizes, the parameters are treated as one flat tensor: padding is at most
@@ -448,4 +545,5 @@ def estimate_from_counts(total_params: int, largest_layer_params: int, num_ranks
     counts = ModelCounts(numels=(total,), trainable=(True,), layers=((largest,),) if largest else (),
                          largest_layer_params=largest)
     return _estimate(counts, num_ranks_per_node, num_nodes, stages, precisions, zero_config, policy,
-                     optimizer_states_per_param, print_table)
+                     optimizer_states_per_param, print_table, offload_optimizer or ("cpu" if cpu_offload else None),
+                     offload_param or ("cpu" if cpu_offload_params else None), accelerator)

@@ -39,6 +39,8 @@ class CPUAdam(OpAdamBase):
                          bias_correction=bias_correction)
         # Kept out of state_dict(): these are views into buffers the caller owns, not optimizer state.
         self._low_precision_copies: dict[torch.Tensor, torch.Tensor] = {}
+        # Threads of the kernel; None: torch.get_num_threads(). Set from offload_optimizer.cpuadam_cores_perc.
+        self.num_threads: int | None = None
 
     @property
     def kernel_info(self) -> str:
@@ -80,4 +82,4 @@ class CPUAdam(OpAdamBase):
         self._op.adam_step(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, copies, step,
                            float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                            float(group["weight_decay"]), bool(group["adamw_mode"]), bool(group["bias_correction"]),
-                           torch.get_num_threads())
+                           self.num_threads or torch.get_num_threads())

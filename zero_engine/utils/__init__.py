@@ -19,6 +19,8 @@ Differences from DeepSpeed are listed in docs/deepspeed_compat.md.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import weakref
 from typing import Callable
@@ -38,6 +40,23 @@ logger = logging.getLogger("zero_engine")
 
 # parameter -> weak reference to the engine that trains it (registered by ZeroEngine.__init__)
 _ENGINES = WeakIdKeyDictionary()
+
+
+def states_in_memory_of(param):
+    """A context in which the fp32 master and optimizer states of ``param``'s engine are in memory (under NVMe
+    optimizer offload they live in files between steps; see zero_engine/offload/optimizer_swap.py)."""
+    ref = _ENGINES.get(param)
+    engine = ref() if ref is not None else None
+    enter = getattr(getattr(engine, "optimizer", None), "states_in_memory", None)
+    return enter() if enter is not None else contextlib.nullcontext()
+
+
+def _with_states_in_memory(fn):
+    @functools.wraps(fn)
+    def wrapper(param, *args, **kwargs):
+        with states_in_memory_of(param):
+            return fn(param, *args, **kwargs)
+    return wrapper
 
 
 def register_engine(engine) -> None:
@@ -125,6 +144,7 @@ def _state_tensor(engine, param, key: str, what: str) -> torch.Tensor:
 
 
 # ---- fp32 parameters ----------------------------------------------------------------------------------------------
+@_with_states_in_memory
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """The whole fp32 (master) value of ``param``. Collective."""
     found = _trained(param)
@@ -136,6 +156,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     return _gather(engine, sp, sp.master, "safe_get_full_fp32_param")
 
 
+@_with_states_in_memory
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the whole fp32 value of ``param`` (and its compute-dtype copy). Collective; same value on every rank."""
     engine, sp = _require(param, "safe_set_full_fp32_param")
@@ -148,6 +169,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
         sp.full[: sp.numel].copy_(value.detach().reshape(-1))
 
 
+@_with_states_in_memory
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's fp32 shard of ``param`` (stages 1-3). Not collective."""
     if _trained(param) is None:
@@ -156,6 +178,7 @@ def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     return sp.master.detach().clone()
 
 
+@_with_states_in_memory
 def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set this rank's fp32 shard of ``param`` (and its compute-dtype shard). Not collective; a whole copy of the
     parameter held at stages 1-2 is refreshed at the next step."""
@@ -245,6 +268,7 @@ def _require_grad_partitioned(param, what: str):
 
 
 # ---- optimizer states -----------------------------------------------------------------------------------------------
+@_with_states_in_memory
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """The whole fp32 optimizer state ``optim_state_key`` ("exp_avg", "exp_avg_sq", "momentum_buffer") of
     ``param``. Collective."""
@@ -258,6 +282,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     return _gather(engine, sp, state, "safe_get_full_optimizer_state")
 
 
+@_with_states_in_memory
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the whole optimizer state ``optim_state_key`` of ``param``. Collective; same value on every rank."""
     engine, sp = _require(param, "safe_set_full_optimizer_state")
@@ -269,6 +294,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
             state.copy_(_local_part(sp, value, "safe_set_full_optimizer_state"))
 
 
+@_with_states_in_memory
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """This rank's shard of the optimizer state ``optim_state_key`` (stages 1-3). Not collective."""
     if _trained(param) is None:
@@ -277,6 +303,7 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     return _state_tensor(engine, param, optim_state_key, "safe_get_local_optimizer_state").detach().clone()
 
 
+@_with_states_in_memory
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's shard of the optimizer state ``optim_state_key`` (stages 1-3). Not collective."""
     engine, sp = _require_partitioned(param, "safe_set_local_optimizer_state")

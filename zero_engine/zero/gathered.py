@@ -99,9 +99,12 @@ class GatheredParameters:
         edited = []
         try:
             if exc_type is None and self.modifier_rank is not None:
-                for sp in self.sharded:  # the modifier's values everywhere, then the edits into shards and masters
-                    self.comm.broadcast(sp.full, src=self.modifier_rank, name=f"GatheredParameters {sp.fqn}")
-                    _take_edits_into_shard(sp)
+                from ..utils import states_in_memory_of
+
+                with states_in_memory_of(self.sharded[0].param):  # NVMe optimizer offload: masters read in
+                    for sp in self.sharded:  # the modifier's values everywhere, then the edits into shards, masters
+                        self.comm.broadcast(sp.full, src=self.modifier_rank, name=f"GatheredParameters {sp.fqn}")
+                        _take_edits_into_shard(sp)
             elif self.modifier_rank is None:
                 edited = [sp.fqn or str(tuple(sp.shape)) for sp, before in zip(self.sharded, self._fingerprints)
                           if not torch.allclose(_fingerprint(sp.full[: sp.numel]), before, rtol=0, atol=0,

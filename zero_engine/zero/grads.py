@@ -25,6 +25,16 @@ activations can use it. ``grad_bytes`` is what exists now; the engine reports th
 Gradient shards are kept in ``grad_dtype``: fp32 in fp32 training, the 16-bit compute dtype in mixed precision (as
 DeepSpeed does: 2 bytes per parameter instead of 4, which is what keeps model states at 16Psi/N); the optimizer
 converts them to fp32 one sub-group at a time.
+
+[Note: gradient shards on the host]
+Under ``offload_optimizer`` (cpu or nvme) the step runs on the host, so the reducer is given ``grad_device`` (the
+CPU; pinned when ``pin_memory``): each bucket's reduce-scatter still runs on the compute device into a transient
+receive buffer, and as the bucket completes its shards are copied to the host (asynchronously from pinned memory;
+the step synchronises once before it reads them) and accumulated there across micro-steps. The device then holds
+no gradient shard between buckets. The host shards keep ``grad_dtype``, as the device's would: the values (and the
+rounding of the accumulation) are the same with and without offload, which is what makes offload bitwise exact;
+CPUAdam converts 16-bit gradients inside its kernel. On a CPU-only machine ``grad_device`` is where the shards
+already are and nothing changes (see [Note: host and device on a CPU-only machine] in offload/placement.py).
 """
 
 from __future__ import annotations
@@ -84,8 +94,12 @@ class GradReducer:
     """
 
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
-                 grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None, streams=None):
+                 grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None, streams=None,
+                 grad_device: torch.device | None = None, pin_memory: bool = False):
         self.comm = comm
+        # None: gradient shards on the parameters' device; else see [Note: gradient shards on the host]
+        self.grad_device = grad_device
+        self.pin_memory = pin_memory
         self.streams = streams  # CommStreams on CUDA: reduce-scatters issued from its side stream
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype
@@ -172,14 +186,15 @@ class GradReducer:
             for p in bucket.params:
                 if id(p) not in self._irregular:
                     continue
-                send = torch.zeros(p.padded_numel, dtype=self.reduce_dtype, device=bucket.shard_grads.device)
+                # on the compute device (NCCL), even when the shards are on the host (offload)
+                send = torch.zeros(p.padded_numel, dtype=self.reduce_dtype, device=p.shard.device)
                 held = self._held.pop(id(p), None)
                 if held is not None:
                     send[: p.numel].copy_(held.reshape(-1))
                 recv = torch.empty(p.shard_numel, dtype=self.reduce_dtype, device=send.device)
                 self.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)")
                 offset = bucket.offsets[id(p)]
-                bucket.shard_grads[offset: offset + p.shard_numel].add_(recv)
+                bucket.shard_grads[offset: offset + p.shard_numel].add_(recv.to(bucket.shard_grads.device))
             bucket.irregular = 0
         self._irregular = set()
 
@@ -212,8 +227,9 @@ class GradReducer:
     def alloc_shard_grads(self, bucket: _Bucket) -> torch.Tensor:
         """This window's gradient shards of ``bucket`` (uninitialised: the first reduction overwrites them)."""
         if bucket.shard_grads is None:
-            bucket.shard_grads = torch.empty(bucket.per_rank, dtype=self.grad_dtype,
-                                             device=bucket.params[0].shard.device)
+            device = self.grad_device or bucket.params[0].shard.device
+            bucket.shard_grads = torch.empty(bucket.per_rank, dtype=self.grad_dtype, device=device,
+                                             pin_memory=self.pin_memory and device.type == "cpu")
             self._track("grads", bucket.per_rank * bucket.shard_grads.element_size())
         return bucket.shard_grads
 
@@ -247,7 +263,8 @@ class GradReducer:
         if bucket.shard_grads is None:
             self.alloc_shard_grads(bucket)
         # Reduce straight into the shards when nothing is accumulated there and no cast is needed.
-        direct = not bucket.has_grads and self.reduce_dtype == self.grad_dtype
+        direct = (not bucket.has_grads and self.reduce_dtype == self.grad_dtype
+                  and bucket.shard_grads.device == bucket.send.device)
         bucket.recv = bucket.shard_grads if direct else torch.empty(bucket.per_rank, dtype=self.reduce_dtype,
                                                                      device=bucket.send.device)
         world = self.comm.world_size
@@ -280,10 +297,13 @@ class GradReducer:
         for pending in bucket.pending:
             pending.wait()
         if bucket.recv is not bucket.shard_grads:
+            recv = bucket.recv
             if bucket.has_grads:
-                bucket.shard_grads.add_(bucket.recv)
-            else:
-                bucket.shard_grads.copy_(bucket.recv)
+                if recv.device != bucket.shard_grads.device:  # accumulate on the host: the received values first
+                    recv = recv.to(bucket.shard_grads.device)
+                bucket.shard_grads.add_(recv)
+            else:  # device -> (pinned) host is asynchronous; see [Note: gradient shards on the host]
+                bucket.shard_grads.copy_(recv, non_blocking=recv.device != bucket.shard_grads.device)
         bucket.has_grads = True
         self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
         bucket.send = bucket.recv = bucket.pending = None

@@ -8,13 +8,24 @@ per-group learning rates survive, and an LR scheduler built on it keeps working.
 
 Step: one all-reduce of the squared gradient norm over all shards gives the global norm; gradients are clipped
 by it; the optimizer steps; compute shards are refreshed where they are separate.
+
+Offload (``zero_optimization.offload_optimizer``; where each state lives is the engine's ``Placement``,
+offload/placement.py). ``cpu``: masters and optimizer states are host tensors and the step runs there (CPUAdam);
+with an accelerator the masters are separate host copies even in fp32 training, the gradient shards arrive on the
+host per reduced bucket (zero/grads.py), and each sub-group's updated shard is copied back to the device as soon as
+it is updated (non-blocking from pinned memory), so the copy of one sub-group overlaps the update of the next.
+``nvme``: the same, with masters and states swapped to files sub-group by sub-group (offload/optimizer_swap.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+from functools import partial
 from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -141,28 +152,46 @@ class ZeroOptimizer(_OptimizerWrapper):
     """Owns the masters and the wrapped torch optimizer; ``step()`` is the whole sharded update."""
 
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
-                 optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9):
+                 optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9, placement=None,
+                 offload=None, aio=None):
         self.reducer = reducer
         self.comm = comm
-        # where the step's scalars live: the gradient shards' device (the parameters' device before offload)
+        # the compute device: the grad-norm all-reduce runs there (NCCL reduces device tensors only)
         self.device = next((sp.shard.device for sp in sharded), torch.device("cpu"))
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.sharded = [sp for sp in sharded if sp.param.requires_grad]
+        # offload with an accelerator: masters on the host, and host staging for the updated compute shards
+        self.host_copies = placement is not None and placement.offloads_optimizer and placement.has_separate_host
+        pin = placement is not None and placement.pins
+        self.staging: dict[int, torch.Tensor] = {}  # id(param) -> host copy of its compute shard (16-bit)
         self.masters: dict[int, nn.Parameter] = {}  # id(original param) -> master
         for sp in self.sharded:
             # fp32 training: the master IS the compute shard. 16-bit: a separate fp32 copy of the exact value.
-            master = nn.Parameter(sp.master_init if sp.master_init is not None else sp.shard)
-            sp.master, sp.master_is_shard, sp.master_init = master.data, sp.master_init is None, None
+            value = sp.master_init if sp.master_init is not None else sp.shard
+            if self.host_copies:
+                value = _host_copy(value, torch.float32, pin)
+                if sp.dtype != torch.float32:
+                    self.staging[id(sp.param)] = _host_copy(sp.shard, sp.dtype, pin)
+            master = nn.Parameter(value)
+            sp.master, sp.master_is_shard, sp.master_init = master.data, value is sp.shard, None
             self.masters[id(sp.param)] = master
         self.sub_groups = _sub_groups(self.sharded, sub_group_size)
         self.optimizer = bind_optimizer(optimizer, opt_config, groups, self.masters)
         self.global_grad_norm: float | None = None
+        if offload is not None and hasattr(self.optimizer, "num_threads"):  # CPUAdam
+            self.optimizer.num_threads = _cpu_adam_threads(offload.cpuadam_cores_perc)
         # CPUAdam writes the updated 16-bit compute shard in the same pass as the fp32 master (one memory pass).
         self.fused_shard_copy = hasattr(self.optimizer, "set_low_precision_copy")
         if self.fused_shard_copy:
             for sp in self.sharded:
-                if not sp.master_is_shard:
-                    self.optimizer.set_low_precision_copy(self.masters[id(sp.param)], sp.shard)
+                if not sp.master_is_shard and sp.dtype != torch.float32:
+                    self.optimizer.set_low_precision_copy(self.masters[id(sp.param)],
+                                                          self.staging.get(id(sp.param), sp.shard))
+        self.swapper = None  # NVMe offload: masters and states stream from files (offload/optimizer_swap.py)
+        if placement is not None and placement.swaps_optimizer:
+            from ..offload.optimizer_swap import make_swapper
+
+            self.swapper = make_swapper(self, offload, placement, comm.rank, aio)
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
@@ -183,16 +212,32 @@ class ZeroOptimizer(_OptimizerWrapper):
             coef = 1.0 / loss_scale
             if self.gradient_clipping > 0 and norm > self.gradient_clipping:
                 coef *= self.gradient_clipping / (norm + 1e-6)
-            for group in self.sub_groups:
-                for sp in group:
-                    self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
-                self.optimizer.step()
-                for sp in group:
-                    master = self.masters[id(sp.param)]
-                    master.grad = None
-                    if not sp.master_is_shard and not self.fused_shard_copy:
-                        sp.shard.copy_(master.detach())
+            update = partial(self._update_sub_group, coef=coef)
+            if self.swapper is not None:
+                self.swapper.run(update)  # each sub-group read from NVMe around its update
+            else:
+                for group in self.sub_groups:
+                    update(group)
             return StepResult(norm, overflow)
+
+    def _update_sub_group(self, group: list[ShardedParam], coef: float) -> None:
+        for sp in group:
+            self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
+        self.optimizer.step()
+        for sp in group:
+            master = self.masters[id(sp.param)]
+            master.grad = None
+            if sp.master_is_shard:
+                continue
+            if self.host_copies:  # [Note: the host-to-device shard copy]
+                staging = self.staging.get(id(sp.param))
+                if staging is not None and not self.fused_shard_copy:
+                    staging.copy_(master.detach())  # a torch optimizer: round on the host, then copy
+                # fp32 training copies the master itself; under NVMe its buffer is reused at once: a blocking copy
+                source = staging if staging is not None else master.detach()
+                sp.shard.copy_(source, non_blocking=staging is not None or self.swapper is None)
+            elif not self.fused_shard_copy or sp.dtype == torch.float32:
+                sp.shard.copy_(master.detach())
 
     def _fp32_grad(self, sp: ShardedParam, coef: float) -> torch.Tensor | None:
         grad = self.reducer.shard_grad(sp)
@@ -208,10 +253,12 @@ class ZeroOptimizer(_OptimizerWrapper):
         """One all-reduce of the summed squares; inf/nan on any rank makes the result non-finite everywhere."""
         # On the gradients' device: NCCL all-reduces device tensors only. The .item() below is the step's one
         # documented host synchronisation (clipping and the overflow decision need the value on the host).
+        if self.host_copies and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # host gradient shards copied (grads.py)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for bucket in self.reducer.buckets:
             if bucket.shard_grads is not None:  # fp32 accumulation per bucket, as clip_grad_norm_; no copy
-                sq += torch.linalg.vector_norm(bucket.shard_grads, dtype=torch.float32).double() ** 2
+                sq += (torch.linalg.vector_norm(bucket.shard_grads, dtype=torch.float32).double() ** 2).to(sq.device)
         self.comm.all_reduce(sq, op="sum", name="grad norm")
         if sq.device.type == "meta":
             return 0.0  # shape-only run (fake process group): there are no values
@@ -225,8 +272,59 @@ class ZeroOptimizer(_OptimizerWrapper):
 
     @property
     def master_bytes(self) -> int:
-        """fp32 masters that are separate copies (in fp32 training the master is the compute shard itself)."""
-        return sum(sp.master.numel() * 4 for sp in self.sharded if not sp.master_is_shard)
+        """fp32 masters that are separate copies (in fp32 training the master is the compute shard itself),
+        wherever they are (under NVMe offload, their size in the files)."""
+        return sum(sp.shard_numel * 4 for sp in self.sharded if not sp.master_is_shard)
+
+    @property
+    def state_bytes(self) -> int:
+        if self.swapper is not None:
+            return self.swapper.state_bytes
+        return optimizer_state_bytes(self.optimizer)
+
+    def state_dict(self) -> dict:
+        """The torch optimizer's state dict; under NVMe offload read in for the call and returned as copies (the
+        in-memory tensors are views of swap buffers that are reused once the states are written back)."""
+        if self.swapper is None:
+            return self.optimizer.state_dict()
+        with self.states_in_memory():
+            state = self.optimizer.state_dict()
+            state["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+                              for k, entry in state["state"].items()}
+            return state
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.states_in_memory():  # under NVMe offload: loaded into memory, then written to the files
+            self.optimizer.load_state_dict(state)
+
+    def states_in_memory(self):
+        """A context in which every master and optimizer state is an ordinary in-memory tensor (checkpoints read
+        and write them); under NVMe offload they are swapped in for the block and written back after."""
+        return self.swapper.all_in() if self.swapper is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Remove the NVMe files of this run (engine.destroy())."""
+        if self.swapper is not None:
+            self.swapper.close()
+            self.swapper = None
+
+
+# [Note: the host-to-device shard copy]
+# With an accelerator and offload, the updated compute shard is copied from host memory (pinned when pin_memory)
+# with non_blocking=True as soon as its sub-group is updated, so it overlaps the next sub-group's update. The host
+# source (CPUAdam's low-precision copy, or the master in fp32 training) is rewritten only by the next step, which
+# reads the gradient norm with .item() first: that synchronises with the stream the copies were queued on.
+
+def _host_copy(value: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    out = torch.empty(value.numel(), dtype=dtype, device="cpu", pin_memory=pin)
+    out.copy_(value)
+    return out
+
+
+def _cpu_adam_threads(cores_perc: float) -> int:
+    """offload_optimizer.cpuadam_cores_perc of this process's cores, never more than torch's thread count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), round(cores * cores_perc)))
 
 
 def _sub_groups(sharded: list[ShardedParam], sub_group_size: int) -> list[list[ShardedParam]]:
