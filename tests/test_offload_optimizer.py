@@ -61,7 +61,7 @@ def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
         stats = engine.memory_stats()
         stats["applied_steps"] = engine.global_steps - engine.skipped_steps
         params = gathered_params(engine)
-        files = [engine.optimizer.swapper.store.dir] if getattr(engine.optimizer, "swapper", None) else []
+        files = [engine.optimizer.swapper.store.run_dir] if getattr(engine.optimizer, "swapper", None) else []
         engine.destroy()
     finally:
         if separate_host:

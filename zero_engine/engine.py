@@ -138,7 +138,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self._partition(model, zc)
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
                                            optimizer, self.config.optimizer, groups, zc.sub_group_size,
-                                           self.placement, zc.offload_optimizer, getattr(self.config, "aio", None))
+                                           self.placement, zc.offload_optimizer, self.config.aio)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
         from .utils import register_engine

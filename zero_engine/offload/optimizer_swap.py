@@ -295,12 +295,12 @@ class OptimizerSwapper:
 def make_swapper(zero_optimizer, offload, placement, rank: int, aio=None) -> OptimizerSwapper:
     """The swapper of a ZeroOptimizer under ``offload_optimizer: {device: nvme}``: its NvmeStore (per run and rank,
     under ``nvme_path``; see offload/nvme.py) and the pool of ``buffer_count`` buffers."""
-    from .nvme import NvmeStore
+    from .nvme import NvmeStore, store_options
 
     if not offload.nvme_path:
         raise ValueError('zero_optimization.offload_optimizer: device "nvme" needs nvme_path, a directory on the '
                          'NVMe drive (e.g. "/local_nvme")')
-    store = NvmeStore(offload.nvme_path, rank=rank, purpose="optimizer", **_aio_knobs(aio))
+    store = NvmeStore(offload.nvme_path, rank=rank, purpose="optimizer", **(store_options(aio) if aio is not None else {}))
     swapper = OptimizerSwapper(zero_optimizer.sub_groups, zero_optimizer.masters, zero_optimizer.optimizer, store,
                                buffer_count=offload.buffer_count, pipeline_read=offload.pipeline_read,
                                pipeline_write=offload.pipeline_write, pin_memory=placement.pins)
@@ -312,11 +312,3 @@ def make_swapper(zero_optimizer, offload, placement, rank: int, aio=None) -> Opt
                  "" if any(g.swap_masters for g in swapper.groups) else
                  " (fp32 training: the masters are the compute shards, only the moments swap)")
     return swapper
-
-
-def _aio_knobs(aio) -> dict:
-    """The ``aio`` section's knobs the store takes, where the config has one (offload/nvme.py documents them)."""
-    if aio is None:
-        return {}
-    return {name: getattr(aio, name) for name in ("block_size", "queue_depth", "thread_count")
-            if hasattr(aio, name)}
