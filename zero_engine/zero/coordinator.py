@@ -105,6 +105,7 @@ class ParamCoordinator:
                 self._count_live(p)
         self.fetch_count = 0
         self.prefetch_count = 0
+        self.shard_swapper = None  # offload_param nvme: reads shard buckets ahead along the trace (offload/param_swap.py)
 
     # ---- step boundaries -----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -126,6 +127,8 @@ class ParamCoordinator:
                 p.active_users = 0
                 if p.is_available and not p.is_persistent and not p.held_by_user:
                     self._release(p)
+        if self.shard_swapper is not None:
+            self.shard_swapper.after_fetch([])
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
             events = [e for e, _ in self._recording]
@@ -164,6 +167,9 @@ class ParamCoordinator:
                     self._count_live(p)
                 p.active_users += 1
             self.fetch_count += 1
+            if self.shard_swapper is not None:
+                trace = self.trace.params if self._following else []
+                self.shard_swapper.after_fetch(trace[i] for i in range(self._pos + 1, len(trace)))
             if self._following:
                 self._prefetch_after(self._pos)
                 self._pos += 1

@@ -1,0 +1,298 @@
+"""NVMe offload of the stage-3 compute shards (ZeRO-Infinity's parameter offload): ``offload_param: {device: nvme}``.
+
+The unit swapped is a *shard bucket* (``ShardBucket``, see [Note: flat shard storage] in zero/partition.py): the
+flat buffer every ``ShardedParam.shard`` of consecutive parameters is a view of. Under parameter offload buckets are
+capped at ``offload_param.buffer_size`` elements, so that a bucket is a few modules' shards, not the whole model.
+
+[Note: a swapped-out bucket keeps its tensors]
+A bucket is *out* when its buffer's storage is resized to zero bytes and its values are in its file; *in* when the
+storage has its bytes again and holds the file's values. Resizing the storage (as ``ShardedParam.release`` does for
+the full data) keeps every tensor that aliases the bucket valid across a swap: the shard views, the fp32 master
+that IS the shard in fp32 training, the 16-bit copy CPUAdam writes in bf16 training. None of them is re-pointed;
+they see the new bytes after the next swap-in. Reading a view of an *out* bucket would touch freed memory, so every
+reader goes through this swapper first: the gathers (``SwapInGather`` wraps the engine's gatherer), the optimizer's
+sub-group updates (``around_update``), and everything that runs inside ``ZeroOptimizer.states_in_memory()``
+(checkpoints, GatheredParameters' edits, zero_engine.utils) (``all_in``). Buckets are read and written as they are:
+the storage of a resized buffer is not 4096-byte aligned, so the store's O_DIRECT path goes through its per-thread
+bounce buffer (one extra memory copy per chunk).
+
+[Note: parameter read-ahead]
+On the first training step (the coordinator records its trace) buckets are read on demand, just before the
+all-gather that needs them. From the next step on, at every module fetch the swapper looks at the coordinator's
+trace from the next module on and reads ahead the buckets the upcoming gathers will need, in order of use: at most
+``buffer_count`` buckets and at most ``max_in_cpu`` elements in memory together (buckets in use included). A bucket
+is given back (storage freed; no write: its file is still current) as soon as no gather in flight reads it and it is
+not in the read-ahead window. A gather that needs a bucket over those limits still gets it (a module's shards must
+be in memory for its all-gather): the limits only bound read-ahead, and this is logged once.
+
+The step. The optimizer updates the shards sub-group by sub-group: before each sub-group the buckets it touches are
+read in (evicting, written back, the buckets of earlier sub-groups beyond the limits); after the step every updated
+bucket is written back, waited, and freed, so between steps the files are whole and a rank holds no shard bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from .._profiling import profile_range
+from ..zero.partition import ParamStatus, ShardBucket, ShardedParam
+from .nvme import NvmeStore, store_options
+
+__all__ = ["ParamSwapper", "SwapInGather"]
+
+log = logging.getLogger("zero_engine.offload")
+
+
+class _Slot:
+    """One shard bucket's swap state."""
+
+    __slots__ = ("bucket", "key", "nbytes", "read", "resident", "dirty", "holds")
+
+    def __init__(self, bucket: ShardBucket):
+        self.bucket = bucket
+        self.key = f"bucket{bucket.index}"
+        self.nbytes = bucket.numel * bucket.flat.element_size()
+        self.read = None  # IoHandle of a read in flight
+        self.resident = True  # the storage has its bytes (read done or in flight)
+        self.dirty = True  # memory is newer than the file (at start: nothing written yet)
+        self.holds = 0  # callers that need it in memory now (a sub-group update, all_in, GatheredParameters)
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.numel
+
+    def in_use(self) -> bool:
+        return self.holds > 0 or any(p.status is ParamStatus.INFLIGHT for p in self.bucket.params)
+
+
+class ParamSwapper:
+    """Keeps the stage-3 shard buckets in files under ``offload_param.nvme_path``; see the module docstring."""
+
+    def __init__(self, buckets: list[ShardBucket], offload, rank: int, aio=None):
+        devices = {b.flat.device.type for b in buckets}
+        if devices - {"cpu"}:
+            raise NotImplementedError(
+                f"offload_param.device=nvme with the shards on {sorted(devices)}: only a CPU compute device is "
+                "supported so far (the device<->host copies of the accelerator path are not written); use "
+                'offload_param.device "cpu" or "none" there')
+        self.store = NvmeStore(offload.nvme_path, rank=rank, purpose="params",
+                               **(store_options(aio) if aio is not None else {}))
+        self.slots = [_Slot(b) for b in buckets]
+        self._slot_of = {id(b): s for b, s in zip(buckets, self.slots)}
+        self.max_in_cpu = int(offload.max_in_cpu)
+        self.read_ahead = max(1, int(offload.buffer_count))
+        self.resident_numel = sum(s.numel for s in self.slots)
+        self.peak_resident_numel = self.resident_numel
+        self.reads = self.writes = 0
+        self._said_over_limit = False
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Write every bucket once and free it (after the optimizer has aliased its masters to the shards)."""
+        with profile_range("zero3::param_swap start"):
+            self._write_back(self.slots)
+            for slot in self.slots:
+                self._free(slot)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Read every shard back into memory and remove this run's files (engine.destroy()): the parameters stay
+        readable after destroy (GatheredParameters, zero_engine.utils), as without offload."""
+        if self._closed:
+            return
+        try:
+            for slot in self.slots:
+                if not slot.resident:
+                    self._read(slot)
+            for slot in self.slots:
+                self._wait_read(slot)
+        finally:
+            self._closed = True
+            self.store.close()
+
+    # ---- what the gathers, the step and the coordinator call -----------------------------------------------------
+    def ensure_in(self, params: list[ShardedParam]) -> None:
+        """Every bucket holding a shard of ``params`` is in memory when this returns (read on demand if needed)."""
+        needed = self._slots_of(params)
+        missing = [s for s in needed if not s.resident]
+        if missing:
+            self._make_room(sum(s.numel for s in missing), keep=needed)
+            for slot in missing:
+                self._read(slot)
+        for slot in needed:
+            self._wait_read(slot)
+
+    def after_fetch(self, upcoming: list[list[ShardedParam]]) -> None:
+        """The coordinator fetched a module; ``upcoming``: the parameters of the trace's next events (empty when no
+        trace is followed). Free what is no longer needed, read ahead what is; see [Note: parameter read-ahead]."""
+        if self._closed:
+            return
+        window = self._window(upcoming)
+        for slot in self.slots:
+            if slot.resident and slot not in window and not slot.in_use() and not slot.dirty:
+                self._free(slot)
+        for slot in window:
+            if not slot.resident and self.resident_numel + slot.numel <= self.max_in_cpu:
+                self._read(slot)
+
+    def around_update(self, update):
+        """Wrap the optimizer's per-sub-group update: its buckets in before, marked updated after."""
+        def update_in_memory(group: list[ShardedParam], *args, **kwargs):
+            slots = self._slots_of(group)
+            for slot in slots:
+                slot.holds += 1
+            try:
+                self.ensure_in(group)
+                update(group, *args, **kwargs)
+            finally:
+                for slot in slots:
+                    slot.holds -= 1
+                    slot.dirty = True
+        return update_in_memory
+
+    def after_step(self) -> None:
+        """Write back every updated bucket, wait, and free everything not in use: the files are whole again."""
+        if self._closed:
+            return
+        with profile_range("zero3::param_swap write back"):
+            self._write_back([s for s in self.slots if s.dirty and s.resident])
+            for slot in self.slots:
+                if slot.resident and not slot.in_use():
+                    self._free(slot)
+
+    @contextlib.contextmanager
+    def holding(self, params: list[ShardedParam]):
+        """``params``' buckets in memory for the block, read-only (GatheredParameters' own gather)."""
+        slots = self._slots_of(params)
+        for slot in slots:
+            slot.holds += 1
+        try:
+            self.ensure_in(params)
+            yield
+        finally:
+            for slot in slots:
+                slot.holds -= 1
+            self.after_fetch([])
+
+    @contextlib.contextmanager
+    def all_in(self):
+        """Every shard in memory for the block (checkpoints, zero_engine.utils, GatheredParameters' edits), which
+        may change them: written back and freed after."""
+        for slot in self.slots:
+            slot.holds += 1
+        try:
+            for slot in self.slots:
+                if not slot.resident:
+                    self._read(slot)
+            for slot in self.slots:
+                self._wait_read(slot)
+            yield
+        finally:
+            for slot in self.slots:
+                slot.holds -= 1
+                slot.dirty = True
+            self.after_step()
+
+    # ---- numbers -------------------------------------------------------------------------------------------------
+    @property
+    def resident_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots if s.resident)
+
+    def file_bytes(self) -> int:
+        return self.store.nbytes()
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _slots_of(self, params) -> list[_Slot]:
+        seen: dict[int, _Slot] = {}
+        for p in params:
+            if p.bucket is not None and id(p.bucket) in self._slot_of:
+                seen.setdefault(id(p.bucket), self._slot_of[id(p.bucket)])
+        return list(seen.values())
+
+    def _window(self, upcoming: list[list[ShardedParam]]) -> list[_Slot]:
+        """The buckets the next gathers will read, in order of use, within buffer_count and max_in_cpu."""
+        window: list[_Slot] = []
+        numel = 0
+        for params in upcoming:
+            for slot in self._slots_of(p for p in params if p.status is ParamStatus.NOT_AVAILABLE
+                                       and not p.is_persistent):
+                if slot in window:
+                    continue
+                if len(window) >= self.read_ahead or numel + slot.numel > self.max_in_cpu:
+                    return window
+                window.append(slot)
+                numel += slot.numel
+        return window
+
+    def _make_room(self, numel: int, keep: list[_Slot]) -> None:
+        """Free buckets not in ``keep`` and not in use (written back first if updated) until ``numel`` more fits
+        under max_in_cpu; past that the read goes ahead anyway (a gather cannot wait for memory), said once."""
+        for slot in self.slots:
+            if self.resident_numel + numel <= self.max_in_cpu:
+                return
+            if slot.resident and slot not in keep and not slot.in_use():
+                if slot.dirty:
+                    self._write_back([slot])
+                self._free(slot)
+        if self.resident_numel + numel > self.max_in_cpu and not self._said_over_limit:
+            self._said_over_limit = True
+            log.info("zero_engine: offload_param.max_in_cpu=%d elements is less than what one gather or sub-group "
+                     "needs in memory at once (%d); those buckets are read anyway", self.max_in_cpu,
+                     self.resident_numel + numel)
+
+    def _read(self, slot: _Slot) -> None:
+        storage = slot.bucket.flat.untyped_storage()
+        storage.resize_(slot.nbytes)
+        flat = slot.bucket.flat
+        slot.read = self.store.read(slot.key, flat.view(-1) if flat.numel() else flat)
+        slot.resident = True
+        slot.dirty = False
+        self.reads += 1
+        self.resident_numel += slot.numel
+        self.peak_resident_numel = max(self.peak_resident_numel, self.resident_numel)
+
+    def _wait_read(self, slot: _Slot) -> None:
+        if slot.read is not None:
+            with profile_range(f"zero3::param_swap wait read {slot.key}"):
+                slot.read.wait()
+            slot.read = None
+
+    def _write_back(self, slots: list[_Slot]) -> None:
+        handles = []
+        for slot in slots:
+            self._wait_read(slot)
+            handles.append(self.store.write(slot.key, slot.bucket.flat))
+        for slot, handle in zip(slots, handles):
+            handle.wait()
+            slot.dirty = False
+            self.writes += 1
+
+    def _free(self, slot: _Slot) -> None:
+        if slot.dirty:
+            raise AssertionError(f"param offload: {slot.key} freed with values not yet written to "
+                                 f"{self.store.directory}")
+        self._wait_read(slot)
+        slot.bucket.flat.untyped_storage().resize_(0)
+        slot.resident = False
+        self.resident_numel -= slot.numel
+
+
+class SwapInGather:
+    """The engine's gatherer under parameter offload: the shards' buckets are read in before each all-gather."""
+
+    def __init__(self, inner, swapper: ParamSwapper):
+        self.inner = inner
+        self.swapper = swapper
+        self.name = inner.name
+
+    def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False):
+        with profile_range(f"zero3::param_swap in {name}"):
+            self.swapper.ensure_in(params)
+        return self.inner.issue(params, name=name, refresh=refresh)
