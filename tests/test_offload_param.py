@@ -73,6 +73,8 @@ def _train(cfg: dict, steps: int = 3):
     if swapper is not None:
         info = {"run_dir": swapper.store.run_dir, "buckets": len(swapper.slots), "reads": swapper.reads,
                 "resident_between_steps": swapper.resident_numel, "peak_resident": swapper.peak_resident_numel,
+                "resident_buckets": sum(s.resident for s in swapper.slots), "buffer_count": swapper.read_ahead,
+                "demand_reads": swapper.demand_reads, "writes": swapper.writes,
                 "max_in_cpu": swapper.max_in_cpu, "shard_numel": sum(s.numel for s in swapper.slots),
                 "prefetches": engine.coordinator.prefetch_count}
     params = gathered_params(engine)
@@ -103,7 +105,9 @@ def test_param_nvme_offload_matches_no_offload_bitwise(world, bf16, sequential, 
         _assert_same(off, nvme, f"world {world} bf16={bf16} sequential={sequential}")
         info = nvme[3]
         assert info["buckets"] > 2, info  # the model is several swap units
-        assert info["resident_between_steps"] == 0, info  # between steps every shard is on disk only
+        # between steps only the next forward's read-ahead is in memory (buffer_count buckets)
+        assert 0 < info["resident_buckets"] <= info["buffer_count"], info
+        assert info["resident_between_steps"] < info["shard_numel"], info
         assert not info["files_left"], "NVMe files left after engine.destroy()"
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
@@ -139,7 +143,7 @@ def _stats_body(nvme_path: str):
     _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
     stats = engine.memory_stats()
     shard_bytes = sum(sp.shard_numel * sp.shard.element_size() for sp in engine.sharded)
-    resident = engine.param_swapper.resident_numel
+    resident = engine.param_swapper.resident_bytes
     engine.destroy()
     return stats, shard_bytes, resident
 
@@ -150,7 +154,8 @@ def test_memory_stats_report_the_shards_on_nvme(tmp_path):
         assert where["nvme"]["params_sharded"] == shard_bytes
         assert where["device"]["params_sharded"] == 0 and where["host"]["params_sharded"] == 0
         assert where["nvme"]["files"] == shard_bytes  # the optimizer keeps its states in memory here
-        assert resident == 0 and where["host"]["swap_buffers"] == 0
+        # in memory between steps: the read-ahead of the next forward's first buckets, reported as swap buffers
+        assert 0 < resident < shard_bytes and where["host"]["swap_buffers"] == resident
 
 
 def _checkpoint_body(save_cfg: dict, load_cfg: dict, ckpt: str):
@@ -193,7 +198,7 @@ def _gathered_parameters_body(nvme_path: str):
         weight.data.add_(1.0)
     with zero_engine.zero.GatheredParameters(weight):
         after = weight.detach().clone()
-    resident = engine.param_swapper.resident_numel
+    resident = sum(s.resident for s in engine.param_swapper.slots)
     engine.destroy()
     return before, after, resident
 
@@ -201,7 +206,7 @@ def _gathered_parameters_body(nvme_path: str):
 def test_gathered_parameters_reads_and_edits_offloaded_shards(tmp_path):
     for before, after, resident in run_ranks(_gathered_parameters_body, 2, str(tmp_path), timeout=TIMEOUT):
         assert before.numel() > 0 and torch.equal(after, before + 1.0)
-        assert resident == 0
+        assert resident == 0  # GatheredParameters gives the buckets it read back
 
 
 def test_config_needs_a_path_for_nvme():

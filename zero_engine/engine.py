@@ -371,7 +371,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 if stale:
                     self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
         if self.param_swapper is not None:
-            self.param_swapper.after_step()  # updated shard buckets written back and freed
+            trace = self.coordinator.trace.params if self.coordinator.trace is not None else ()
+            self.param_swapper.after_step(trace)  # updated buckets written back; the next forward's read ahead
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True
