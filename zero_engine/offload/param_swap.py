@@ -283,9 +283,9 @@ class ParamSwapper:
                 self._free(slot)
         if self.resident_numel + numel > self.max_in_cpu and not self._said_over_limit:
             self._said_over_limit = True
-            log.info("zero_engine: offload_param.max_in_cpu=%d elements is less than what one gather or sub-group "
-                     "needs in memory at once (%d); those buckets are read anyway", self.max_in_cpu,
-                     self.resident_numel + numel)
+            log.info("zero_engine: offload_param.max_in_cpu=%d elements: a gather or an optimizer sub-group needs "
+                     "%d elements of shard buckets in memory at once (with those in use); they are read anyway "
+                     "(said once)", self.max_in_cpu, self.resident_numel + numel)
 
     def _read(self, slot: _Slot) -> None:
         storage = slot.bucket.flat.untyped_storage()
