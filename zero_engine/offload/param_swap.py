@@ -194,7 +194,9 @@ class ParamSwapper:
 
     @contextlib.contextmanager
     def holding(self, params: list[ShardedParam]):
-        """``params``' buckets in memory for the block, read-only (GatheredParameters' own gather)."""
+        """``params``' buckets in memory for the block, read-only (gathers outside the coordinator:
+        GatheredParameters, save_16bit_model, zero_engine.hf). After it, buckets stay in memory within max_in_cpu
+        (the next parameter is likely in the same bucket); the coordinator's next fetch frees them."""
         slots = self._slots_of(params)
         for slot in slots:
             slot.holds += 1
@@ -204,7 +206,7 @@ class ParamSwapper:
         finally:
             for slot in slots:
                 slot.holds -= 1
-            self.after_fetch([])
+            self._trim()
 
     @contextlib.contextmanager
     def all_in(self):
@@ -264,6 +266,14 @@ class ParamSwapper:
                 if self.resident_numel + slot.numel > self.max_in_cpu:
                     return
                 self._read(slot)
+
+    def _trim(self) -> None:
+        """Free clean buckets nothing uses, in order, until at most max_in_cpu elements are in memory."""
+        for slot in self.slots:
+            if self.resident_numel <= self.max_in_cpu:
+                return
+            if slot.resident and not slot.dirty and not slot.in_use():
+                self._free(slot)
 
     def _free_written(self) -> None:
         """Free the buckets whose write-back has completed and that nothing needs now."""

@@ -105,7 +105,7 @@ class ParamCoordinator:
                 self._count_live(p)
         self.fetch_count = 0
         self.prefetch_count = 0
-        self.shard_swapper = None  # offload_param nvme: reads shard buckets ahead along the trace (offload/param_swap.py)
+        self.shard_swapper = None  # offload_param nvme: reads shard buckets ahead (offload/param_swap.py)
 
     # ---- step boundaries -----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
