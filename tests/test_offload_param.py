@@ -253,3 +253,66 @@ def test_save_16bit_model_reads_offloaded_shards(tmp_path):
     assert files["none"].keys() == files["nvme"].keys()
     for name in files["none"]:
         assert torch.equal(files["none"][name], files["nvme"][name]), name
+
+
+# ---- the swapper on its own (no engine, one process) -------------------------------------------------------------
+def _swapper(tmp_path, **knobs):
+    from types import SimpleNamespace
+
+    from zero_engine.offload.param_swap import ParamSwapper
+    from zero_engine.zero.partition import ShardedParam, flatten_shards
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 200, 500, 100, 400)]
+    sharded = [ShardedParam(p, f"p{i}", i, rank=0, world_size=1) for i, p in enumerate(params)]
+    for sp in sharded:
+        sp.release()
+    buckets = flatten_shards(sharded, 500)  # [300, 200] [500] [100, 400]
+    offload = SimpleNamespace(nvme_path=str(tmp_path), max_in_cpu=knobs.get("max_in_cpu", 10**9),
+                              buffer_count=knobs.get("buffer_count", 2))
+    values = [sp.shard.clone() for sp in sharded]
+    swapper = ParamSwapper(buckets, offload, rank=0)
+    swapper.start()
+    return swapper, sharded, values
+
+
+def _storage_bytes(sp) -> int:
+    return sp.bucket.flat.untyped_storage().nbytes()
+
+
+def test_swapper_frees_reads_back_and_writes_updates(tmp_path):
+    swapper, sharded, values = _swapper(tmp_path)
+    assert [len(s.bucket.params) for s in swapper.slots] == [2, 1, 2]
+    assert all(_storage_bytes(sp) == 0 for sp in sharded) and swapper.resident_numel == 0
+    assert swapper.file_bytes() == sum(v.numel() * 4 for v in values)
+    swapper.ensure_in(sharded[3:4])  # one bucket on demand: the same values, the others stay out
+    assert torch.equal(sharded[3].shard, values[3]) and torch.equal(sharded[4].shard, values[4])
+    assert _storage_bytes(sharded[0]) == 0 and swapper.demand_reads == 1
+    swapper.after_fetch([sharded[0:1], sharded[2:3]])  # read ahead 2 buckets (buffer_count), free the unneeded one
+    assert [s.resident for s in swapper.slots] == [True, True, False]
+
+    def update(group):  # an optimizer sub-group updating its shards in place
+        for sp in group:
+            sp.shard.add_(1.0)
+    update_in_memory = swapper.around_update(update, [sharded[:3], sharded[3:]])
+    update_in_memory(sharded[:3])
+    update_in_memory(sharded[3:])
+    swapper.after_step()
+    assert swapper.resident_numel == 0 and swapper.demand_reads == 1  # the second sub-group's bucket: read ahead
+    swapper.close()  # reads everything back, removes the files
+    for sp, value in zip(sharded, values):
+        assert torch.equal(sp.shard, value + 1.0), sp.fqn
+    assert os.listdir(tmp_path) == []
+
+
+def test_swapper_max_in_cpu_bounds_read_ahead_and_evicts(tmp_path):
+    swapper, sharded, values = _swapper(tmp_path, max_in_cpu=600, buffer_count=3)
+    swapper.after_fetch([sharded])  # window: the first bucket (500) fits, the second would pass 600
+    assert [s.resident for s in swapper.slots] == [True, False, False]
+    swapper.ensure_in(sharded[3:])  # on demand: the first bucket (not in use) is freed to make room
+    assert [s.resident for s in swapper.slots] == [False, False, True] and swapper.resident_numel == 500
+    swapper.ensure_in(sharded)  # more than max_in_cpu at once: read anyway
+    assert swapper.resident_numel == 1500
+    for sp, value in zip(sharded, values):
+        assert torch.equal(sp.shard, value)
+    swapper.close()
