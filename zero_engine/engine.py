@@ -370,12 +370,12 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from new shards
                 if stale:
                     self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
-        if self.param_swapper is not None:
-            trace = self.coordinator.trace.params if self.coordinator.trace is not None else ()
-            self.param_swapper.after_step(trace)  # updated buckets written back; the next forward's read ahead
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True
+        if self.param_swapper is not None:  # after the refresh above, which reads the persistent parameters' shards
+            trace = self.coordinator.trace.params if self.coordinator.trace is not None else ()
+            self.param_swapper.after_step(trace)  # updated buckets written back; the next forward's read ahead
         self.global_steps += 1
         self.progress.step = self.global_steps
         if self.timeline is not None:
