@@ -3,6 +3,7 @@
     python bench/offload.py                               # ZeRO-3 bf16, world 2: none / nvme (about 2 minutes)
     python bench/offload.py --variants none cpu nvme --nvme-path /local_nvme --steps 8
     python bench/offload.py --variants nvme nvme_sequential        # what the read/write pipeline hides
+    python bench/offload.py --variants none nvme nvme_params       # parameter shards on NVMe too
 
 Each variant runs in fresh processes (``python -m torch.distributed.run --standalone --nproc_per_node N``, CPU,
 gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time pass with the default glibc allocator
@@ -10,7 +11,9 @@ gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time p
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that RSS follows the live tensors (peak RSS over the measured steps, after
 ``reset_memory_peaks()`` following the warm-up). Both passes check that every variant's losses are bitwise those of
 "none" (offload changes where states live, not the arithmetic). The NVMe variant puts the fp32 masters and the Adam
-moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buffers, both pipelines on).
+moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buffers, both pipelines on);
+``nvme_params`` adds ``offload_param`` nvme (the 16-bit shards in files too: buckets of ``buffer_size`` 500k
+elements, 4 read ahead, ``max_in_cpu`` 2M elements per rank).
 Prints a markdown table; ``--json`` writes the raw numbers.
 """
 
@@ -34,9 +37,12 @@ def config(variant: str, nvme_path: str) -> dict:
     zero = {"stage": 3, "sub_group_size": SUB_GROUP, "overlap_comm": True}
     if variant == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    elif variant == "nvme":
+    elif variant in ("nvme", "nvme_params"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
                                      "pipeline_read": True, "pipeline_write": True}
+        if variant == "nvme_params":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_size": SUB_GROUP,
+                                     "buffer_count": 4, "max_in_cpu": 4 * SUB_GROUP}
     elif variant == "nvme_sequential":  # the same without overlap: what the pipeline hides
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 1,
                                      "pipeline_read": False, "pipeline_write": False}
@@ -111,7 +117,7 @@ def _io_text(io: dict | None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential"])
+    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "nvme_params"])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_engine_nvme"))
@@ -132,7 +138,7 @@ def main(argv=None) -> int:
           f"{args.steps} steps; step time = median of steps 3.. (slowest rank); peak RSS = max over ranks "
           "(MALLOC_MMAP_THRESHOLD_=65536); optimizer-step I/O of rank 0 over steps 3..: MiB/s = bytes read + "
           "written / optimizer-step time, and the share of that time spent waiting for I/O\n")
-    print("| offload_optimizer | step time (s) | ÷ none | peak RSS per rank (MiB) | ÷ none | model states device / "
+    print("| variant | step time (s) | ÷ none | peak RSS per rank (MiB) | ÷ none | model states device / "
           "host / nvme per rank (MiB) | losses bitwise = none | optimizer-step I/O MiB/s, I/O wait share |")
     print("|---|---|---|---|---|---|---|---|")
     t0 = statistics.median(base["time"]["times"][2:])

@@ -525,9 +525,6 @@ def test_several_bad_values_are_reported_together():
      "accepted: only false"),
     ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size: 8 is not"),
     ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size: 4 is not supported yet"),
-    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-     'zero_optimization.offload_param.device: "nvme" is not supported yet (NVMe offload); '
-     'accepted: "none" or "cpu"'),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      "zero_optimization.offload_optimizer.ratio: 0.5 is not supported yet (partial optimizer offload)"),
     ({"amp": {"enabled": True}}, 'amp: {"enabled": true} is not supported yet (Apex AMP; use fp16 or bf16)'),

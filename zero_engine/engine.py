@@ -35,7 +35,7 @@ from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
-from .offload.placement import Placement
+from .offload.placement import NVME, Placement
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
@@ -127,6 +127,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         groups = param_groups_of(model, model_parameters)
         self.coordinator = None
         self.reducer = None
+        self.param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
         self._backward_end = BackwardEndCallback(self._on_backward_end)
         if self.stage == 0:
             self.sharded = []
@@ -139,6 +140,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
                                            optimizer, self.config.optimizer, groups, zc.sub_group_size,
                                            self.placement, zc.offload_optimizer, self.config.aio)
+            if self.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
+                self.optimizer.param_swapper = self.param_swapper
+                self.param_swapper.start()
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.training_dataloader = self._make_dataloader(training_data, collate_fn)
         from .utils import register_engine
@@ -160,8 +164,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 buffer.data = buffer.data.to(self.compute_dtype)
         by_param = {id(sp.param): sp for sp in self.sharded}
         # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
-        bucket = zc.prefetch_bucket_size if self.stage == 3 else zc.allgather_bucket_size
-        self.shard_buckets = flatten_shards(self.sharded, max(1, int(bucket) // self.comm.world_size))
+        bucket = max(1, int(zc.prefetch_bucket_size if self.stage == 3 else zc.allgather_bucket_size)
+                     // self.comm.world_size)
+        if self.placement.params == NVME:  # the swap unit: see offload/param_swap.py
+            bucket = min(bucket, max(1, int(zc.offload_param.buffer_size)))
+        self.shard_buckets = flatten_shards(self.sharded, bucket)
         trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
         comm_dtype = self.config.communication_data_type
         self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
@@ -200,6 +207,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 module_params[module] = own
                 module_names[module] = name or "<root>"
         gatherer = make_gatherer(self.comm, zc, self.accounting, self.streams)
+        if self.placement.params == NVME:
+            from .offload.param_swap import ParamSwapper, SwapInGather
+
+            self.param_swapper = ParamSwapper(self.shard_buckets, zc.offload_param, self.comm.rank, self.config.aio)
+            gatherer = SwapInGather(gatherer, self.param_swapper)
         if zc.allgather_sequential is True:
             for sp in self.sharded:
                 sp.gather_sequential = True
@@ -208,6 +220,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.refresh_gatherer = gatherer
         self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
                                             on_event=self._record_timeline if self.timeline else None)
+        self.coordinator.shard_swapper = self.param_swapper
         self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
 
     def _choose_gather_per_bucket(self) -> None:
@@ -357,6 +370,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from new shards
                 if stale:
                     self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
+        if self.param_swapper is not None:
+            trace = self.coordinator.trace.params if self.coordinator.trace is not None else ()
+            self.param_swapper.after_step(trace)  # updated buckets written back; the next forward's read ahead
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True
@@ -464,9 +480,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
             "rss_peak": rss_peak_bytes(),
         }
         swapper = getattr(self.optimizer, "swapper", None)
-        stats["by_location"] = self.placement.by_location(
-            stats, nvme_bytes=swapper.store.nbytes() if swapper is not None else 0,
-            swap_buffer_bytes=swapper.buffer_bytes if swapper is not None else 0)
+        nvme_bytes = swapper.store.nbytes() if swapper is not None else 0
+        buffer_bytes = swapper.buffer_bytes if swapper is not None else 0
+        if self.param_swapper is not None and not self.param_swapper.closed:
+            nvme_bytes += self.param_swapper.file_bytes()
+            buffer_bytes += self.param_swapper.resident_bytes  # shard buckets in memory now
+        stats["by_location"] = self.placement.by_location(stats, nvme_bytes=nvme_bytes,
+                                                          swap_buffer_bytes=buffer_bytes)
         return stats
 
     @staticmethod

@@ -41,6 +41,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
                         os.path.join(os.fspath(save_dir), save_filename))
         return False
     rendezvous(comm, "save_16bit_model", engine.config.zero_engine.collective_timeout_s)
+    from ..utils import shards_in_memory_of
     values: dict[str, torch.Tensor] = {}
     gatherer = SequentialGather(comm)
     if engine.stage == 0 and comm.rank == 0:
@@ -50,7 +51,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
             if comm.rank == 0:
                 values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))
             continue
-        gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
+        with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
+            gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
         try:
             if comm.rank == 0:
                 values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))

@@ -26,34 +26,39 @@ from zero_engine.config.fields import (
 from zero_engine.config.notes import LoadNotes
 from zero_engine.errors import ConfigError
 
-_OFFLOAD_DEVICE_NOTE = '"nvme" (ZeRO-Infinity) is not supported yet'
-
-
-def _not_nvme(device: Any) -> bool:
-    return device != "nvme"
-
-
 class OffloadParamConfig(Section):
     """Where partitioned parameters live between uses (stage 3 only)."""
 
     device: Literal["none", "cpu", "nvme"] = Field(
         "none",
         description="Memory that holds the parameter shards: 'none' keeps them on the accelerator; 'cpu' moves "
-        "them to host memory (saves device memory, costs a host-to-device copy per gather); " + _OFFLOAD_DEVICE_NOTE,
+        "them to host memory (saves device memory, costs a host-to-device copy per gather); 'nvme' (ZeRO-Infinity) "
+        "keeps them in per-rank files under nvme_path and reads each shard bucket in ahead of its all-gather "
+        "(a CPU compute device only, so far).",
     )
-    nvme_path: str | None = Field(None, description="NVMe directory (NVMe offload only).")
-    buffer_count: ConfigInt = Field(5, ge=0, description="NVMe buffer pool size (NVMe offload only).")
+    nvme_path: str | None = Field(None, description="Directory on the NVMe drive for the parameter shards' files "
+                                  "(device 'nvme'); each run and rank gets its own subdirectory, removed at exit.")
+    buffer_count: ConfigInt = Field(5, ge=0, description="NVMe: how many shard buckets are read ahead of their "
+                                    "all-gathers along the recorded module order (at least 1).")
     buffer_size: Annotated[ConfigInt, Auto("DeepSpeed's default 1e8")] = Field(
-        100_000_000, ge=0, description="Elements per NVMe buffer (NVMe offload only)."
+        100_000_000, ge=0, description="NVMe: elements per shard bucket, the unit read and written (a parameter "
+        "whose shard is larger is a bucket of its own)."
     )
     max_in_cpu: ConfigInt = Field(
-        1_000_000_000, ge=0, description="Parameter elements kept in CPU memory under NVMe offload."
+        1_000_000_000, ge=0, description="NVMe: parameter shard elements held in memory at once (read-ahead stops "
+        "there; the buckets one all-gather or one optimizer sub-group needs are read even beyond it)."
     )
     pin_memory: ConfigBool = Field(
         False, description="Page-locked host buffers: faster copies, but pinned memory cannot be swapped."
     )
 
-    not_supported = {"device": NotSupported("none", "NVMe offload", is_off=_not_nvme, accepted='"none" or "cpu"')}
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> "OffloadParamConfig":
+        if self.device == "nvme" and not self.nvme_path:
+            raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}", {
+                "detail": 'device "nvme" needs nvme_path: a directory on the NVMe drive (e.g. "/local_nvme")',
+                "subpath": "nvme_path"})
+        return self
 
 
 class OffloadOptimizerConfig(Section):

@@ -105,6 +105,7 @@ class ParamCoordinator:
                 self._count_live(p)
         self.fetch_count = 0
         self.prefetch_count = 0
+        self.shard_swapper = None  # offload_param nvme: reads shard buckets ahead (offload/param_swap.py)
 
     # ---- step boundaries -----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -135,6 +136,8 @@ class ParamCoordinator:
             self.trace = _Trace(events, [ps for _, ps in self._recording])
         self._in_step = False
         self._following = False
+        if self.shard_swapper is not None:  # the next forward's first shard buckets, read ahead
+            self.shard_swapper.after_fetch(self.trace.params if self.trace is not None else [])
 
     # ---- hooks call these ----------------------------------------------------------------------------------------
     def fetch(self, module: nn.Module, phase: str) -> None:
@@ -164,6 +167,9 @@ class ParamCoordinator:
                     self._count_live(p)
                 p.active_users += 1
             self.fetch_count += 1
+            if self.shard_swapper is not None:
+                trace = self.trace.params if self._following else []
+                self.shard_swapper.after_fetch(trace[i] for i in range(self._pos + 1, len(trace)))
             if self._following:
                 self._prefetch_after(self._pos)
                 self._pos += 1

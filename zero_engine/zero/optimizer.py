@@ -188,6 +188,7 @@ class ZeroOptimizer(_OptimizerWrapper):
                     self.optimizer.set_low_precision_copy(self.masters[id(sp.param)],
                                                           self.staging.get(id(sp.param), sp.shard))
         self.swapper = None  # NVMe offload: masters and states stream from files (offload/optimizer_swap.py)
+        self.param_swapper = None  # NVMe parameter offload: shard buckets read in around each sub-group's update
         if placement is not None and placement.swaps_optimizer:
             from ..offload.optimizer_swap import make_swapper
 
@@ -213,6 +214,8 @@ class ZeroOptimizer(_OptimizerWrapper):
             if self.gradient_clipping > 0 and norm > self.gradient_clipping:
                 coef *= self.gradient_clipping / (norm + 1e-6)
             update = partial(self._update_sub_group, coef=coef)
+            if self.param_swapper is not None:
+                update = self.param_swapper.around_update(update, self.sub_groups)
             if self.swapper is not None:
                 self.swapper.run(update)  # each sub-group read from NVMe around its update
             else:
@@ -297,13 +300,23 @@ class ZeroOptimizer(_OptimizerWrapper):
         with self.states_in_memory():  # under NVMe offload: loaded into memory, then written to the files
             self.optimizer.load_state_dict(state)
 
+    @contextlib.contextmanager
     def states_in_memory(self):
         """A context in which every master and optimizer state is an ordinary in-memory tensor (checkpoints read
-        and write them); under NVMe offload they are swapped in for the block and written back after."""
-        return self.swapper.all_in() if self.swapper is not None else contextlib.nullcontext()
+        and write them); under NVMe offload they are swapped in for the block and written back after. Under NVMe
+        parameter offload the compute shards (in fp32 training: the masters) are read in too."""
+        with contextlib.ExitStack() as stack:
+            if self.param_swapper is not None:
+                stack.enter_context(self.param_swapper.all_in())
+            if self.swapper is not None:
+                stack.enter_context(self.swapper.all_in())
+            yield
 
     def close(self) -> None:
         """Remove the NVMe files of this run (engine.destroy())."""
+        if self.param_swapper is not None:
+            self.param_swapper.close()
+            self.param_swapper = None
         if self.swapper is not None:
             self.swapper.close()
             self.swapper = None

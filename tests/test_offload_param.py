@@ -1,0 +1,240 @@
+"""Parameter offload to NVMe (issue 13, ZeRO-Infinity): the stage-3 compute shards live in per-rank files and are
+read ahead of their all-gathers along the coordinator's trace (zero_engine/offload/param_swap.py), on simulated ranks.
+
+Parity is bitwise: the swap moves the shard bytes to a file and back unchanged, so losses and parameters must equal
+those without offload exactly, in fp32 and bf16, with both gather strategies, and together with optimizer offload.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_engine
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+TIMEOUT = 90
+MODEL = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=3, n_embd=33)
+
+
+def config(param: str = "none", nvme_path: str | None = None, bf16: bool = False, sequential: bool = False,
+           optimizer: str = "none", **param_knobs) -> dict:
+    zero = {"stage": 3, "reduce_bucket_size": 700, "stage3_prefetch_bucket_size": 3000,
+            "stage3_param_persistence_threshold": 40, "sub_group_size": 900,
+            "stage3_allgather_sequential": sequential}
+    if param == "nvme":
+        # small buckets (buffer_size) so that the model is several swap units and read-ahead has work to do
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_size": 1200,
+                                 "buffer_count": 2, **param_knobs}
+    if optimizer == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 3,
+                                     "pipeline_read": True, "pipeline_write": True}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, "zero_optimization": zero}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def gathered_params(engine) -> dict[str, torch.Tensor]:
+    out = {}
+    with engine.optimizer.states_in_memory():  # under parameter offload the shards are in files between steps
+        for sp in engine.sharded:
+            buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
+            dist.all_gather_into_tensor(buf, sp.shard)
+            out[sp.fqn] = buf[: sp.numel].clone()
+    return out
+
+
+def _run_steps(engine, batches) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for x, y in batches:
+        for m in range(2):
+            lo = (m * world + rank) * 2
+            loss = engine(x[lo: lo + 2], y[lo: lo + 2])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float().item())
+    return losses
+
+
+def _train(cfg: dict, steps: int = 3):
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
+    losses = _run_steps(engine, make_batches(MODEL, steps, dist.get_world_size() * 4))
+    stats = engine.memory_stats()
+    swapper = engine.param_swapper
+    info = {}
+    if swapper is not None:
+        info = {"run_dir": swapper.store.run_dir, "buckets": len(swapper.slots), "reads": swapper.reads,
+                "resident_between_steps": swapper.resident_numel, "peak_resident": swapper.peak_resident_numel,
+                "resident_buckets": sum(s.resident for s in swapper.slots), "buffer_count": swapper.read_ahead,
+                "demand_reads": swapper.demand_reads, "writes": swapper.writes,
+                "max_in_cpu": swapper.max_in_cpu, "shard_numel": sum(s.numel for s in swapper.slots),
+                "prefetches": engine.coordinator.prefetch_count}
+    params = gathered_params(engine)
+    engine.destroy()
+    if swapper is not None:
+        info["files_left"] = os.path.exists(info["run_dir"])
+    return losses, params, stats, info
+
+
+def _assert_same(a, b, what):
+    assert a[0] == b[0], f"{what}: losses differ: {a[0]} vs {b[0]}"
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), f"{what}: {name} differs"
+
+
+def _parity_body(bf16: bool, sequential: bool, nvme_path: str, optimizer: str):
+    off = _train(config(bf16=bf16, sequential=sequential))
+    nvme = _train(config("nvme", nvme_path, bf16=bf16, sequential=sequential, optimizer=optimizer))
+    return off, nvme
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("sequential", [False, True])
+def test_param_nvme_offload_matches_no_offload_bitwise(world, bf16, sequential, tmp_path):
+    results = run_ranks(_parity_body, world, bf16, sequential, str(tmp_path), "none", timeout=TIMEOUT)
+    for off, nvme in results:
+        _assert_same(off, nvme, f"world {world} bf16={bf16} sequential={sequential}")
+        info = nvme[3]
+        assert info["buckets"] > 2, info  # the model is several swap units
+        # between steps only the next forward's read-ahead is in memory (buffer_count buckets)
+        assert 0 < info["resident_buckets"] <= info["buffer_count"], info
+        assert info["resident_between_steps"] < info["shard_numel"], info
+        assert not info["files_left"], "NVMe files left after engine.destroy()"
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_param_and_optimizer_nvme_offload_together_match_bitwise(bf16, tmp_path):
+    for off, nvme in run_ranks(_parity_body, 2, bf16, False, str(tmp_path), "nvme", timeout=TIMEOUT):
+        _assert_same(off, nvme, f"param + optimizer nvme offload, bf16={bf16}")
+        assert nvme[2]["by_location"]["nvme"]["optimizer_states"] > 0
+        assert not nvme[3]["files_left"]
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def _read_ahead_body(nvme_path: str, max_in_cpu: int):
+    off = _train(config(bf16=True))
+    nvme = _train(config("nvme", nvme_path, bf16=True, max_in_cpu=max_in_cpu, buffer_count=3))
+    return off, nvme
+
+
+def test_max_in_cpu_smaller_than_the_model_trains_bitwise_the_same(tmp_path):
+    """max_in_cpu below the shards of one rank: read-ahead stops at the limit, what a gather needs is read anyway."""
+    for off, nvme in run_ranks(_read_ahead_body, 2, str(tmp_path), 1500, timeout=TIMEOUT):
+        _assert_same(off, nvme, "max_in_cpu=1500")
+        info = nvme[3]
+        assert info["shard_numel"] > 2 * info["max_in_cpu"], info
+        assert info["peak_resident"] < info["shard_numel"], info  # never the whole model in memory
+        assert info["prefetches"] > 0
+
+
+def _stats_body(nvme_path: str):
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config("nvme", nvme_path, bf16=True))
+    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    stats = engine.memory_stats()
+    shard_bytes = sum(sp.shard_numel * sp.shard.element_size() for sp in engine.sharded)
+    resident = engine.param_swapper.resident_bytes
+    engine.destroy()
+    return stats, shard_bytes, resident
+
+
+def test_memory_stats_report_the_shards_on_nvme(tmp_path):
+    for stats, shard_bytes, resident in run_ranks(_stats_body, 2, str(tmp_path), timeout=TIMEOUT):
+        where = stats["by_location"]
+        assert where["nvme"]["params_sharded"] == shard_bytes
+        assert where["device"]["params_sharded"] == 0 and where["host"]["params_sharded"] == 0
+        assert where["nvme"]["files"] == shard_bytes  # the optimizer keeps its states in memory here
+        # in memory between steps: the read-ahead of the next forward's first buckets, reported as swap buffers
+        assert 0 < resident < shard_bytes and where["host"]["swap_buffers"] == resident
+
+
+def _checkpoint_body(save_cfg: dict, load_cfg: dict, ckpt: str):
+    """Train 2 steps under save_cfg, save, train 2 more; a fresh engine under load_cfg loads and trains the same 2."""
+    batches = make_batches(MODEL, 4, dist.get_world_size() * 4)
+    torch.manual_seed(0)
+    first, *_ = zero_engine.initialize(model=GPT(MODEL), config=save_cfg)
+    _run_steps(first, batches[:2])
+    first.save_checkpoint(ckpt, tag="t")
+    after_save = _run_steps(first, batches[2:]), gathered_params(first)
+    first.destroy()
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    second, *_ = zero_engine.initialize(model=GPT(MODEL), config=load_cfg)
+    second.load_checkpoint(ckpt, tag="t")
+    resumed = _run_steps(second, batches[2:]), gathered_params(second)
+    second.destroy()
+    return after_save, resumed
+
+
+@pytest.mark.parametrize("save,load,bf16", [("nvme", "none", True), ("none", "nvme", True), ("nvme", "nvme", False)])
+def test_checkpoint_moves_between_param_offload_and_none_with_bitwise_resume(save, load, bf16, tmp_path):
+    nvme = str(tmp_path / "nvme")
+    os.makedirs(nvme)
+    results = run_ranks(_checkpoint_body, 2, config(save, nvme, bf16=bf16), config(load, nvme, bf16=bf16),
+                        str(tmp_path / "ckpt"), timeout=TIMEOUT)
+    for after_save, resumed in results:
+        _assert_same(after_save, resumed, f"saved with param offload {save}, loaded with {load}")
+    assert os.listdir(nvme) == []
+
+
+def _gathered_parameters_body(nvme_path: str):
+    """GatheredParameters reads a swapped-out shard (read in for its gather) and keeps a modifier's edit."""
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config("nvme", nvme_path))
+    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    weight = engine.module.lm_head.weight if hasattr(engine.module, "lm_head") else next(engine.module.parameters())
+    with zero_engine.zero.GatheredParameters(weight):
+        before = weight.detach().clone()
+    with zero_engine.zero.GatheredParameters(weight, modifier_rank=0):
+        weight.data.add_(1.0)
+    with zero_engine.zero.GatheredParameters(weight):
+        after = weight.detach().clone()
+    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))  # training goes on from the edit
+    resident = sum(s.resident for s in engine.param_swapper.slots), engine.param_swapper.read_ahead
+    engine.destroy()
+    return before, after, resident
+
+
+def test_gathered_parameters_reads_and_edits_offloaded_shards(tmp_path):
+    for before, after, resident in run_ranks(_gathered_parameters_body, 2, str(tmp_path), timeout=TIMEOUT):
+        assert before.numel() > 0 and torch.equal(after, before + 1.0)
+        buckets, buffer_count = resident
+        assert buckets <= buffer_count  # what GatheredParameters read was given back by the next step
+
+
+def test_config_needs_a_path_for_nvme():
+    from zero_engine.config import load_config
+    from zero_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="nvme_path"):
+        load_config(config("nvme", None), world_size=1)
+
+
+def _model16_body(cfg: dict, out: str):
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
+    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    engine.save_16bit_model(out)
+    engine.destroy()
+
+
+def test_save_16bit_model_reads_offloaded_shards(tmp_path):
+    """save_16bit_model gathers outside the coordinator: the shards are read in for it, and the file is the same."""
+    files = {}
+    for param in ("none", "nvme"):
+        cfg = config(param, str(tmp_path), bf16=True)
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        run_ranks(_model16_body, 2, cfg, str(tmp_path / param), timeout=TIMEOUT)
+        files[param] = torch.load(tmp_path / param / "pytorch_model.bin")
+    assert files["none"].keys() == files["nvme"].keys()
+    for name in files["none"]:
+        assert torch.equal(files["none"][name], files["nvme"][name]), name
