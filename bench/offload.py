@@ -66,9 +66,12 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
     psi = sum(p.numel() for p in model.parameters())
     engine, *_ = zero_engine.initialize(model=model, config=config(variant, nvme_path))
     times, losses = [], []
+    swapper = getattr(engine.optimizer, "swapper", None)
+    io_before = {}
     for i, (x, y) in enumerate(make_batches(cfg, steps, 4 * world)):
         if i == 2:
             engine.reset_memory_peaks()
+            io_before = dict(swapper.io_stats) if swapper is not None else {}
         start = time.perf_counter()
         loss = engine(x[rank * 4: rank * 4 + 4], y[rank * 4: rank * 4 + 4])
         engine.backward(loss)
@@ -77,6 +80,7 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         times.append(took.item())
         losses.append(loss.float().item())
+    io = {k: v - io_before.get(k, 0) for k, v in swapper.io_stats.items()} if swapper is not None else None
     stats = engine.memory_stats()
     rss_peak = torch.tensor(float(stats["rss_peak"]))
     dist.all_reduce(rss_peak, op=dist.ReduceOp.MAX)
@@ -85,7 +89,7 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
         with open(out, "w") as f:
             json.dump({"variant": variant, "psi": psi, "world": world, "times": times, "losses": losses,
                        "rss_peak_max_rank": rss_peak.item(), "by_location": stats["by_location"],
-                       "model_states": engine.model_state_bytes(stats)}, f)
+                       "model_states": engine.model_state_bytes(stats), "io": io}, f)
     dist.destroy_process_group()
 
 
@@ -101,6 +105,14 @@ def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bo
         subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)
+
+
+def _io_text(io: dict | None) -> str:
+    if not io or not io["step_seconds"]:
+        return "-"
+    rate = (io["read_bytes"] + io["write_bytes"]) / io["step_seconds"] / 2**20
+    return f"{rate:.0f} ({io['read_bytes'] / 2**20:.0f} MiB read + {io['write_bytes'] / 2**20:.0f} written), " \
+           f"{io['io_wait_seconds'] / io['step_seconds']:.0%}"
 
 
 def main(argv=None) -> int:
@@ -124,10 +136,11 @@ def main(argv=None) -> int:
     base = results[args.variants[0]]
     print(f"ZeRO-3 bf16 GPT, {base['time']['psi'] / 1e6:.1f}M parameters, world {args.world}, CPU/gloo, "
           f"{args.steps} steps; step time = median of steps 3.. (slowest rank); peak RSS = max over ranks "
-          "(MALLOC_MMAP_THRESHOLD_=65536)\n")
+          "(MALLOC_MMAP_THRESHOLD_=65536); optimizer-step I/O of rank 0 over steps 3..: MiB/s = bytes read + "
+          "written / optimizer-step time, and the share of that time spent waiting for I/O\n")
     print("| variant | step time (s) | ÷ none | peak RSS per rank (MiB) | ÷ none | model states device / "
-          "host / nvme per rank (MiB) | losses bitwise = none |")
-    print("|---|---|---|---|---|---|---|")
+          "host / nvme per rank (MiB) | losses bitwise = none | optimizer-step I/O MiB/s, I/O wait share |")
+    print("|---|---|---|---|---|---|---|---|")
     t0 = statistics.median(base["time"]["times"][2:])
     r0 = base["memory"]["rss_peak_max_rank"]
     for variant, r in results.items():
@@ -137,7 +150,7 @@ def main(argv=None) -> int:
         same = r["time"]["losses"] == base["time"]["losses"] and r["memory"]["losses"] == base["memory"]["losses"]
         print(f"| {variant} | {t:.3f} | {t / t0:.2f} | {rss / 2**20:.0f} | {rss / r0:.2f} | "
               f"{where['device']['total'] / 2**20:.0f} / {where['host']['total'] / 2**20:.0f} / "
-              f"{where['nvme']['total'] / 2**20:.0f} | {'yes' if same else 'NO'} |")
+              f"{where['nvme']['total'] / 2**20:.0f} | {'yes' if same else 'NO'} | {_io_text(r['time']['io'])} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
