@@ -36,7 +36,9 @@ def config(param: str = "none", nvme_path: str | None = None, bf16: bool = False
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, "zero_optimization": zero}
     if bf16:
-        cfg["bf16"] = {"enabled": True}
+        cfg["bf16" if bf16 is True else bf16] = {"enabled": True}  # bf16=True, or "fp16"
+        if bf16 == "fp16":
+            cfg["fp16"]["initial_scale_power"] = 8  # a few overflowing (skipped) steps, most applied
     return cfg
 
 
@@ -108,6 +110,7 @@ def _parity_body(bf16: bool, sequential: bool, nvme_path: str, optimizer: str):
 @pytest.mark.parametrize("world,bf16,sequential", [
     (1, False, False), (1, True, True), (2, False, False), (2, True, False), (2, False, True), (2, True, True),
     (3, True, False),  # padded shards
+    (2, "fp16", False),  # dynamic loss scale: a skipped step updates nothing, so nothing is written back
 ])
 def test_param_nvme_offload_matches_no_offload_bitwise(world, bf16, sequential, tmp_path):
     results = run_ranks(_parity_body, world, bf16, sequential, str(tmp_path), "none", timeout=TIMEOUT)
