@@ -319,3 +319,17 @@ def test_swapper_max_in_cpu_bounds_read_ahead_and_evicts(tmp_path):
     for sp, value in zip(sharded, values):
         assert torch.equal(sp.shard, value)
     swapper.close()
+
+
+def test_swapper_refuses_shards_off_the_cpu(tmp_path):
+    """The accelerator path (device<->host copies around the files) is not written: refused by name, not wrong."""
+    from types import SimpleNamespace
+
+    from zero_engine.offload.param_swap import ParamSwapper
+    from zero_engine.zero.partition import ShardedParam, flatten_shards
+
+    sp = ShardedParam(torch.nn.Parameter(torch.empty(64, device="meta")), "w", 0, rank=0, world_size=1)
+    offload = SimpleNamespace(nvme_path=str(tmp_path), max_in_cpu=10**9, buffer_count=2)
+    with pytest.raises(NotImplementedError, match="offload_param.device=nvme"):
+        ParamSwapper(flatten_shards([sp], 100), offload, rank=0)
+    assert os.listdir(tmp_path) == []
