@@ -335,6 +335,8 @@ class ParamSwapper:
             self._finish_write(slot)
 
     def _free(self, slot: _Slot) -> None:
+        if self._closed:  # after close() the shards stay in memory: their files are gone
+            return
         if slot.dirty:
             raise AssertionError(f"param offload: {slot.key} freed with values not yet written to "
                                  f"{self.store.directory}")
