@@ -33,6 +33,9 @@ ROOT = os.path.dirname(HERE)
 SUB_GROUP = 500_000
 
 
+AIO_THREADS = 1  # aio.thread_count (--aio-threads)
+
+
 def config(variant: str, nvme_path: str) -> dict:
     zero = {"stage": 3, "sub_group_size": SUB_GROUP, "overlap_comm": True}
     if variant == "cpu":
@@ -46,7 +49,8 @@ def config(variant: str, nvme_path: str) -> dict:
     elif variant == "nvme_sequential":  # the same without overlap: what the pipeline hides
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 1,
                                      "pipeline_read": False, "pipeline_write": False}
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+    extra = {"aio": {"thread_count": AIO_THREADS}} if variant.startswith("nvme") else {}
+    return {**extra, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
             "zero_optimization": zero}
 
@@ -101,7 +105,7 @@ def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bo
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                os.path.abspath(__file__), "--worker", variant, "--nvme-path", nvme_path, "--steps", str(steps),
-               "--out", out]
+               "--aio-threads", str(AIO_THREADS), "--out", out]
         subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)
@@ -121,11 +125,14 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_engine_nvme"))
+    parser.add_argument("--aio-threads", type=int, default=1, help="aio.thread_count of the nvme variants")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.makedirs(args.nvme_path, exist_ok=True)
+    global AIO_THREADS
+    AIO_THREADS = args.aio_threads
     if args.worker:
         worker(args.worker, args.nvme_path, args.steps, args.out)
         return 0
