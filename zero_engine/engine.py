@@ -370,11 +370,11 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 stale = [sp for sp in self.sharded if sp.is_persistent]  # whole params: refresh from new shards
                 if stale:
                     self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
-        if self.param_swapper is not None:
-            self.param_swapper.after_step()  # updated shard buckets written back and freed
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True
+        if self.param_swapper is not None:
+            self.param_swapper.after_step()  # updated shard buckets written back and freed (also after a skip)
         self.global_steps += 1
         self.progress.step = self.global_steps
         if self.timeline is not None:

@@ -87,6 +87,7 @@ class ParamSwapper:
         self.resident_numel = sum(s.numel for s in self.slots)
         self.peak_resident_numel = self.resident_numel
         self.reads = self.writes = 0
+        self.demand_reads = 0  # reads a gather or an update had to wait for from the start (not read ahead)
         self._said_over_limit = False
         self._closed = False
 
@@ -97,6 +98,7 @@ class ParamSwapper:
             self._write_back(self.slots)
             for slot in self.slots:
                 self._free(slot)
+            self.peak_resident_numel = 0  # from here on: what training holds
 
     @property
     def closed(self) -> bool:
@@ -126,6 +128,7 @@ class ParamSwapper:
             self._make_room(sum(s.numel for s in missing), keep=needed)
             for slot in missing:
                 self._read(slot)
+            self.demand_reads += len(missing)
         for slot in needed:
             self._wait_read(slot)
 

@@ -49,6 +49,7 @@ class Placement:
     grads: str = DEVICE  # reduced gradient shards the step reads
     pin_memory: bool = False  # page-locked host buffers (only meaningful with an accelerator)
     nvme_path: str | None = None  # offload_optimizer.nvme_path when masters / states are on nvme
+    param_nvme_path: str | None = None  # offload_param.nvme_path when the compute shards are on nvme
 
     @classmethod
     def from_config(cls, zc, device: torch.device) -> "Placement":
@@ -59,18 +60,21 @@ class Placement:
                                  "engine; only ratio 1.0 without SuperOffload is implemented")
         return cls.of(zc.stage, opt.device if opt is not None else "none", par.device if par is not None else "none",
                       device, pin_memory=bool(opt is not None and opt.pin_memory),
-                      nvme_path=opt.nvme_path if opt is not None else None)
+                      nvme_path=opt.nvme_path if opt is not None else None,
+                      param_nvme_path=par.nvme_path if par is not None else None)
 
     @classmethod
     def of(cls, stage: int, offload_optimizer: str = "none", offload_param: str = "none",
-           device: torch.device | str = "cpu", pin_memory: bool = False, nvme_path: str | None = None) -> "Placement":
+           device: torch.device | str = "cpu", pin_memory: bool = False, nvme_path: str | None = None,
+           param_nvme_path: str | None = None) -> "Placement":
         """From the two offload devices as the config spells them ("none", "cpu", "nvme"); the estimator's way in.
         ``offload_param`` acts at stage 3 only (as in DeepSpeed)."""
         states = _FROM_CONFIG[offload_optimizer]
         params = _FROM_CONFIG[offload_param] if stage == 3 else DEVICE
         return cls(device=torch.device(device), params=params, masters=states, optimizer_states=states,
                    grads=HOST if states != DEVICE else DEVICE, pin_memory=pin_memory and states != DEVICE,
-                   nvme_path=nvme_path if states == NVME else None)
+                   nvme_path=nvme_path if states == NVME else None,
+                   param_nvme_path=param_nvme_path if params == NVME else None)
 
     # ---- questions the runtime asks ---------------------------------------------------------------------------
     @property
@@ -109,6 +113,8 @@ class Placement:
         text = f"placement on {self.device}: " + ", ".join(parts)
         if self.nvme_path:
             text += f" (nvme_path {self.nvme_path})"
+        if self.param_nvme_path:
+            text += f" (parameter shards under {self.param_nvme_path})"
         if self.pin_memory:
             text += ", pinned host buffers" if self.pins else ", pin_memory ignored (no accelerator)"
         return text
@@ -118,6 +124,14 @@ class Placement:
         if rank != 0:
             return
         log.info("zero_engine: %s", self.describe())
+        if self.params != DEVICE and not self.has_separate_host:
+            if self.params == HOST:
+                log.info("zero_engine: offload_param.device=cpu on a CPU-only machine: the parameter shards already "
+                         "live in host memory; nothing is copied")
+            else:
+                log.info("zero_engine: offload_param.device=nvme: the parameter shards live in files under %s and "
+                         "are read ahead of their all-gathers (zero_engine/offload/param_swap.py)",
+                         self.param_nvme_path)
         if self.offloads_optimizer and not self.has_separate_host:
             if self.optimizer_states == HOST:
                 log.info("zero_engine: offload_optimizer.device=cpu on a CPU-only machine: the fp32 masters, optimizer "
