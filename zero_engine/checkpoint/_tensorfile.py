@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._tensor_bytes import tensor_bytes
 from ._errors import CheckpointError
 
 __all__ = ["FileDigest", "TensorFile", "TensorFileWriter", "write_tensor_file", "sha256_of_file", "DTYPE_NAMES"]
@@ -53,7 +54,7 @@ def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return tensor_bytes(t)  # not .numpy(): see [Note: numpy pins a storage's size]
 
 
 class TensorFileWriter:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._tensor_bytes import tensor_bytes
+
 __all__ = ["ShardPlan", "plan_shards", "SafetensorsWriter", "parse_size"]
 
 _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -111,7 +113,7 @@ class SafetensorsWriter:
                                  f"next, got {name} {tuple(tensor.shape)} {tensor.dtype}")
         self._next += 1
         data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        self._f.write(memoryview(data.numpy()))
+        self._f.write(tensor_bytes(data))  # not .numpy(): see [Note: numpy pins a storage's size]
 
     def close(self) -> None:
         if self._next != len(self._expected):
