@@ -51,6 +51,17 @@ def states_in_memory_of(param):
     return enter() if enter is not None else contextlib.nullcontext()
 
 
+def shards_in_memory_of(sharded: list) -> contextlib.AbstractContextManager:
+    """A context in which the shards of ``sharded`` (ShardedParams of one engine) are in memory to be read: under
+    NVMe parameter offload they live in files between uses (zero_engine/offload/param_swap.py)."""
+    ref = _ENGINES.get(sharded[0].param) if sharded else None
+    engine = ref() if ref is not None else None
+    swapper = getattr(engine, "param_swapper", None)
+    if swapper is None or swapper.closed:
+        return contextlib.nullcontext()
+    return swapper.holding(sharded)
+
+
 def _with_states_in_memory(fn):
     @functools.wraps(fn)
     def wrapper(param, *args, **kwargs):

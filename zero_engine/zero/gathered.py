@@ -86,7 +86,10 @@ class GatheredParameters:
                 raise RuntimeError(f"GatheredParameters: {sp.fqn} is being gathered by the engine right now")
         self._gathered = [sp for sp in self.sharded if sp.status is ParamStatus.NOT_AVAILABLE]
         if self._gathered:
-            SequentialGather(self.comm).issue(self._gathered, name="GatheredParameters").wait()
+            from ..utils import shards_in_memory_of
+
+            with shards_in_memory_of(self._gathered):  # NVMe parameter offload: shards read in for the gather
+                SequentialGather(self.comm).issue(self._gathered, name="GatheredParameters").wait()
         for sp in self.sharded:
             sp.held_by_user += 1
         if self.modifier_rank is None:
