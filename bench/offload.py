@@ -3,6 +3,7 @@
     python bench/offload.py                               # ZeRO-3 bf16, world 2: none / nvme (about 2 minutes)
     python bench/offload.py --variants none cpu nvme --nvme-path /local_nvme --steps 8
     python bench/offload.py --variants nvme nvme_sequential        # what the read/write pipeline hides
+    python bench/offload.py --variants none param_nvme all_nvme    # parameter shards on NVMe (offload_param)
 
 Each variant runs in fresh processes (``python -m torch.distributed.run --standalone --nproc_per_node N``, CPU,
 gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time pass with the default glibc allocator
@@ -40,6 +41,12 @@ def config(variant: str, nvme_path: str) -> dict:
     elif variant == "nvme_sequential":  # the same without overlap: what the pipeline hides
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 1,
                                      "pipeline_read": False, "pipeline_write": False}
+    if variant in ("param_nvme", "all_nvme"):  # the 16-bit parameter shards in files too (offload/param_swap.py)
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5,
+                                 "buffer_size": 1_000_000, "max_in_cpu": 2_000_000}
+    if variant == "all_nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
+                                     "pipeline_read": True, "pipeline_write": True}
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
             "zero_optimization": zero}
@@ -99,7 +106,7 @@ def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bo
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential"])
+    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "param_nvme", "all_nvme"])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_engine_nvme"))

@@ -56,7 +56,7 @@ def shards_in_memory_of(sharded: list) -> contextlib.AbstractContextManager:
     NVMe parameter offload they live in files between uses (zero_engine/offload/param_swap.py)."""
     ref = _ENGINES.get(sharded[0].param) if sharded else None
     engine = ref() if ref is not None else None
-    swapper = getattr(engine, "param_swapper", None)
+    swapper = getattr(engine, "param_swapper", None) or getattr(engine, "host_params", None)
     if swapper is None or swapper.closed:
         return contextlib.nullcontext()
     return swapper.holding(sharded)
