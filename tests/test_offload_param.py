@@ -184,7 +184,9 @@ def test_checkpoint_moves_between_param_offload_and_none_with_bitwise_resume(sav
 def _gathered_parameters_body(nvme_path: str):
     """GatheredParameters reads a swapped-out shard (read in for its gather) and keeps a modifier's edit."""
     torch.manual_seed(0)
-    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config("nvme", nvme_path))
+    cfg = config("nvme", nvme_path)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
     _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
     weight = engine.module.lm_head.weight if hasattr(engine.module, "lm_head") else next(engine.module.parameters())
     with zero_engine.zero.GatheredParameters(weight):
@@ -194,14 +196,23 @@ def _gathered_parameters_body(nvme_path: str):
     with zero_engine.zero.GatheredParameters(weight):
         after = weight.detach().clone()
     resident = engine.param_swapper.resident_numel
+    saved_ok = engine.save_16bit_model(os.path.join(nvme_path, "model16"), "model.bin")  # gathers each shard
+    expected = gathered_params(engine)
+    same = True
+    if dist.get_rank() == 0:
+        saved = torch.load(os.path.join(nvme_path, "model16", "model.bin"))
+        same = all(torch.equal(saved[sp.fqn].reshape(-1), expected[sp.fqn]) for sp in engine.sharded
+                   if sp.fqn in saved)
     engine.destroy()
-    return before, after, resident
+    return before, after, resident, saved_ok and same
 
 
 def test_gathered_parameters_reads_and_edits_offloaded_shards(tmp_path):
-    for before, after, resident in run_ranks(_gathered_parameters_body, 2, str(tmp_path), timeout=TIMEOUT):
+    """GatheredParameters and save_16bit_model read the swapped-out shards in for their own gathers."""
+    for before, after, resident, saved in run_ranks(_gathered_parameters_body, 2, str(tmp_path), timeout=TIMEOUT):
         assert before.numel() > 0 and torch.equal(after, before + 1.0)
         assert resident == 0
+        assert saved
 
 
 def test_config_needs_a_path_for_nvme():

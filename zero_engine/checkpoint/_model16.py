@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ..utils import shards_in_memory_of
 from ..zero.gather import SequentialGather
 from ._atomic import fsync_dir
 from ._collective import agree, rendezvous
@@ -50,7 +51,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
             if comm.rank == 0:
                 values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))
             continue
-        gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
+        with shards_in_memory_of([sp]):  # parameter offload: the shard read in (nvme) / copied to the device (cpu)
+            gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
         try:
             if comm.rank == 0:
                 values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))

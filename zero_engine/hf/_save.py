@@ -24,6 +24,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from ..utils import shards_in_memory_of
 from ..zero.partition import ShardedParam, sharded_param_of
 from ._transformers import require_transformers
 from ._writer import SafetensorsWriter, parse_size, plan_shards
@@ -57,7 +58,9 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
     writer, file_index, position = None, 0, 0
     filenames = plan.filenames()
     for name, tensor, out_dtype in entries:
-        with torch.profiler.record_function(f"zero3::hf_save {name}"):
+        sp = sharded_param_of(tensor)
+        with torch.profiler.record_function(f"zero3::hf_save {name}"), \
+                shards_in_memory_of([sp] if sp is not None else []):  # parameter offload: the shard in memory
             value = _gather_on_rank0(tensor, out_dtype, engine, comm)
         if comm.rank != 0 or error is not None:
             continue
