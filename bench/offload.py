@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     print(f"ZeRO-3 bf16 GPT, {base['time']['psi'] / 1e6:.1f}M parameters, world {args.world}, CPU/gloo, "
           f"{args.steps} steps; step time = median of steps 3.. (slowest rank); peak RSS = max over ranks "
           "(MALLOC_MMAP_THRESHOLD_=65536)\n")
-    print("| offload_optimizer | step time (s) | ÷ none | peak RSS per rank (MiB) | ÷ none | model states device / "
+    print("| variant | step time (s) | ÷ none | peak RSS per rank (MiB) | ÷ none | model states device / "
           "host / nvme per rank (MiB) | losses bitwise = none |")
     print("|---|---|---|---|---|---|---|")
     t0 = statistics.median(base["time"]["times"][2:])

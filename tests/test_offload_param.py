@@ -317,3 +317,28 @@ def _cuda_body():
             out.append((losses, params, sp.shard.device.type == "cpu", sp.shard.is_pinned()))
         engine.destroy()
     return out
+
+
+def _read_ahead_counts_body(nvme_path: str):
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config("nvme", nvme_path, bf16=True))
+    swapper = engine.param_swapper
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts = []
+    for x, y in make_batches(MODEL, 4, world * 2):  # one micro-step each; the update runs every second one
+        reads, demand = swapper.reads, swapper.demand_reads
+        engine.backward(engine(x[rank * 2: rank * 2 + 2], y[rank * 2: rank * 2 + 2]))
+        engine.step()
+        counts.append((swapper.reads - reads, swapper.demand_reads - demand))
+    buckets = len(swapper.slots)
+    engine.destroy()
+    return buckets, counts
+
+
+def test_read_ahead_serves_the_gathers_once_the_trace_is_recorded(tmp_path):
+    """First micro-step: every bucket read on demand (no trace yet). Third (no update in it): the gathers find their
+    buckets read ahead; only the first module's bucket is read on demand (nothing runs before its fetch)."""
+    for buckets, counts in run_ranks(_read_ahead_counts_body, 2, str(tmp_path), timeout=TIMEOUT):
+        assert counts[0][0] == counts[0][1] > buckets, counts  # forward, backward (read again), update: on demand
+        reads, demand = counts[2]
+        assert reads >= buckets - 2 and demand <= 1, counts
