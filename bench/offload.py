@@ -3,7 +3,7 @@
     python bench/offload.py                               # ZeRO-3 bf16, world 2: none / nvme (about 2 minutes)
     python bench/offload.py --variants none cpu nvme --nvme-path /local_nvme --steps 8
     python bench/offload.py --variants nvme nvme_sequential        # what the read/write pipeline hides
-    python bench/offload.py --variants none param_nvme all_nvme    # parameter shards on NVMe (offload_param)
+    python bench/offload.py --variants none nvme nvme_params       # parameter shards on NVMe too
 
 Each variant runs in fresh processes (``python -m torch.distributed.run --standalone --nproc_per_node N``, CPU,
 gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time pass with the default glibc allocator
@@ -11,7 +11,9 @@ gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time p
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that RSS follows the live tensors (peak RSS over the measured steps, after
 ``reset_memory_peaks()`` following the warm-up). Both passes check that every variant's losses are bitwise those of
 "none" (offload changes where states live, not the arithmetic). The NVMe variant puts the fp32 masters and the Adam
-moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buffers, both pipelines on).
+moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buffers, both pipelines on);
+``nvme_params`` adds ``offload_param`` nvme (the 16-bit shards in files too: buckets of ``buffer_size`` 500k
+elements, 4 read ahead, ``max_in_cpu`` 2M elements per rank).
 Prints a markdown table; ``--json`` writes the raw numbers.
 """
 
@@ -35,18 +37,15 @@ def config(variant: str, nvme_path: str) -> dict:
     zero = {"stage": 3, "sub_group_size": SUB_GROUP, "overlap_comm": True}
     if variant == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    elif variant == "nvme":
+    elif variant in ("nvme", "nvme_params"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
                                      "pipeline_read": True, "pipeline_write": True}
+        if variant == "nvme_params":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_size": SUB_GROUP,
+                                     "buffer_count": 4, "max_in_cpu": 4 * SUB_GROUP}
     elif variant == "nvme_sequential":  # the same without overlap: what the pipeline hides
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 1,
                                      "pipeline_read": False, "pipeline_write": False}
-    if variant in ("param_nvme", "all_nvme"):  # the 16-bit parameter shards in files too (offload/param_swap.py)
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5,
-                                 "buffer_size": 1_000_000, "max_in_cpu": 2_000_000}
-    if variant == "all_nvme":
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
-                                     "pipeline_read": True, "pipeline_write": True}
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
             "zero_optimization": zero}
@@ -67,9 +66,12 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
     psi = sum(p.numel() for p in model.parameters())
     engine, *_ = zero_engine.initialize(model=model, config=config(variant, nvme_path))
     times, losses = [], []
+    swapper = getattr(engine.optimizer, "swapper", None)
+    io_before = {}
     for i, (x, y) in enumerate(make_batches(cfg, steps, 4 * world)):
         if i == 2:
             engine.reset_memory_peaks()
+            io_before = dict(swapper.io_stats) if swapper is not None else {}
         start = time.perf_counter()
         loss = engine(x[rank * 4: rank * 4 + 4], y[rank * 4: rank * 4 + 4])
         engine.backward(loss)
@@ -78,6 +80,7 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         times.append(took.item())
         losses.append(loss.float().item())
+    io = {k: v - io_before.get(k, 0) for k, v in swapper.io_stats.items()} if swapper is not None else None
     stats = engine.memory_stats()
     rss_peak = torch.tensor(float(stats["rss_peak"]))
     dist.all_reduce(rss_peak, op=dist.ReduceOp.MAX)
@@ -86,7 +89,7 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
         with open(out, "w") as f:
             json.dump({"variant": variant, "psi": psi, "world": world, "times": times, "losses": losses,
                        "rss_peak_max_rank": rss_peak.item(), "by_location": stats["by_location"],
-                       "model_states": engine.model_state_bytes(stats)}, f)
+                       "model_states": engine.model_state_bytes(stats), "io": io}, f)
     dist.destroy_process_group()
 
 
@@ -104,9 +107,17 @@ def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bo
             return json.load(f)
 
 
+def _io_text(io: dict | None) -> str:
+    if not io or not io["step_seconds"]:
+        return "-"
+    rate = (io["read_bytes"] + io["write_bytes"]) / io["step_seconds"] / 2**20
+    return f"{rate:.0f} ({io['read_bytes'] / 2**20:.0f} MiB read + {io['write_bytes'] / 2**20:.0f} written), " \
+           f"{io['io_wait_seconds'] / io['step_seconds']:.0%}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "param_nvme", "all_nvme"])
+    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "nvme_params"])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_engine_nvme"))
@@ -125,10 +136,11 @@ def main(argv=None) -> int:
     base = results[args.variants[0]]
     print(f"ZeRO-3 bf16 GPT, {base['time']['psi'] / 1e6:.1f}M parameters, world {args.world}, CPU/gloo, "
           f"{args.steps} steps; step time = median of steps 3.. (slowest rank); peak RSS = max over ranks "
-          "(MALLOC_MMAP_THRESHOLD_=65536)\n")
+          "(MALLOC_MMAP_THRESHOLD_=65536); optimizer-step I/O of rank 0 over steps 3..: MiB/s = bytes read + "
+          "written / optimizer-step time, and the share of that time spent waiting for I/O\n")
     print("| variant | step time (s) | ÷ none | peak RSS per rank (MiB) | ÷ none | model states device / "
-          "host / nvme per rank (MiB) | losses bitwise = none |")
-    print("|---|---|---|---|---|---|---|")
+          "host / nvme per rank (MiB) | losses bitwise = none | optimizer-step I/O MiB/s, I/O wait share |")
+    print("|---|---|---|---|---|---|---|---|")
     t0 = statistics.median(base["time"]["times"][2:])
     r0 = base["memory"]["rss_peak_max_rank"]
     for variant, r in results.items():
@@ -138,7 +150,7 @@ def main(argv=None) -> int:
         same = r["time"]["losses"] == base["time"]["losses"] and r["memory"]["losses"] == base["memory"]["losses"]
         print(f"| {variant} | {t:.3f} | {t / t0:.2f} | {rss / 2**20:.0f} | {rss / r0:.2f} | "
               f"{where['device']['total'] / 2**20:.0f} / {where['host']['total'] / 2**20:.0f} / "
-              f"{where['nvme']['total'] / 2**20:.0f} | {'yes' if same else 'NO'} |")
+              f"{where['nvme']['total'] / 2**20:.0f} | {'yes' if same else 'NO'} | {_io_text(r['time']['io'])} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

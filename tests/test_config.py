@@ -563,7 +563,7 @@ def test_features_we_lack_are_accepted_while_off():
 
 
 def test_a_typo_is_reported_before_a_missing_feature():
-    message = error_of({**BATCH, "zero_optimization": {"zero_quantized_weights": True,
+    message = error_of({**BATCH, "zero_optimization": {"offload_param": {"device": "nvme"},
                                                        "stage3_param_persitence_threshold": 1}})
     assert message == ("zero_optimization.stage3_param_persitence_threshold: unknown key; "
                        "did you mean stage3_param_persistence_threshold?")
@@ -659,12 +659,3 @@ def test_nvme_optimizer_offload_loads_and_needs_a_path():
         ("nvme", "/nvme", True)
     message = error_of({**BATCH, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})
     assert message.startswith('zero_optimization.offload_optimizer.nvme_path: device "nvme" needs nvme_path'), message
-
-
-def test_nvme_param_offload_loads_and_needs_a_path():
-    zero = load({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme",
-                                                                      "max_in_cpu": 1000}}}).zero_optimization
-    assert (zero.offload_param.device, zero.offload_param.nvme_path, zero.offload_param.max_in_cpu) == \
-        ("nvme", "/nvme", 1000)
-    message = error_of({**BATCH, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
-    assert message.startswith('zero_optimization.offload_param.nvme_path: device "nvme" needs nvme_path'), message

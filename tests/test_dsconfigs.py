@@ -82,7 +82,7 @@ EXPECTED: dict[str, Loads | Fails] = {
     "deepspeedai__DeepSpeedExamples__Megatron-LM__scripts__ds_zero2_config.json":
         Loads(per_rank(128), 2, "fp16", "adam", None, ("-", "-")),
     "deepspeedai__DeepSpeedExamples__inference__sglang__ds_offload_nvme_aio.json":
-        nsy('zero_optimization.offload_param.device: "nvme" is not supported yet (NVMe offload)'),
+        Loads({1: (1, 1, 1)}, 3, "fp32", None, None, ("nvme", "-")),  # train_batch_size 1: one rank only
     "deepspeedai__DeepSpeedExamples__megatron__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_3_config_release.json":
         Loads(per_rank(64), 3, "fp16", None, None, ("cpu", "cpu")),
     "deepspeedai__DeepSpeedExamples__megatron__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json":

@@ -380,8 +380,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True
-        if self.param_swapper is not None:
-            self.param_swapper.after_step()  # updated shard buckets written back and freed (also after a skip)
+        if self.param_swapper is not None:  # also after a skipped step: the buckets read for it are freed
+            trace = self.coordinator.trace.params if self.coordinator.trace is not None else ()
+            self.param_swapper.after_step(trace)  # updated buckets written back; the next forward's read ahead
         self.global_steps += 1
         self.progress.step = self.global_steps
         if self.timeline is not None:

@@ -15,7 +15,6 @@ import os
 
 import torch
 
-from ..utils import shards_in_memory_of
 from ..zero.gather import SequentialGather
 from ._atomic import fsync_dir
 from ._collective import agree, rendezvous
@@ -42,6 +41,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
                         os.path.join(os.fspath(save_dir), save_filename))
         return False
     rendezvous(comm, "save_16bit_model", engine.config.zero_engine.collective_timeout_s)
+    from ..utils import shards_in_memory_of
     values: dict[str, torch.Tensor] = {}
     gatherer = SequentialGather(comm)
     if engine.stage == 0 and comm.rank == 0:
@@ -51,7 +51,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
             if comm.rank == 0:
                 values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))
             continue
-        with shards_in_memory_of([sp]):  # parameter offload: the shard read in (nvme) / copied to the device (cpu)
+        with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
             gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
         try:
             if comm.rank == 0:

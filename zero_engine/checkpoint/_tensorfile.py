@@ -15,6 +15,7 @@ spaces to a multiple of 8; then the tensors' bytes back to back (offsets are rel
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -24,7 +25,6 @@ from typing import NamedTuple
 
 import torch
 
-from .._tensor_bytes import tensor_bytes
 from ._errors import CheckpointError
 
 __all__ = ["FileDigest", "TensorFile", "TensorFileWriter", "write_tensor_file", "sha256_of_file", "DTYPE_NAMES"]
@@ -54,7 +54,11 @@ def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
-    return tensor_bytes(t)  # not .numpy(): see [Note: numpy pins a storage's size]
+    # Not ``t.numpy()``: sharing memory with numpy marks the storage non-resizable for good, and NVMe parameter
+    # offload frees shard buffers by resizing their storage (offload/param_swap.py).
+    raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    raw.keep_alive = t  # the memoryview holds `raw`, `raw` holds the tensor
+    return memoryview(raw).cast("B")
 
 
 class TensorFileWriter:

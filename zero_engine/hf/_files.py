@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .._tensor_bytes import tensor_bytes
-
 __all__ = ["CheckpointFiles", "find_checkpoint", "TensorEntry", "open_tensor_file"]
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -126,7 +124,7 @@ class _SafetensorsFile:
             out[lo: lo + n].copy_(staging[:n])
 
     def _readinto(self, pos: int, dest: torch.Tensor) -> None:
-        view = tensor_bytes(dest)  # not .numpy(): see [Note: numpy pins a storage's size]
+        view = memoryview(dest.numpy()).cast("B")
         done = 0
         while done < len(view):
             n = os.preadv(self._f.fileno(), [view[done:]], pos + done)

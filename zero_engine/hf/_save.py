@@ -24,7 +24,6 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..utils import shards_in_memory_of
 from ..zero.partition import ShardedParam, sharded_param_of
 from ._transformers import require_transformers
 from ._writer import SafetensorsWriter, parse_size, plan_shards
@@ -58,9 +57,7 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
     writer, file_index, position = None, 0, 0
     filenames = plan.filenames()
     for name, tensor, out_dtype in entries:
-        sp = sharded_param_of(tensor)
-        with torch.profiler.record_function(f"zero3::hf_save {name}"), \
-                shards_in_memory_of([sp] if sp is not None else []):  # parameter offload: the shard in memory
+        with torch.profiler.record_function(f"zero3::hf_save {name}"):
             value = _gather_on_rank0(tensor, out_dtype, engine, comm)
         if comm.rank != 0 or error is not None:
             continue
@@ -122,13 +119,16 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
     # shards' device, which NCCL requires, one parameter at a time.
     if sp is None:  # a buffer, or a parameter at stage 0: whole on every rank; rank 0's copy is saved
         return tensor.detach().to(device="cpu", dtype=out_dtype, copy=True) if comm.rank == 0 else None
-    source = _source_shard(sp, out_dtype)
-    local = source if source.dtype == out_dtype else source.to(out_dtype)
-    if comm.world_size == 1:
-        return local[: sp.numel].view(sp.shape).to("cpu", copy=True)
-    full = torch.empty(sp.padded_numel, dtype=out_dtype, device=local.device) if comm.rank == 0 else None
-    dist.gather(local, list(full.chunk(comm.world_size)) if full is not None else None, dst=0, group=comm.group)
-    return full[: sp.numel].view(sp.shape).to("cpu") if full is not None else None
+    from ..utils import shards_in_memory_of
+
+    with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
+        source = _source_shard(sp, out_dtype)
+        local = source if source.dtype == out_dtype else source.to(out_dtype)
+        if comm.world_size == 1:
+            return local[: sp.numel].view(sp.shape).to("cpu", copy=True)
+        full = torch.empty(sp.padded_numel, dtype=out_dtype, device=local.device) if comm.rank == 0 else None
+        dist.gather(local, list(full.chunk(comm.world_size)) if full is not None else None, dst=0, group=comm.group)
+        return full[: sp.numel].view(sp.shape).to("cpu") if full is not None else None
 
 
 def _source_shard(sp: ShardedParam, out_dtype: torch.dtype) -> torch.Tensor:

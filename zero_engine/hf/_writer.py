@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._tensor_bytes import tensor_bytes
-
 __all__ = ["ShardPlan", "plan_shards", "SafetensorsWriter", "parse_size"]
 
 _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -113,7 +111,7 @@ class SafetensorsWriter:
                                  f"next, got {name} {tuple(tensor.shape)} {tensor.dtype}")
         self._next += 1
         data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        self._f.write(tensor_bytes(data))  # not .numpy(): see [Note: numpy pins a storage's size]
+        self._f.write(memoryview(data.numpy()))
 
     def close(self) -> None:
         if self._next != len(self._expected):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -84,9 +85,11 @@ class _Pending:
         self.handles = handles
         self.buffer = buffer
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, stats: dict) -> torch.Tensor:
+        waited = time.perf_counter()
         for handle in self.handles:
             handle.wait()
+        stats["io_wait_seconds"] += time.perf_counter() - waited
         return self.buffer
 
 
@@ -112,6 +115,9 @@ class OptimizerSwapper:
         self._allocated = 0  # pool buffers that exist (free, holding a sub-group, or under a write)
         self._writes: list[_Pending] = []
         self._all_in_depth = 0  # all_in() blocks entered
+        # cumulative over run(): bytes through the store, the step's wall time, and the part of it spent waiting
+        # for I/O (what the pipeline did not hide); bench/offload.py turns them into achieved bandwidth
+        self.io_stats = {"read_bytes": 0, "write_bytes": 0, "step_seconds": 0.0, "io_wait_seconds": 0.0}
         self._empty = torch.empty(0, dtype=torch.float32)
         with profile_range("zero3::nvme_swap initial masters"):
             for group in self.groups:  # 16-bit: the fp32 masters made at initialize go to disk now
@@ -123,6 +129,7 @@ class OptimizerSwapper:
     # ---- the step ----------------------------------------------------------------------------------------------
     def run(self, update) -> None:
         """``update(params)`` for every sub-group in order, each swapped in around it ([Note: the swap pipeline])."""
+        started = time.perf_counter()
         reads: dict[int, list] = {}
         n = len(self.groups)
         for i, group in enumerate(self.groups):
@@ -137,6 +144,7 @@ class OptimizerSwapper:
             if not self.pipeline_write:
                 self._wait_writes()
         self._trim()
+        self.io_stats["step_seconds"] += time.perf_counter() - started
 
     @contextlib.contextmanager
     def all_in(self):
@@ -199,12 +207,15 @@ class OptimizerSwapper:
         if group.buffer is not None:
             raise AssertionError(f"optimizer sub-group {group.index} swapped in twice")
         group.buffer = self._acquire(group, needed=group.stride * max(1, len(group.on_disk)), extra=extra)
+        self.io_stats["read_bytes"] += 4 * group.stride * len(group.on_disk)
         return [self.store.read(group.key(slot), self._region(group, i, padded=True))
                 for i, slot in enumerate(group.on_disk)]
 
     def _finish_read(self, group: _SubGroup, handles: list) -> None:
+        waited = time.perf_counter()
         for handle in handles:
             handle.wait()
+        self.io_stats["io_wait_seconds"] += time.perf_counter() - waited
         for i, slot in enumerate(group.on_disk):
             self._point(group, slot, self._region(group, i))
 
@@ -228,6 +239,7 @@ class OptimizerSwapper:
                     view.copy_(value.reshape(-1))
             handles.append(self.store.write(group.key(slot), self._region(group, i, padded=True)))
         group.on_disk = slots
+        self.io_stats["write_bytes"] += 4 * group.stride * len(slots)
         for slot in slots:
             self._point(group, slot, None)
         self._writes.append(_Pending(handles, group.buffer))
@@ -267,7 +279,7 @@ class OptimizerSwapper:
             if not self._writes:
                 raise AssertionError(f"optimizer swap: no free buffer for sub-group {group.index} and no write in "
                                      f"flight ({self.buffer_count} buffers all hold sub-groups)")
-            self._free.append(self._writes.pop(0).wait())
+            self._free.append(self._writes.pop(0).wait(self.io_stats))
 
     def _can_acquire(self) -> bool:
         return bool(self._free or self._writes) or self._allocated < self.buffer_count
@@ -289,7 +301,7 @@ class OptimizerSwapper:
 
     def _wait_writes(self) -> None:
         while self._writes:
-            self._free.append(self._writes.pop(0).wait())
+            self._free.append(self._writes.pop(0).wait(self.io_stats))
 
 
 def make_swapper(zero_optimizer, offload, placement, rank: int, aio=None) -> OptimizerSwapper:

@@ -49,16 +49,18 @@ log = logging.getLogger("zero_engine.offload")
 class _Slot:
     """One shard bucket's swap state."""
 
-    __slots__ = ("bucket", "key", "nbytes", "read", "resident", "dirty", "holds")
+    __slots__ = ("bucket", "key", "nbytes", "read", "write", "resident", "dirty", "holds", "has_persistent")
 
     def __init__(self, bucket: ShardBucket):
         self.bucket = bucket
         self.key = f"bucket{bucket.index}"
         self.nbytes = bucket.numel * bucket.flat.element_size()
         self.read = None  # IoHandle of a read in flight
+        self.write = None  # IoHandle of a write in flight (the bucket must not change nor be freed until it ends)
         self.resident = True  # the storage has its bytes (read done or in flight)
         self.dirty = True  # memory is newer than the file (at start: nothing written yet)
         self.holds = 0  # callers that need it in memory now (a sub-group update, all_in, GatheredParameters)
+        self.has_persistent = any(p.is_persistent for p in bucket.params)  # re-gathered after each step
 
     @property
     def numel(self) -> int:
@@ -132,7 +134,7 @@ class ParamSwapper:
         for slot in needed:
             self._wait_read(slot)
 
-    def after_fetch(self, upcoming: list[list[ShardedParam]]) -> None:
+    def after_fetch(self, upcoming) -> None:
         """The coordinator fetched a module; ``upcoming``: the parameters of the trace's next events (empty when no
         trace is followed). Free what is no longer needed, read ahead what is; see [Note: parameter read-ahead]."""
         if self._closed:
@@ -141,38 +143,60 @@ class ParamSwapper:
         for slot in self.slots:
             if slot.resident and slot not in window and not slot.in_use() and not slot.dirty:
                 self._free(slot)
-        for slot in window:
-            if not slot.resident and self.resident_numel + slot.numel <= self.max_in_cpu:
-                self._read(slot)
+        self._read_ahead(window)
 
-    def around_update(self, update):
-        """Wrap the optimizer's per-sub-group update: its buckets in before, marked updated after."""
+    def around_update(self, update, groups: list[list[ShardedParam]]):
+        """Wrap the optimizer's per-sub-group update (``groups``: the sub-groups, in the order the step runs them).
+
+        [Note: the step's swap pipeline] Before sub-group ``i``: its buckets in (on demand if not read ahead), then
+        reads issued for the buckets of ``i + 1, ...`` (within buffer_count and max_in_cpu). After it: the buckets
+        no later sub-group touches are written back asynchronously and freed once written, so writing ``i``
+        overlaps the update of ``i + 1``. ``after_step`` waits for the last writes."""
+        order = {id(g[0]): i for i, g in enumerate(groups) if g}
+        later = [set() for _ in groups]  # slots touched by sub-groups after i
+        touched: set = set()
+        for i in range(len(groups) - 1, -1, -1):
+            later[i] = set(touched)
+            touched.update(self._slots_of(groups[i]))
+
         def update_in_memory(group: list[ShardedParam], *args, **kwargs):
+            i = order.get(id(group[0])) if group else None
             slots = self._slots_of(group)
             for slot in slots:
                 slot.holds += 1
             try:
                 self.ensure_in(group)
+                for slot in slots:
+                    self._finish_write(slot)  # never change a bucket while its write is in flight
+                if i is not None:
+                    self._free_written()
+                    self._read_ahead(self._window(groups[i + 1:], for_gather=False))
                 update(group, *args, **kwargs)
             finally:
                 for slot in slots:
                     slot.holds -= 1
                     slot.dirty = True
+            for slot in slots:
+                # a bucket with persistent (always gathered) parameters is written after the step, once the engine
+                # has re-gathered them from it; the others as soon as no later sub-group touches them
+                if i is not None and slot not in later[i] and not slot.has_persistent:
+                    self._start_write(slot)
         return update_in_memory
 
-    def after_step(self) -> None:
-        """Write back every updated bucket, wait, and free everything not in use: the files are whole again."""
+    def after_step(self, upcoming=()) -> None:
+        """Write back every updated bucket and wait: the files are whole again. Then free everything but the
+        read-ahead window of ``upcoming`` (the next forward's first gathers, along the trace)."""
         if self._closed:
             return
         with profile_range("zero3::param_swap write back"):
-            self._write_back([s for s in self.slots if s.dirty and s.resident])
-            for slot in self.slots:
-                if slot.resident and not slot.in_use():
-                    self._free(slot)
+            self._write_back([s for s in self.slots if s.resident and (s.dirty or s.write is not None)])
+            self.after_fetch(upcoming)
 
     @contextlib.contextmanager
     def holding(self, params: list[ShardedParam]):
-        """``params``' buckets in memory for the block, read-only (GatheredParameters' own gather)."""
+        """``params``' buckets in memory for the block, read-only (gathers outside the coordinator:
+        GatheredParameters, save_16bit_model, zero_engine.hf). After it, buckets stay in memory within max_in_cpu
+        (the next parameter is likely in the same bucket); the coordinator's next fetch frees them."""
         slots = self._slots_of(params)
         for slot in slots:
             slot.holds += 1
@@ -182,7 +206,7 @@ class ParamSwapper:
         finally:
             for slot in slots:
                 slot.holds -= 1
-            self.after_fetch([])
+            self._trim()
 
     @contextlib.contextmanager
     def all_in(self):
@@ -219,13 +243,15 @@ class ParamSwapper:
                 seen.setdefault(id(p.bucket), self._slot_of[id(p.bucket)])
         return list(seen.values())
 
-    def _window(self, upcoming: list[list[ShardedParam]]) -> list[_Slot]:
-        """The buckets the next gathers will read, in order of use, within buffer_count and max_in_cpu."""
+    def _window(self, upcoming, for_gather: bool = True) -> list[_Slot]:
+        """The buckets the next gathers (or sub-group updates) will read, in order of use, within buffer_count and
+        max_in_cpu."""
         window: list[_Slot] = []
         numel = 0
         for params in upcoming:
-            for slot in self._slots_of(p for p in params if p.status is ParamStatus.NOT_AVAILABLE
-                                       and not p.is_persistent):
+            if for_gather:
+                params = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE and not p.is_persistent]
+            for slot in self._slots_of(params):
                 if slot in window:
                     continue
                 if len(window) >= self.read_ahead or numel + slot.numel > self.max_in_cpu:
@@ -233,6 +259,27 @@ class ParamSwapper:
                 window.append(slot)
                 numel += slot.numel
         return window
+
+    def _read_ahead(self, window: list[_Slot]) -> None:
+        for slot in window:
+            if not slot.resident:
+                if self.resident_numel + slot.numel > self.max_in_cpu:
+                    return
+                self._read(slot)
+
+    def _trim(self) -> None:
+        """Free clean buckets nothing uses, in order, until at most max_in_cpu elements are in memory."""
+        for slot in self.slots:
+            if self.resident_numel <= self.max_in_cpu:
+                return
+            if slot.resident and not slot.dirty and not slot.in_use():
+                self._free(slot)
+
+    def _free_written(self) -> None:
+        """Free the buckets whose write-back has completed and that nothing needs now."""
+        for slot in self.slots:
+            if slot.write is not None and slot.write.done() and not slot.in_use():
+                self._free(slot)
 
     def _make_room(self, numel: int, keep: list[_Slot]) -> None:
         """Free buckets not in ``keep`` and not in use (written back first if updated) until ``numel`` more fits
@@ -246,9 +293,9 @@ class ParamSwapper:
                 self._free(slot)
         if self.resident_numel + numel > self.max_in_cpu and not self._said_over_limit:
             self._said_over_limit = True
-            log.info("zero_engine: offload_param.max_in_cpu=%d elements is less than what one gather or sub-group "
-                     "needs in memory at once (%d); those buckets are read anyway", self.max_in_cpu,
-                     self.resident_numel + numel)
+            log.info("zero_engine: offload_param.max_in_cpu=%d elements: a gather or an optimizer sub-group needs "
+                     "%d elements of shard buckets in memory at once (with those in use); they are read anyway "
+                     "(said once)", self.max_in_cpu, self.resident_numel + numel)
 
     def _read(self, slot: _Slot) -> None:
         storage = slot.bucket.flat.untyped_storage()
@@ -267,21 +314,32 @@ class ParamSwapper:
                 slot.read.wait()
             slot.read = None
 
-    def _write_back(self, slots: list[_Slot]) -> None:
-        handles = []
-        for slot in slots:
-            self._wait_read(slot)
-            handles.append(self.store.write(slot.key, slot.bucket.flat))
-        for slot, handle in zip(slots, handles):
-            handle.wait()
-            slot.dirty = False
+    def _start_write(self, slot: _Slot) -> None:
+        self._wait_read(slot)
+        self._finish_write(slot)
+        slot.write = self.store.write(slot.key, slot.bucket.flat)
+        slot.dirty = False  # the file gets these bytes; the bucket must stay unchanged until _finish_write
+
+    def _finish_write(self, slot: _Slot) -> None:
+        if slot.write is not None:
+            with profile_range(f"zero3::param_swap wait write {slot.key}"):
+                handle, slot.write = slot.write, None
+                handle.wait()
             self.writes += 1
+
+    def _write_back(self, slots: list[_Slot]) -> None:
+        for slot in slots:
+            if slot.dirty:
+                self._start_write(slot)
+        for slot in slots:
+            self._finish_write(slot)
 
     def _free(self, slot: _Slot) -> None:
         if slot.dirty:
             raise AssertionError(f"param offload: {slot.key} freed with values not yet written to "
                                  f"{self.store.directory}")
         self._wait_read(slot)
+        self._finish_write(slot)
         slot.bucket.flat.untyped_storage().resize_(0)
         slot.resident = False
         self.resident_numel -= slot.numel

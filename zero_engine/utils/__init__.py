@@ -51,15 +51,14 @@ def states_in_memory_of(param):
     return enter() if enter is not None else contextlib.nullcontext()
 
 
-def shards_in_memory_of(sharded: list) -> contextlib.AbstractContextManager:
-    """A context in which the shards of ``sharded`` (ShardedParams of one engine) are in memory to be read: under
-    NVMe parameter offload they live in files between uses (zero_engine/offload/param_swap.py)."""
+def shards_in_memory_of(sharded: list):
+    """A context in which the compute shards of ``sharded`` (ShardedParams of one engine) are in memory, read-only:
+    under NVMe parameter offload they live in files between uses (zero_engine/offload/param_swap.py)."""
     ref = _ENGINES.get(sharded[0].param) if sharded else None
     engine = ref() if ref is not None else None
+    # NVMe: read in (offload/param_swap.py); host shards with an accelerator: copied to the device (param_host.py)
     swapper = getattr(engine, "param_swapper", None) or getattr(engine, "host_params", None)
-    if swapper is None or swapper.closed:
-        return contextlib.nullcontext()
-    return swapper.holding(sharded)
+    return swapper.holding(sharded) if swapper is not None and not swapper.closed else contextlib.nullcontext()
 
 
 def _with_states_in_memory(fn):

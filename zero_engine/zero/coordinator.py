@@ -105,7 +105,7 @@ class ParamCoordinator:
                 self._count_live(p)
         self.fetch_count = 0
         self.prefetch_count = 0
-        self.shard_swapper = None  # offload_param nvme: reads shard buckets ahead along the trace (offload/param_swap.py)
+        self.shard_swapper = None  # offload_param nvme: reads shard buckets ahead (offload/param_swap.py)
 
     # ---- step boundaries -----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -127,8 +127,6 @@ class ParamCoordinator:
                 p.active_users = 0
                 if p.is_available and not p.is_persistent and not p.held_by_user:
                     self._release(p)
-        if self.shard_swapper is not None:
-            self.shard_swapper.after_fetch([])
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
             events = [e for e, _ in self._recording]
@@ -138,6 +136,8 @@ class ParamCoordinator:
             self.trace = _Trace(events, [ps for _, ps in self._recording])
         self._in_step = False
         self._following = False
+        if self.shard_swapper is not None:  # the next forward's first shard buckets, read ahead
+            self.shard_swapper.after_fetch(self.trace.params if self.trace is not None else [])
 
     # ---- hooks call these ----------------------------------------------------------------------------------------
     def fetch(self, module: nn.Module, phase: str) -> None:

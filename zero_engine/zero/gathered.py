@@ -88,7 +88,7 @@ class GatheredParameters:
         if self._gathered:
             from ..utils import shards_in_memory_of
 
-            with shards_in_memory_of(self._gathered):  # NVMe parameter offload: shards read in for the gather
+            with shards_in_memory_of(self._gathered):  # NVMe parameter offload: the shards read in for the gather
                 SequentialGather(self.comm).issue(self._gathered, name="GatheredParameters").wait()
         for sp in self.sharded:
             sp.held_by_user += 1

@@ -215,7 +215,7 @@ class ZeroOptimizer(_OptimizerWrapper):
                 coef *= self.gradient_clipping / (norm + 1e-6)
             update = partial(self._update_sub_group, coef=coef)
             if self.param_swapper is not None:
-                update = self.param_swapper.around_update(update)
+                update = self.param_swapper.around_update(update, self.sub_groups)
             if self.swapper is not None:
                 self.swapper.run(update)  # each sub-group read from NVMe around its update
             else:
