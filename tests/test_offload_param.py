@@ -333,3 +333,127 @@ def test_swapper_refuses_shards_off_the_cpu(tmp_path):
     with pytest.raises(NotImplementedError, match="offload_param.device=nvme"):
         ParamSwapper(flatten_shards([sp], 100), offload, rank=0)
     assert os.listdir(tmp_path) == []
+
+
+# ---- offload_param: {device: cpu} ------------------------------------------------------------------------------------
+
+def cpu_config(param: str, bf16: bool) -> dict:
+    cfg = config(bf16=bf16)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if param == "cpu":
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return cfg
+
+
+def _host_path_body(bf16: bool):
+    """The accelerator's code path of offload_param cpu (host shards, device copies per gather) on a CPU-only machine:
+    Placement says host and device are separate, so the buckets are rebound to host tensors and every gather reads
+    fresh copies of them."""
+    from zero_engine.offload.placement import Placement
+
+    off = _train(cpu_config("none", bf16))
+    original = Placement.__dict__["has_separate_host"]
+    Placement.has_separate_host = property(lambda self: True)
+    try:
+        torch.manual_seed(0)
+        engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cpu_config("cpu", bf16))
+        host = engine.host_params
+        flats = [b.flat for b in host.buckets]  # the host tensors the buckets were rebound to at initialize
+        losses = _run_steps(engine, make_batches(MODEL, 3, dist.get_world_size() * 4))
+        bound_to_host = all(b.flat is flat for b, flat in zip(host.buckets, flats)) and all(
+            sp.shard.untyped_storage().data_ptr() == sp.bucket.flat.untyped_storage().data_ptr()
+            for sp in engine.sharded)
+        copied = host.copied_bytes
+        params = gathered_params(engine)
+        engine.destroy()
+    finally:
+        Placement.has_separate_host = original
+    return off, (losses, params), bound_to_host, copied, host.host_bytes
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_param_cpu_offload_accelerator_path_matches_bitwise(bf16):
+    for off, host, bound, copied, host_bytes in run_ranks(_host_path_body, 2, bf16, timeout=TIMEOUT):
+        _assert_same(off, host, f"offload_param cpu (accelerator path on the CPU), bf16={bf16}")
+        assert bound and host_bytes > 0
+        assert copied > 3 * host_bytes  # every step's gathers read device copies of the host shards
+
+
+def test_param_cpu_offload_on_a_cpu_only_run_is_logged_once(caplog):
+    from zero_engine.config import load_config
+    from zero_engine.offload.placement import Placement
+
+    zc = load_config(cpu_config("cpu", True), world_size=1).zero_optimization
+    placement = Placement.from_config(zc, torch.device("cpu"))
+    assert placement.params == "host" and not placement.has_separate_host and not placement.pins_params
+    caplog.set_level("INFO", logger="zero_engine.offload")
+    placement.log_once(0)
+    text = caplog.text
+    assert text.count("offload_param device cpu: parameters already live in host memory on this CPU-only run") == 1
+    assert "compute shards: host" in text and "offload_param.pin_memory ignored (no accelerator)" in text
+
+
+def test_param_cpu_offload_without_optimizer_offload_is_refused_on_an_accelerator():
+    from zero_engine.offload.param_host import HostShards
+
+    with pytest.raises(NotImplementedError, match="needs offload_optimizer.device cpu or nvme"):
+        HostShards([], torch.device("cuda"), pin_memory=False, offloads_optimizer=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host parameter shards copied to the device")
+def test_cuda_param_cpu_offload_keeps_shards_on_the_host():
+    results = run_ranks(_cuda_body, 1, timeout=TIMEOUT)[0]
+    (plain_losses, plain_params), (losses, params, on_host, pinned) = results
+    assert on_host and pinned
+    assert plain_losses == losses
+    for name in plain_params:
+        assert torch.equal(plain_params[name], params[name]), name
+
+
+def _cuda_body():
+    out = []
+    for param in ("none", "cpu"):
+        torch.manual_seed(0)
+        engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cpu_config(param, bf16=True))
+        losses = []
+        for x, y in make_batches(MODEL, 3, 2):
+            loss = engine(x.cuda(), y.cuda())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.float().item())
+        params = {sp.fqn: sp.shard.detach().cpu().clone() for sp in engine.sharded}
+        if param == "none":
+            out.append((losses, params))
+        else:
+            sp = engine.sharded[0]
+            out.append((losses, params, sp.shard.device.type == "cpu", sp.shard.is_pinned()))
+        engine.destroy()
+    return out
+
+
+
+# ---- the LR schedule ------------------------------------------------------------------------------------------------
+
+def _scheduler_body(nvme_path: str):
+    out = []
+    for param in ("none", "nvme"):
+        cfg = config(param, nvme_path)
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 10, "warmup_type": "linear"}}
+        torch.manual_seed(0)
+        engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
+        lrs, losses = [], []
+        for batch in make_batches(MODEL, 3, dist.get_world_size() * 4):
+            losses += _run_steps(engine, [batch])  # two micro-steps, one update
+            lrs.append(engine.get_lr()[0])
+        out.append((lrs, losses))
+        engine.destroy()
+    return out
+
+
+def test_lr_schedule_steps_with_and_without_param_offload(tmp_path):
+    """The scheduler steps once per applied update whether or not the parameter swapper is on (an earlier version
+    of the swap hook in engine.step had captured the scheduler step under `if param_swapper`)."""
+    for (lrs, losses), (nvme_lrs, nvme_losses) in run_ranks(_scheduler_body, 2, str(tmp_path), timeout=TIMEOUT):
+        assert lrs[0] < lrs[1] < lrs[2], lrs
+        assert (lrs, losses) == (nvme_lrs, nvme_losses)

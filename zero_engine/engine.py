@@ -35,7 +35,7 @@ from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
-from .offload.placement import NVME, Placement
+from .offload.placement import HOST, NVME, Placement
 from .precision import DTYPES, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
@@ -128,6 +128,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.coordinator = None
         self.reducer = None
         self.param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
+        self.host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
         self._backward_end = BackwardEndCallback(self._on_backward_end)
         if self.stage == 0:
             self.sharded = []
@@ -212,6 +213,12 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
             self.param_swapper = ParamSwapper(self.shard_buckets, zc.offload_param, self.comm.rank, self.config.aio)
             gatherer = SwapInGather(gatherer, self.param_swapper)
+        elif self.placement.params == HOST and self.placement.has_separate_host:
+            from .offload.param_host import DeviceCopyGather, HostShards
+
+            self.host_params = HostShards(self.shard_buckets, self.placement.device, self.placement.pins_params,
+                                          self.placement.offloads_optimizer)
+            gatherer = DeviceCopyGather(gatherer, self.host_params)
         if zc.allgather_sequential is True:
             for sp in self.sharded:
                 sp.gather_sequential = True
@@ -225,7 +232,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     def _choose_gather_per_bucket(self) -> None:
         """See [Note: auto gather strategy] in zero/gather.py."""
-        budget = memory_budget(self.sharded[0].shard.device, self.config.zero_engine.memory_limit)
+        budget = memory_budget(self.sharded[0].compute_device, self.config.zero_engine.memory_limit)
         per_element = self.compute_dtype.itemsize + 8 + (4 if self.compute_dtype != torch.float32 else 0)
         if self.placement.offloads_optimizer and self.placement.has_separate_host:
             per_element = 0  # gradient shards, masters and moments go to the host, not into the device's headroom
@@ -373,7 +380,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True
-        if self.param_swapper is not None:  # after the refresh above, which reads the persistent parameters' shards
+        if self.param_swapper is not None:  # after the refresh above; after skipped steps too
             trace = self.coordinator.trace.params if self.coordinator.trace is not None else ()
             self.param_swapper.after_step(trace)  # updated buckets written back; the next forward's read ahead
         self.global_steps += 1

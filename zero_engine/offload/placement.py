@@ -50,6 +50,7 @@ class Placement:
     pin_memory: bool = False  # page-locked host buffers (only meaningful with an accelerator)
     nvme_path: str | None = None  # offload_optimizer.nvme_path when masters / states are on nvme
     param_nvme_path: str | None = None  # offload_param.nvme_path when the compute shards are on nvme
+    param_pin_memory: bool = False  # offload_param.pin_memory: the host parameter shards page-locked
 
     @classmethod
     def from_config(cls, zc, device: torch.device) -> "Placement":
@@ -61,12 +62,13 @@ class Placement:
         return cls.of(zc.stage, opt.device if opt is not None else "none", par.device if par is not None else "none",
                       device, pin_memory=bool(opt is not None and opt.pin_memory),
                       nvme_path=opt.nvme_path if opt is not None else None,
-                      param_nvme_path=par.nvme_path if par is not None else None)
+                      param_nvme_path=par.nvme_path if par is not None else None,
+                      param_pin_memory=bool(par is not None and par.pin_memory))
 
     @classmethod
     def of(cls, stage: int, offload_optimizer: str = "none", offload_param: str = "none",
            device: torch.device | str = "cpu", pin_memory: bool = False, nvme_path: str | None = None,
-           param_nvme_path: str | None = None) -> "Placement":
+           param_nvme_path: str | None = None, param_pin_memory: bool = False) -> "Placement":
         """From the two offload devices as the config spells them ("none", "cpu", "nvme"); the estimator's way in.
         ``offload_param`` acts at stage 3 only (as in DeepSpeed)."""
         states = _FROM_CONFIG[offload_optimizer]
@@ -74,7 +76,8 @@ class Placement:
         return cls(device=torch.device(device), params=params, masters=states, optimizer_states=states,
                    grads=HOST if states != DEVICE else DEVICE, pin_memory=pin_memory and states != DEVICE,
                    nvme_path=nvme_path if states == NVME else None,
-                   param_nvme_path=param_nvme_path if params == NVME else None)
+                   param_nvme_path=param_nvme_path if params == NVME else None,
+                   param_pin_memory=param_pin_memory and params == HOST)
 
     # ---- questions the runtime asks ---------------------------------------------------------------------------
     @property
@@ -106,6 +109,11 @@ class Placement:
         """Host buffers are page-locked: asked for, and an accelerator is there to make it worth it."""
         return self.pin_memory and self.has_separate_host and torch.cuda.is_available()
 
+    @property
+    def pins_params(self) -> bool:
+        """The host parameter shards of ``offload_param: {device: cpu}`` are page-locked (offload/param_host.py)."""
+        return self.param_pin_memory and self.has_separate_host and torch.cuda.is_available()
+
     # ---- reporting --------------------------------------------------------------------------------------------
     def describe(self) -> str:
         parts = [f"compute shards: {self.params}", f"fp32 masters: {self.masters}",
@@ -117,6 +125,9 @@ class Placement:
             text += f" (parameter shards under {self.param_nvme_path})"
         if self.pin_memory:
             text += ", pinned host buffers" if self.pins else ", pin_memory ignored (no accelerator)"
+        if self.param_pin_memory:
+            text += ", pinned parameter shards" if self.pins_params else \
+                ", offload_param.pin_memory ignored (no accelerator)"
         return text
 
     def log_once(self, rank: int) -> None:
@@ -126,8 +137,8 @@ class Placement:
         log.info("zero_engine: %s", self.describe())
         if self.params != DEVICE and not self.has_separate_host:
             if self.params == HOST:
-                log.info("zero_engine: offload_param.device=cpu on a CPU-only machine: the parameter shards already "
-                         "live in host memory; nothing is copied")
+                log.info("zero_engine: offload_param device cpu: parameters already live in host memory on this "
+                         "CPU-only run (the compute device is the host; nothing is copied)")
             else:
                 log.info("zero_engine: offload_param.device=nvme: the parameter shards live in files under %s and "
                          "are read ahead of their all-gathers (zero_engine/offload/param_swap.py)",

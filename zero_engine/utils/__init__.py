@@ -56,7 +56,8 @@ def shards_in_memory_of(sharded: list):
     under NVMe parameter offload they live in files between uses (zero_engine/offload/param_swap.py)."""
     ref = _ENGINES.get(sharded[0].param) if sharded else None
     engine = ref() if ref is not None else None
-    swapper = getattr(engine, "param_swapper", None)
+    # NVMe: read in (offload/param_swap.py); host shards with an accelerator: copied to the device (param_host.py)
+    swapper = getattr(engine, "param_swapper", None) or getattr(engine, "host_params", None)
     return swapper.holding(sharded) if swapper is not None and not swapper.closed else contextlib.nullcontext()
 
 

@@ -41,6 +41,7 @@ class GatherWork:
     accounting: object = None  # MemoryAccounting: the staging buffers count as comm_buffers while they live
     numel: int = 0  # gathered elements this work makes live
     done: bool = False
+    keep_alive: list = field(default_factory=list)  # inputs the collectives read (host-offloaded shards' device copies)
 
     @property
     def flat_bytes(self) -> int:
@@ -58,6 +59,7 @@ class GatherWork:
         if self.flat and self.accounting is not None:
             self.accounting.add("comm_buffers", -self.flat_bytes)
         self.flat.clear()
+        self.keep_alive.clear()
         for p in self.params:
             p.to_available()
         self.done = True

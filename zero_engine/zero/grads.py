@@ -187,7 +187,7 @@ class GradReducer:
                 if id(p) not in self._irregular:
                     continue
                 # on the compute device (NCCL), even when the shards are on the host (offload)
-                send = torch.zeros(p.padded_numel, dtype=self.reduce_dtype, device=p.shard.device)
+                send = torch.zeros(p.padded_numel, dtype=self.reduce_dtype, device=p.compute_device)
                 held = self._held.pop(id(p), None)
                 if held is not None:
                     send[: p.numel].copy_(held.reshape(-1))
@@ -227,7 +227,7 @@ class GradReducer:
     def alloc_shard_grads(self, bucket: _Bucket) -> torch.Tensor:
         """This window's gradient shards of ``bucket`` (uninitialised: the first reduction overwrites them)."""
         if bucket.shard_grads is None:
-            device = self.grad_device or bucket.params[0].shard.device
+            device = self.grad_device or bucket.params[0].compute_device
             bucket.shard_grads = torch.empty(bucket.per_rank, dtype=self.grad_dtype, device=device,
                                              pin_memory=self.pin_memory and device.type == "cpu")
             self._track("grads", bucket.per_rank * bucket.shard_grads.element_size())
@@ -244,7 +244,7 @@ class GradReducer:
     # ---- internals ---------------------------------------------------------------------------------------------
     def _alloc_send(self, bucket: _Bucket) -> None:
         bucket.send = torch.empty(bucket.per_rank * self.comm.world_size, dtype=self.reduce_dtype,
-                                  device=bucket.params[0].shard.device)
+                                  device=bucket.params[0].compute_device)
         self._track("comm_buffers", bucket.send.numel() * bucket.send.element_size())
 
     def _launch_ready(self) -> None:

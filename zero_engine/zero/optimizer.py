@@ -157,7 +157,7 @@ class ZeroOptimizer(_OptimizerWrapper):
         self.reducer = reducer
         self.comm = comm
         # the compute device: the grad-norm all-reduce runs there (NCCL reduces device tensors only)
-        self.device = next((sp.shard.device for sp in sharded), torch.device("cpu"))
+        self.device = next((sp.compute_device for sp in sharded), torch.device("cpu"))
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.sharded = [sp for sp in sharded if sp.param.requires_grad]
         # offload with an accelerator: masters on the host, and host staging for the updated compute shards

@@ -295,6 +295,12 @@ class ShardedParam:
 
     # ---- views -------------------------------------------------------------------------------------------------
     @property
+    def compute_device(self) -> torch.device:
+        """Where the gathered parameter lives (the rank's compute device), also when ``offload_param`` keeps the
+        shard in host memory (offload/param_host.py)."""
+        return self.full.device
+
+    @property
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
 
