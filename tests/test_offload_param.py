@@ -65,16 +65,22 @@ def _run_steps(engine, batches) -> list[float]:
     return losses
 
 
+def _eval_loss(engine, batch) -> float:
+    """An evaluation forward between steps: no trace followed, shards read on demand."""
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(*batch).float().item()
+    engine.train()
+    return loss
+
+
 def _train(cfg: dict, steps: int = 3):
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
     batches = make_batches(MODEL, steps, dist.get_world_size() * 4)
     losses = _run_steps(engine, batches[:1])
     demand_after_first = engine.param_swapper.demand_reads if engine.param_swapper is not None else 0
-    engine.eval()
-    with torch.no_grad():  # an evaluation forward between steps: no trace followed, shards read on demand
-        losses.append(engine(*batches[0]).float().item())
-    engine.train()
+    losses.append(_eval_loss(engine, batches[0]))
     demand_after_eval = engine.param_swapper.demand_reads if engine.param_swapper is not None else 0
     losses += _run_steps(engine, batches[1:])
     stats = engine.memory_stats()
@@ -359,7 +365,8 @@ def _host_path_body(bf16: bool):
         engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cpu_config("cpu", bf16))
         host = engine.host_params
         flats = [b.flat for b in host.buckets]  # the host tensors the buckets were rebound to at initialize
-        losses = _run_steps(engine, make_batches(MODEL, 3, dist.get_world_size() * 4))
+        batches = make_batches(MODEL, 3, dist.get_world_size() * 4)  # the sequence _train runs
+        losses = _run_steps(engine, batches[:1]) + [_eval_loss(engine, batches[0])] + _run_steps(engine, batches[1:])
         bound_to_host = all(b.flat is flat for b, flat in zip(host.buckets, flats)) and all(
             sp.shard.untyped_storage().data_ptr() == sp.bucket.flat.untyped_storage().data_ptr()
             for sp in engine.sharded)
