@@ -151,6 +151,36 @@ def test_nvme_buffer_counts_and_pipelines_give_the_same_result(buffer_count, pip
     _assert_same(ref, got, f"buffer_count={buffer_count} pipeline={pipeline}")
 
 
+def _pool_body(nvme_path: str, buffer_count: int):
+    cfg = config(3, "nvme", nvme_path, bf16=True, buffer_count=buffer_count)
+    cfg["zero_optimization"]["sub_group_size"] = 1000  # many sub-groups per rank, a few buffers
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
+    swapper = engine.optimizer.swapper
+    acquire, peak = swapper._acquire, []
+
+    def counted(*args, **kwargs):
+        buffer = acquire(*args, **kwargs)
+        peak.append(swapper._allocated)
+        return buffer
+    swapper._acquire = counted
+    _run_steps(engine, make_batches(MODEL, 2, dist.get_world_size() * 4))
+    groups = len(swapper.groups)
+    engine.destroy()
+    return groups, max(peak)
+
+
+@pytest.mark.parametrize("buffer_count", [1, 2])
+def test_the_first_step_keeps_the_swap_buffers_within_buffer_count(buffer_count, tmp_path):
+    """The first step creates the Adam moments, so every sub-group's buffer must grow (master -> master + moments).
+    The grown buffer replaces the small one: were the small one pooled, the next sub-group's read could take it and
+    grow as well, and every sub-group's states would be in memory at once (out of memory on a model that needs NVMe
+    offload at all). Buffers alive: buffer_count, plus the one being replaced while its master is copied."""
+    for groups, peak in run_ranks(_pool_body, 1, str(tmp_path), buffer_count, timeout=TIMEOUT):
+        assert groups >= 6 * buffer_count, groups  # enough sub-groups for an unbounded pool to show
+        assert peak <= buffer_count + 1, f"{peak} swap buffers alive at once with buffer_count={buffer_count}"
+
+
 def _checkpoint_body(save_cfg: dict, load_cfg: dict, ckpt: str):
     """Train 2 steps under save_cfg, save, train 2 more; a fresh engine under load_cfg loads and trains the same 2."""
     batches = make_batches(MODEL, 4, dist.get_world_size() * 4)

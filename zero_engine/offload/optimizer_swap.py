@@ -223,10 +223,9 @@ class OptimizerSwapper:
         """Copy whatever is not yet a view of the buffer into it, write every slot, leave placeholders."""
         slots = self._slots_in_memory(group)
         needed = group.stride * max(1, len(slots))
-        if group.buffer.numel() < needed:  # the first step created the states: a larger buffer from now on
-            old = group.buffer
+        grown = group.buffer.numel() < needed
+        if grown:  # the first step created the states: a larger buffer replaces this one from now on
             group.buffer = self._acquire(group, needed=needed, extra=True)
-            self._free.append(old)
         handles = []
         for i, slot in enumerate(slots):
             region = self._region(group, i)
@@ -238,6 +237,8 @@ class OptimizerSwapper:
                 if value.data_ptr() != view.data_ptr():
                     view.copy_(value.reshape(-1))
             handles.append(self.store.write(group.key(slot), self._region(group, i, padded=True)))
+        if grown:  # the smaller buffer (its master copied above) is dropped, not pooled: were it kept, the next
+            self._allocated -= 1  # sub-group's read could take it and grow too, every sub-group's states at once
         group.on_disk = slots
         self.io_stats["write_bytes"] += 4 * group.stride * len(slots)
         for slot in slots:
