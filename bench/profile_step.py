@@ -1,0 +1,150 @@
+"""Where a training step's time goes, per system, on bench/compare.py's models: cProfile over steady steps.
+
+    python bench/profile_step.py --size demo --world 2 --systems ddp,fsdp2,zero3     # about a minute
+    python bench/profile_step.py --size demo --world 2 --systems zero3 --top 30
+
+Each system runs in fresh processes (torchrun, gloo, ``OMP_NUM_THREADS=1``) with bench/compare.py's model, data,
+optimizer and ZeRO knobs (bench/_worker.py builds them). After the warm-up steps, rank 0 profiles the timed steps
+with cProfile (a barrier before each, as compare.py times them) and the driver prints, per system: the median step
+time without the profiler, the profiled step time, and the profiled time per step split by where it is spent:
+
+- ``wait in collectives``: the time inside c10d's ``wait`` (gloo runs collectives on its own threads: this is the
+  rank waiting for its peer and for the transfer); ``issuing collectives``: the c10d calls that enqueue them;
+- ``waiting on a lock``: thread hand-offs (zero_engine's watchdog waits on a completion event for gloo's
+  reduce-scatters, so for zero_engine this is collective waiting too);
+- ``torch ops``: the C++ operators called from Python (matmuls, copies, the optimizer's kernels, and autograd's
+  ``run_backward``, which includes DDP's all-reduces: DDP issues them from C++ inside the backward);
+- ``Python: <package>``: the Python frames' own time, by package (zero_engine's hooks, coordinator and reducer;
+  torch.nn's module call machinery; torch.distributed's Python wrappers; autograd's engine entry).
+
+cProfile adds a cost per Python call, so the split overstates Python time; the profiled step time beside the plain
+one says by how much. ``--top N`` also prints the N functions with the most own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import SIZES, load_gpt_module  # noqa: E402
+
+
+def _where(func: tuple) -> str:
+    """The bucket of one cProfile entry: (file, line, name)."""
+    path, _, name = func
+    if path == "~":  # a C function called from Python
+        if "_distributed_c10d" in name or "_c10d_functional" in name:
+            return "wait in collectives" if "wait" in name else "issuing collectives"
+        if "_thread.lock" in name or "_thread.RLock" in name:
+            return "waiting on a lock (thread hand-offs)"
+        return "torch ops" if ("torch" in name or "Tensor" in name or "_C." in name or "_VariableFunctions" in name
+                               or "_ops" in name) else "other C calls"
+    for package in ("zero_engine", "torch/nn", "torch/distributed/fsdp", "torch/distributed", "torch/autograd",
+                    "torch/optim", "deepspeed", "torch/_tensor", "torch/utils/hooks"):
+        if f"/{package}/" in path or path.endswith(f"/{package}.py"):
+            return f"Python: {package.replace('/', '.')}"
+    return "Python: other"
+
+
+def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from _worker import build_runner, import_system, init_process_group
+
+    size = SIZES[size_name]
+    import_system(system)
+    rank, world = init_process_group(system)
+    gpt = load_gpt_module()
+    cfg = gpt.GPTConfig(**size.gpt)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    micro = size.global_batch // world
+    batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
+               for x, y in gpt.make_batches(cfg, warmup + 2 * steps, size.global_batch, seed=1)]
+    runner = build_runner(system, model, size, world)
+    plain, profiled = [], []
+    profiler = cProfile.Profile()
+    for i, (x, y) in enumerate(batches):
+        dist.barrier()
+        on = i >= warmup + steps and rank == 0
+        start = time.perf_counter()
+        if on:
+            profiler.enable()
+        runner.step(x, y)
+        if on:
+            profiler.disable()
+        took = time.perf_counter() - start
+        if warmup <= i < warmup + steps:
+            plain.append(took)
+        elif on:
+            profiled.append(took)
+    if rank == 0:
+        stats = pstats.Stats(profiler)
+        split: dict[str, float] = {}
+        for func, (_, _, tottime, _, _) in stats.stats.items():
+            split[_where(func)] = split.get(_where(func), 0.0) + tottime / steps
+        heavy = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+        with open(out, "w") as f:
+            json.dump({"system": system, "plain": plain, "profiled": profiled, "split": split,
+                       "top": [(f"{os.path.relpath(p) if p != '~' else ''}:{line}({name})", calls / steps,
+                                tottime / steps) for (p, line, name), (_, calls, tottime, _, _) in heavy]}, f)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="demo", choices=sorted(SIZES))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--systems", default="ddp,fsdp2,zero3")
+    parser.add_argument("--steps", type=int, default=10, help="steps timed plain, then as many profiled")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--top", type=int, default=0, help="also list the N functions with the most own time")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.size, args.steps, args.warmup, args.out, args.top)
+        return 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    results = []
+    for system in args.systems.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "profile.json")
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={args.world}", os.path.abspath(__file__), "--worker", system,
+                            "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                            "--top", str(args.top), "--out", out], env=env, check=True, timeout=1800,
+                           stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                results.append(json.load(f))
+    buckets = sorted({b for r in results for b in r["split"]}, key=lambda b: -max(r["split"].get(b, 0) for r in results))
+    print(f"{args.size} model, world {args.world}, rank 0, {args.steps} steps each way; ms per step\n")
+    print("| | " + " | ".join(r["system"] for r in results) + " |")
+    print("|---|" + "---|" * len(results))
+    print("| step, plain (median) | " + " | ".join(f"{statistics.median(r['plain']) * 1e3:.1f}" for r in results) + " |")
+    print("| step, under cProfile (median) | " + " | ".join(
+        f"{statistics.median(r['profiled']) * 1e3:.1f}" for r in results) + " |")
+    for b in buckets:
+        print(f"| {b} | " + " | ".join(f"{r['split'].get(b, 0.0) * 1e3:.1f}" for r in results) + " |")
+    for r in results:
+        if r["top"]:
+            print(f"\n{r['system']}: functions with the most own time (calls per step, ms per step)")
+            for name, calls, ms in r["top"]:
+                print(f"  {ms * 1e3:7.2f} ms  {calls:7.0f}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
