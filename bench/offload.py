@@ -4,6 +4,8 @@
     python bench/offload.py --variants none cpu nvme --nvme-path /local_nvme --steps 8
     python bench/offload.py --variants nvme nvme_sequential        # what the read/write pipeline hides
     python bench/offload.py --variants none nvme nvme_params       # parameter shards on NVMe too
+    python bench/offload.py --model 100m --variants none nvme_params --steps 5     # bench/compare.py's 100m GPT
+    python bench/offload.py --model 1.8b --variants nvme_params --steps 3          # states 2x what half the RAM holds
 
 Each variant runs in fresh processes (``python -m torch.distributed.run --standalone --nproc_per_node N``, CPU,
 gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time pass with the default glibc allocator
@@ -14,6 +16,9 @@ gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time p
 moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buffers, both pipelines on);
 ``nvme_params`` adds ``offload_param`` nvme (the 16-bit shards in files too: buckets of ``buffer_size`` 500k
 elements, 4 read ahead, ``max_in_cpu`` 2M elements per rank).
+``--model`` picks the GPT: ``small`` (23.2M, the default), ``100m`` (97.7M, bench/compare.py's) or ``1.8b``
+(1.83B, built under ``zero_engine.zero.Init`` so that no rank ever holds the whole model; its model states, 16 bytes
+a parameter, are 13.6 GiB per rank at world 2, more than half of a 24 GiB machine, so only ``nvme_params`` fits).
 Prints a markdown table; ``--json`` writes the raw numbers.
 """
 
@@ -30,32 +35,45 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SUB_GROUP = 500_000
-
-
 AIO_THREADS = 1  # aio.thread_count (--aio-threads)
 
+# name: (GPTConfig keywords, sequences per rank per step, build under zero.Init, sub_group_size = param buffer_size,
+# ZeRO knobs). Without knobs the defaults (DeepSpeed's) hold: 5e8-element reduce buckets and 1e9 live parameters,
+# i.e. the whole model's gradient in one fp32 send buffer and the whole model gathered at once, which is what a
+# model too big for memory cannot afford; 100m takes bench/compare.py's knobs, 1.8b the same scaled to its blocks.
+MODELS = {
+    "small": (dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512), 4, False, 500_000, {}),
+    "100m": (dict(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768), 4, False, 5_000_000,
+             {"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000,
+              "stage3_param_persistence_threshold": 10_000, "stage3_max_live_parameters": 20_000_000}),
+    "1.8b": (dict(vocab_size=8192, block_size=64, n_layer=36, n_head=16, n_embd=2048), 1, True, 10_000_000,
+             {"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+              "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 100_000_000}),
+}
 
-def config(variant: str, nvme_path: str) -> dict:
-    zero = {"stage": 3, "sub_group_size": SUB_GROUP, "overlap_comm": True}
+
+def config(variant: str, nvme_path: str, model: str = "small") -> dict:
+    sub_group = MODELS[model][3]
+    zero = {"stage": 3, "sub_group_size": sub_group, "overlap_comm": True, **MODELS[model][4]}
     if variant == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     elif variant in ("nvme", "nvme_params"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
                                      "pipeline_read": True, "pipeline_write": True}
         if variant == "nvme_params":
-            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_size": SUB_GROUP,
-                                     "buffer_count": 4, "max_in_cpu": 4 * SUB_GROUP}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_size": sub_group,
+                                     "buffer_count": 4, "max_in_cpu": 4 * sub_group}
     elif variant == "nvme_sequential":  # the same without overlap: what the pipeline hides
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 1,
                                      "pipeline_read": False, "pipeline_write": False}
     extra = {"aio": {"thread_count": AIO_THREADS}} if variant.startswith("nvme") else {}
-    return {**extra, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+    return {**extra, "train_micro_batch_size_per_gpu": MODELS[model][1], "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
             "zero_optimization": zero}
 
 
-def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
+def worker(variant: str, nvme_path: str, steps: int, out: str, model_name: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -65,19 +83,27 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
     zero_engine.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512)
-    model = GPT(cfg)
-    psi = sum(p.numel() for p in model.parameters())
-    engine, *_ = zero_engine.initialize(model=model, config=config(variant, nvme_path))
+    gpt, micro, zero_init, _, _ = MODELS[model_name]
+    cfg = GPTConfig(**gpt)
+    ds_config = config(variant, nvme_path, model_name)
+    start = time.perf_counter()
+    if zero_init:  # each rank builds and keeps its shards only
+        with zero_engine.zero.Init(config_dict_or_path=ds_config):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config)
+    init_seconds = time.perf_counter() - start
+    psi = sum(sp.numel for sp in engine.sharded)
     times, losses = [], []
     swapper = getattr(engine.optimizer, "swapper", None)
     io_before = {}
-    for i, (x, y) in enumerate(make_batches(cfg, steps, 4 * world)):
-        if i == 2:
+    for i, (x, y) in enumerate(make_batches(cfg, steps, micro * world)):
+        if i == min(2, steps - 1):
             engine.reset_memory_peaks()
             io_before = dict(swapper.io_stats) if swapper is not None else {}
         start = time.perf_counter()
-        loss = engine(x[rank * 4: rank * 4 + 4], y[rank * 4: rank * 4 + 4])
+        loss = engine(x[rank * micro: (rank + 1) * micro], y[rank * micro: (rank + 1) * micro])
         engine.backward(loss)
         engine.step()
         took = torch.tensor(time.perf_counter() - start)
@@ -91,13 +117,14 @@ def worker(variant: str, nvme_path: str, steps: int, out: str) -> None:
     engine.destroy()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"variant": variant, "psi": psi, "world": world, "times": times, "losses": losses,
+            json.dump({"variant": variant, "model": model_name, "psi": psi, "world": world, "times": times,
+                       "losses": losses, "init_seconds": init_seconds,
                        "rss_peak_max_rank": rss_peak.item(), "by_location": stats["by_location"],
                        "model_states": engine.model_state_bytes(stats), "io": io}, f)
     dist.destroy_process_group()
 
 
-def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bool) -> dict:
+def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bool, model: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if memory_pass:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -105,8 +132,8 @@ def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bo
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                os.path.abspath(__file__), "--worker", variant, "--nvme-path", nvme_path, "--steps", str(steps),
-               "--aio-threads", str(AIO_THREADS), "--out", out]
-        subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL)
+               "--aio-threads", str(AIO_THREADS), "--model", model, "--out", out]
+        subprocess.run(cmd, env=env, check=True, timeout=3600, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)
 
@@ -122,7 +149,10 @@ def _io_text(io: dict | None) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "nvme_params"])
+    parser.add_argument("--model", default="small", choices=list(MODELS))
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--passes", default="time,memory",
+                        help="time (default allocator), memory (MALLOC_MMAP_THRESHOLD_), or both")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_engine_nvme"))
     parser.add_argument("--aio-threads", type=int, default=1, help="aio.thread_count of the nvme variants")
@@ -134,28 +164,36 @@ def main(argv=None) -> int:
     global AIO_THREADS
     AIO_THREADS = args.aio_threads
     if args.worker:
-        worker(args.worker, args.nvme_path, args.steps, args.out)
+        worker(args.worker, args.nvme_path, args.steps, args.out, args.model)
         return 0
+    passes = args.passes.split(",")
     results = {}
     for variant in args.variants:
-        results[variant] = {"time": launch(variant, args.world, args.steps, args.nvme_path, False),
-                            "memory": launch(variant, args.world, args.steps, args.nvme_path, True)}
+        ran = {p: launch(variant, args.world, args.steps, args.nvme_path, p == "memory", args.model) for p in passes}
+        results[variant] = {"time": ran.get("time", ran.get("memory")), "memory": ran.get("memory", ran.get("time"))}
     base = results[args.variants[0]]
-    print(f"ZeRO-3 bf16 GPT, {base['time']['psi'] / 1e6:.1f}M parameters, world {args.world}, CPU/gloo, "
+    psi = base["time"]["psi"]
+    states = 16 * psi / args.world  # 2 (bf16 param) + 2 (grad) + 12 (fp32 master, two moments) bytes a parameter
+    print(f"ZeRO-3 bf16 GPT ({args.model}), {psi / 1e6:.1f}M parameters, world {args.world}, CPU/gloo, "
+          f"model states 16Ψ/N = {states / 2**30:.2f} GiB per rank (machine: "
+          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB); "
+          f"build + initialize {base['time']['init_seconds']:.0f} s; "
           f"{args.steps} steps; step time = median of steps 3.. (slowest rank); peak RSS = max over ranks "
           "(MALLOC_MMAP_THRESHOLD_=65536); optimizer-step I/O of rank 0 over steps 3..: MiB/s = bytes read + "
           "written / optimizer-step time, and the share of that time spent waiting for I/O\n")
-    print("| variant | step time (s) | ÷ none | peak RSS per rank (MiB) | ÷ none | model states device / "
-          "host / nvme per rank (MiB) | losses bitwise = none | optimizer-step I/O MiB/s, I/O wait share |")
-    print("|---|---|---|---|---|---|---|---|")
-    t0 = statistics.median(base["time"]["times"][2:])
+    print(f"| variant | step time (s) | ÷ {args.variants[0]} | peak RSS per rank (MiB) | ÷ {args.variants[0]} | "
+          "÷ 16Ψ/N | model states device / host / nvme per rank (MiB) | losses bitwise = "
+          f"{args.variants[0]} | optimizer-step I/O MiB/s, I/O wait share |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    timed = slice(min(2, args.steps - 1), None)
+    t0 = statistics.median(base["time"]["times"][timed])
     r0 = base["memory"]["rss_peak_max_rank"]
     for variant, r in results.items():
-        t = statistics.median(r["time"]["times"][2:])
+        t = statistics.median(r["time"]["times"][timed])
         rss = r["memory"]["rss_peak_max_rank"]
         where = r["memory"]["by_location"]
         same = r["time"]["losses"] == base["time"]["losses"] and r["memory"]["losses"] == base["memory"]["losses"]
-        print(f"| {variant} | {t:.3f} | {t / t0:.2f} | {rss / 2**20:.0f} | {rss / r0:.2f} | "
+        print(f"| {variant} | {t:.3f} | {t / t0:.2f} | {rss / 2**20:.0f} | {rss / r0:.2f} | {rss / states:.2f} | "
               f"{where['device']['total'] / 2**20:.0f} / {where['host']['total'] / 2**20:.0f} / "
               f"{where['nvme']['total'] / 2**20:.0f} | {'yes' if same else 'NO'} | {_io_text(r['time']['io'])} |")
     if args.json:
