@@ -17,10 +17,11 @@ import torch.distributed as dist
 import zero_engine
 from zero_engine.offload.placement import Placement
 from zero_engine.testing import run_ranks
-from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.testing.models import GPT, make_batches
+
+from offload_common import MODEL, assert_same, checkpoint_body, gathered_params, run_steps
 
 TIMEOUT = 60
-MODEL = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=3, n_embd=33)
 
 
 def config(stage: int, offload: str, nvme_path: str | None = None, bf16: bool = False, **offload_knobs) -> dict:
@@ -40,15 +41,6 @@ def config(stage: int, offload: str, nvme_path: str | None = None, bf16: bool = 
     return cfg
 
 
-def gathered_params(engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for sp in engine.sharded:
-        buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
-        dist.all_gather_into_tensor(buf, sp.shard)
-        out[sp.fqn] = buf[: sp.numel].clone()
-    return out
-
-
 def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -57,7 +49,7 @@ def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
         Placement.has_separate_host = property(lambda self: True)
     try:
         engine, *_ = zero_engine.initialize(model=model, config=cfg)
-        losses = _run_steps(engine, make_batches(MODEL, steps, world * 4))
+        losses = run_steps(engine, make_batches(MODEL, steps, world * 4))
         stats = engine.memory_stats()
         stats["applied_steps"] = engine.global_steps - engine.skipped_steps
         params = gathered_params(engine)
@@ -73,19 +65,6 @@ def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
 _SEPARATE_HOST = Placement.__dict__["has_separate_host"]
 
 
-def _run_steps(engine, batches) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for x, y in batches:
-        for m in range(2):
-            lo = (m * world + rank) * 2
-            loss = engine(x[lo: lo + 2], y[lo: lo + 2])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float().item())
-    return losses
-
-
 def _parity_body(stage: int, bf16: bool, nvme_path: str):
     off = _train(config(stage, "none", bf16=bf16))
     cpu = _train(config(stage, "cpu", bf16=bf16))
@@ -93,19 +72,13 @@ def _parity_body(stage: int, bf16: bool, nvme_path: str):
     return off, cpu, nvme
 
 
-def _assert_same(a, b, what):
-    assert a[0] == b[0], f"{what}: losses differ: {a[0]} vs {b[0]}"
-    for name in a[1]:
-        assert torch.equal(a[1][name], b[1][name]), f"{what}: {name} differs"
-
-
 @pytest.mark.parametrize("stage,bf16,world", [(stage, bf16, 2) for stage in (1, 2, 3) for bf16 in (False, True)]
                          + [(3, True, 1)])
 def test_offload_cpu_and_nvme_match_no_offload_bitwise(stage, bf16, world, tmp_path):
     results = run_ranks(_parity_body, world, stage, bf16, str(tmp_path), timeout=TIMEOUT)
     for off, cpu, nvme in results:
-        _assert_same(off, cpu, f"stage {stage} bf16={bf16} cpu offload")
-        _assert_same(off, nvme, f"stage {stage} bf16={bf16} nvme offload")
+        assert_same(off, cpu, f"stage {stage} bf16={bf16} cpu offload")
+        assert_same(off, nvme, f"stage {stage} bf16={bf16} nvme offload")
         assert nvme[3] == [False], "NVMe files left after engine.destroy()"
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
@@ -116,8 +89,8 @@ def test_offload_parity_fp16_and_odd_world(stage, precision, world, tmp_path):
     results = run_ranks(_parity_body, world, stage, precision, str(tmp_path), timeout=TIMEOUT)
     for off, cpu, nvme in results:
         assert off[2]["applied_steps"] >= 2, off[2]["applied_steps"]  # parity of updates, not of skipped steps
-        _assert_same(off, cpu, f"stage {stage} {precision} world {world} cpu offload")
-        _assert_same(off, nvme, f"stage {stage} {precision} world {world} nvme offload")
+        assert_same(off, cpu, f"stage {stage} {precision} world {world} cpu offload")
+        assert_same(off, nvme, f"stage {stage} {precision} world {world} nvme offload")
 
 
 def _separate_host_body(stage: int, bf16: bool, offload: str, nvme_path: str):
@@ -132,7 +105,7 @@ def test_accelerator_code_path_on_the_cpu_matches_bitwise(stage, bf16, offload, 
     """Separate host masters, host gradient shards and shard copies back (the CUDA path), run with CPU tensors;
     under NVMe the fp32 masters are then separate and swap too."""
     for off, host in run_ranks(_separate_host_body, 2, stage, bf16, offload, str(tmp_path), timeout=TIMEOUT):
-        _assert_same(off, host, f"stage {stage} bf16={bf16} separate-host {offload} offload")
+        assert_same(off, host, f"stage {stage} bf16={bf16} separate-host {offload} offload")
         # fp32 masters are separate host copies now, even in fp32 training
         where = "host" if offload == "cpu" else "nvme"
         assert host[2]["master_params"] > 0 and host[2]["by_location"][where]["master_params"] > 0
@@ -148,7 +121,7 @@ def _buffers_body(nvme_path: str, buffer_count: int, pipeline: bool):
 def test_nvme_buffer_counts_and_pipelines_give_the_same_result(buffer_count, pipeline, tmp_path):
     ref = run_ranks(_parity_body, 1, 3, True, str(tmp_path), timeout=TIMEOUT)[0][0]
     got = run_ranks(_buffers_body, 1, str(tmp_path), buffer_count, pipeline, timeout=TIMEOUT)[0]
-    _assert_same(ref, got, f"buffer_count={buffer_count} pipeline={pipeline}")
+    assert_same(ref, got, f"buffer_count={buffer_count} pipeline={pipeline}")
 
 
 def _pool_body(nvme_path: str, buffer_count: int):
@@ -164,7 +137,7 @@ def _pool_body(nvme_path: str, buffer_count: int):
         peak.append(swapper._allocated)
         return buffer
     swapper._acquire = counted
-    _run_steps(engine, make_batches(MODEL, 2, dist.get_world_size() * 4))
+    run_steps(engine, make_batches(MODEL, 2, dist.get_world_size() * 4))
     groups = len(swapper.groups)
     engine.destroy()
     return groups, max(peak)
@@ -181,38 +154,21 @@ def test_the_first_step_keeps_the_swap_buffers_within_buffer_count(buffer_count,
         assert peak <= buffer_count + 1, f"{peak} swap buffers alive at once with buffer_count={buffer_count}"
 
 
-def _checkpoint_body(save_cfg: dict, load_cfg: dict, ckpt: str):
-    """Train 2 steps under save_cfg, save, train 2 more; a fresh engine under load_cfg loads and trains the same 2."""
-    batches = make_batches(MODEL, 4, dist.get_world_size() * 4)
-    torch.manual_seed(0)
-    first, *_ = zero_engine.initialize(model=GPT(MODEL), config=save_cfg)
-    _run_steps(first, batches[:2])
-    first.save_checkpoint(ckpt, tag="t")
-    after_save = _run_steps(first, batches[2:]), gathered_params(first)
-    first.destroy()
-    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
-    second, *_ = zero_engine.initialize(model=GPT(MODEL), config=load_cfg)
-    second.load_checkpoint(ckpt, tag="t")
-    resumed = _run_steps(second, batches[2:]), gathered_params(second)
-    second.destroy()
-    return after_save, resumed
-
-
 @pytest.mark.parametrize("save,load", [("nvme", "none"), ("none", "nvme"), ("cpu", "nvme")])
 def test_checkpoint_moves_between_offload_and_no_offload_with_bitwise_resume(save, load, tmp_path):
     nvme = str(tmp_path / "nvme")
     os.makedirs(nvme)
-    results = run_ranks(_checkpoint_body, 2, config(3, save, nvme, bf16=True), config(3, load, nvme, bf16=True),
+    results = run_ranks(checkpoint_body, 2, config(3, save, nvme, bf16=True), config(3, load, nvme, bf16=True),
                         str(tmp_path / "ckpt"), timeout=TIMEOUT)
     for after_save, resumed in results:
-        _assert_same(after_save, resumed, f"saved with {save}, loaded with {load}")
+        assert_same(after_save, resumed, f"saved with {save}, loaded with {load}")
     assert os.listdir(nvme) == []
 
 
 def _stats_body(nvme_path: str):
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config(3, "nvme", nvme_path, bf16=True))
-    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
     # between steps the masters and moments are on disk only: the tensors the optimizer keys are 0-element
     opt = engine.optimizer
     resident = sum(sp.master.numel() for sp in opt.sharded) + sum(
@@ -338,13 +294,13 @@ def _edits_body(offload: str, nvme_path: str):
     batches = make_batches(MODEL, 3, world * 4)
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config(3, offload, nvme_path, bf16=True))
-    losses = _run_steps(engine, batches[:1])
+    losses = run_steps(engine, batches[:1])
     weight = engine.module.blocks[0].mlp.fc.weight
     with zero_engine.zero.GatheredParameters(weight, modifier_rank=0):
         weight.data.mul_(0.5)  # into the shards and the fp32 masters, which are on disk under nvme
     state = safe_get_full_optimizer_state(weight, "exp_avg")
     safe_set_full_optimizer_state(weight, state * 2, "exp_avg")
-    losses += _run_steps(engine, batches[1:])
+    losses += run_steps(engine, batches[1:])
     out = losses, safe_get_full_fp32_param(weight), safe_get_full_optimizer_state(weight, "exp_avg_sq")
     engine.destroy()
     return out
@@ -360,7 +316,7 @@ def test_gathered_parameters_edits_and_safe_helpers_reach_nvme_states(tmp_path):
 def _state_dict_body(offload: str, nvme_path: str):
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config(2, offload, nvme_path, bf16=True))
-    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
     state = engine.optimizer.state_dict()
     engine.optimizer.load_state_dict(state)  # a round trip through the files changes nothing
     again = engine.optimizer.state_dict()
@@ -404,4 +360,4 @@ def test_a_module_used_on_some_ranks_only_trains_the_same_with_offload(stage, tm
     for offload in ("cpu", "nvme"):
         got = run_ranks(_branch_body, 2, offload, str(tmp_path), stage, timeout=TIMEOUT)
         for a, b in zip(plain, got):
-            _assert_same(a, b, f"{offload}: branch on rank 0 only")
+            assert_same(a, b, f"{offload}: branch on rank 0 only")

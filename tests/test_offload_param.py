@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 import zero_engine
 from zero_engine.testing import run_ranks
-from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.testing.models import GPT, make_batches
+
+from offload_common import MODEL, assert_same, checkpoint_body, gathered_params, run_steps
 
 TIMEOUT = 90
-MODEL = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=3, n_embd=33)
 
 
 def config(param: str = "none", nvme_path: str | None = None, bf16: bool = False, sequential: bool = False,
@@ -42,29 +43,6 @@ def config(param: str = "none", nvme_path: str | None = None, bf16: bool = False
     return cfg
 
 
-def gathered_params(engine) -> dict[str, torch.Tensor]:
-    out = {}
-    with engine.optimizer.states_in_memory():  # under parameter offload the shards are in files between steps
-        for sp in engine.sharded:
-            buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
-            dist.all_gather_into_tensor(buf, sp.shard)
-            out[sp.fqn] = buf[: sp.numel].clone()
-    return out
-
-
-def _run_steps(engine, batches) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for x, y in batches:
-        for m in range(2):
-            lo = (m * world + rank) * 2
-            loss = engine(x[lo: lo + 2], y[lo: lo + 2])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float().item())
-    return losses
-
-
 def _eval_loss(engine, batch) -> float:
     """An evaluation forward between steps: no trace followed, shards read on demand."""
     engine.eval()
@@ -78,11 +56,11 @@ def _train(cfg: dict, steps: int = 3):
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
     batches = make_batches(MODEL, steps, dist.get_world_size() * 4)
-    losses = _run_steps(engine, batches[:1])
+    losses = run_steps(engine, batches[:1])
     demand_after_first = engine.param_swapper.demand_reads if engine.param_swapper is not None else 0
     losses.append(_eval_loss(engine, batches[0]))
     demand_after_eval = engine.param_swapper.demand_reads if engine.param_swapper is not None else 0
-    losses += _run_steps(engine, batches[1:])
+    losses += run_steps(engine, batches[1:])
     stats = engine.memory_stats()
     swapper = engine.param_swapper
     info = {}
@@ -101,12 +79,6 @@ def _train(cfg: dict, steps: int = 3):
     return losses, params, stats, info
 
 
-def _assert_same(a, b, what):
-    assert a[0] == b[0], f"{what}: losses differ: {a[0]} vs {b[0]}"
-    for name in a[1]:
-        assert torch.equal(a[1][name], b[1][name]), f"{what}: {name} differs"
-
-
 def _parity_body(bf16: bool, sequential: bool, nvme_path: str, optimizer: str):
     off = _train(config(bf16=bf16, sequential=sequential))
     nvme = _train(config("nvme", nvme_path, bf16=bf16, sequential=sequential, optimizer=optimizer))
@@ -121,7 +93,7 @@ def _parity_body(bf16: bool, sequential: bool, nvme_path: str, optimizer: str):
 def test_param_nvme_offload_matches_no_offload_bitwise(world, bf16, sequential, tmp_path):
     results = run_ranks(_parity_body, world, bf16, sequential, str(tmp_path), "none", timeout=TIMEOUT)
     for off, nvme in results:
-        _assert_same(off, nvme, f"world {world} bf16={bf16} sequential={sequential}")
+        assert_same(off, nvme, f"world {world} bf16={bf16} sequential={sequential}")
         info = nvme[3]
         assert info["buckets"] > 2, info  # the model is several swap units
         # read ahead along the trace: after the first (recording) step no gather or update waits for a read it
@@ -139,7 +111,7 @@ def test_param_nvme_offload_matches_no_offload_bitwise(world, bf16, sequential, 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_param_and_optimizer_nvme_offload_together_match_bitwise(bf16, tmp_path):
     for off, nvme in run_ranks(_parity_body, 2, bf16, False, str(tmp_path), "nvme", timeout=TIMEOUT):
-        _assert_same(off, nvme, f"param + optimizer nvme offload, bf16={bf16}")
+        assert_same(off, nvme, f"param + optimizer nvme offload, bf16={bf16}")
         assert nvme[2]["by_location"]["nvme"]["optimizer_states"] > 0
         assert not nvme[3]["files_left"]
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
@@ -154,7 +126,7 @@ def _read_ahead_body(nvme_path: str, max_in_cpu: int):
 def test_max_in_cpu_smaller_than_the_model_trains_bitwise_the_same(tmp_path):
     """max_in_cpu below the shards of one rank: read-ahead stops at the limit, what a gather needs is read anyway."""
     for off, nvme in run_ranks(_read_ahead_body, 2, str(tmp_path), 1500, timeout=TIMEOUT):
-        _assert_same(off, nvme, "max_in_cpu=1500")
+        assert_same(off, nvme, "max_in_cpu=1500")
         info = nvme[3]
         assert info["shard_numel"] > 2 * info["max_in_cpu"], info
         assert info["peak_resident"] < info["shard_numel"], info  # never the whole model in memory
@@ -164,7 +136,7 @@ def test_max_in_cpu_smaller_than_the_model_trains_bitwise_the_same(tmp_path):
 def _stats_body(nvme_path: str):
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config("nvme", nvme_path, bf16=True))
-    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
     stats = engine.memory_stats()
     shard_bytes = sum(sp.shard_numel * sp.shard.element_size() for sp in engine.sharded)
     resident = engine.param_swapper.resident_bytes
@@ -182,31 +154,14 @@ def test_memory_stats_report_the_shards_on_nvme(tmp_path):
         assert 0 < resident < shard_bytes and where["host"]["swap_buffers"] == resident
 
 
-def _checkpoint_body(save_cfg: dict, load_cfg: dict, ckpt: str):
-    """Train 2 steps under save_cfg, save, train 2 more; a fresh engine under load_cfg loads and trains the same 2."""
-    batches = make_batches(MODEL, 4, dist.get_world_size() * 4)
-    torch.manual_seed(0)
-    first, *_ = zero_engine.initialize(model=GPT(MODEL), config=save_cfg)
-    _run_steps(first, batches[:2])
-    first.save_checkpoint(ckpt, tag="t")
-    after_save = _run_steps(first, batches[2:]), gathered_params(first)
-    first.destroy()
-    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
-    second, *_ = zero_engine.initialize(model=GPT(MODEL), config=load_cfg)
-    second.load_checkpoint(ckpt, tag="t")
-    resumed = _run_steps(second, batches[2:]), gathered_params(second)
-    second.destroy()
-    return after_save, resumed
-
-
 @pytest.mark.parametrize("save,load,bf16", [("nvme", "none", True), ("none", "nvme", True), ("nvme", "nvme", False)])
 def test_checkpoint_moves_between_param_offload_and_none_with_bitwise_resume(save, load, bf16, tmp_path):
     nvme = str(tmp_path / "nvme")
     os.makedirs(nvme)
-    results = run_ranks(_checkpoint_body, 2, config(save, nvme, bf16=bf16), config(load, nvme, bf16=bf16),
+    results = run_ranks(checkpoint_body, 2, config(save, nvme, bf16=bf16), config(load, nvme, bf16=bf16),
                         str(tmp_path / "ckpt"), timeout=TIMEOUT)
     for after_save, resumed in results:
-        _assert_same(after_save, resumed, f"saved with param offload {save}, loaded with {load}")
+        assert_same(after_save, resumed, f"saved with param offload {save}, loaded with {load}")
     assert os.listdir(nvme) == []
 
 
@@ -214,7 +169,7 @@ def _gathered_parameters_body(nvme_path: str):
     """GatheredParameters reads a swapped-out shard (read in for its gather) and keeps a modifier's edit."""
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=config("nvme", nvme_path))
-    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
     weight = engine.module.lm_head.weight if hasattr(engine.module, "lm_head") else next(engine.module.parameters())
     with zero_engine.zero.GatheredParameters(weight):
         before = weight.detach().clone()
@@ -222,7 +177,7 @@ def _gathered_parameters_body(nvme_path: str):
         weight.data.add_(1.0)
     with zero_engine.zero.GatheredParameters(weight):
         after = weight.detach().clone()
-    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))  # training goes on from the edit
+    run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))  # training goes on from the edit
     resident = sum(s.resident for s in engine.param_swapper.slots), engine.param_swapper.read_ahead
     engine.destroy()
     return before, after, resident
@@ -246,7 +201,7 @@ def test_config_needs_a_path_for_nvme():
 def _model16_body(cfg: dict, out: str):
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
-    _run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
+    run_steps(engine, make_batches(MODEL, 1, dist.get_world_size() * 4))
     engine.save_16bit_model(out)
     engine.destroy()
 
@@ -366,7 +321,7 @@ def _host_path_body(bf16: bool):
         host = engine.host_params
         flats = [b.flat for b in host.buckets]  # the host tensors the buckets were rebound to at initialize
         batches = make_batches(MODEL, 3, dist.get_world_size() * 4)  # the sequence _train runs
-        losses = _run_steps(engine, batches[:1]) + [_eval_loss(engine, batches[0])] + _run_steps(engine, batches[1:])
+        losses = run_steps(engine, batches[:1]) + [_eval_loss(engine, batches[0])] + run_steps(engine, batches[1:])
         bound_to_host = all(b.flat is flat for b, flat in zip(host.buckets, flats)) and all(
             sp.shard.untyped_storage().data_ptr() == sp.bucket.flat.untyped_storage().data_ptr()
             for sp in engine.sharded)
@@ -381,7 +336,7 @@ def _host_path_body(bf16: bool):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_param_cpu_offload_accelerator_path_matches_bitwise(bf16):
     for off, host, bound, copied, host_bytes in run_ranks(_host_path_body, 2, bf16, timeout=TIMEOUT):
-        _assert_same(off, host, f"offload_param cpu (accelerator path on the CPU), bf16={bf16}")
+        assert_same(off, host, f"offload_param cpu (accelerator path on the CPU), bf16={bf16}")
         assert bound and host_bytes > 0
         assert copied > 3 * host_bytes  # every step's gathers read device copies of the host shards
 
@@ -438,7 +393,6 @@ def _cuda_body():
     return out
 
 
-
 # ---- the LR schedule ------------------------------------------------------------------------------------------------
 
 def _scheduler_body(nvme_path: str):
@@ -451,7 +405,7 @@ def _scheduler_body(nvme_path: str):
         engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
         lrs, losses = [], []
         for batch in make_batches(MODEL, 3, dist.get_world_size() * 4):
-            losses += _run_steps(engine, [batch])  # two micro-steps, one update
+            losses += run_steps(engine, [batch])  # two micro-steps, one update
             lrs.append(engine.get_lr()[0])
         out.append((lrs, losses))
         engine.destroy()

@@ -112,11 +112,7 @@ class ParamSwapper:
         if self._closed:
             return
         try:
-            for slot in self.slots:
-                if not slot.resident:
-                    self._read(slot)
-            for slot in self.slots:
-                self._wait_read(slot)
+            self._read_all()
         finally:
             self._closed = True
             self.store.close()
@@ -215,11 +211,7 @@ class ParamSwapper:
         for slot in self.slots:
             slot.holds += 1
         try:
-            for slot in self.slots:
-                if not slot.resident:
-                    self._read(slot)
-            for slot in self.slots:
-                self._wait_read(slot)
+            self._read_all()
             yield
         finally:
             for slot in self.slots:
@@ -296,6 +288,14 @@ class ParamSwapper:
             log.info("zero_engine: offload_param.max_in_cpu=%d elements: a gather or an optimizer sub-group needs "
                      "%d elements of shard buckets in memory at once (with those in use); they are read anyway "
                      "(said once)", self.max_in_cpu, self.resident_numel + numel)
+
+    def _read_all(self) -> None:
+        """Every bucket in memory: reads issued for all that are out, then waited for."""
+        for slot in self.slots:
+            if not slot.resident:
+                self._read(slot)
+        for slot in self.slots:
+            self._wait_read(slot)
 
     def _read(self, slot: _Slot) -> None:
         storage = slot.bucket.flat.untyped_storage()
