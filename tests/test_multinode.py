@@ -85,8 +85,9 @@ def _demo_config(tmp_path) -> list:
 def test_two_nodes_over_veth_match_one_host(two_hosts, tmp_path):
     demo = [*DEMO_ARGS, *_demo_config(tmp_path)]
     one_host = tmp_path / "one_host.json"
-    subprocess.run(_torchrun("--standalone", "--nproc_per_node", "2", *demo, "--losses", str(one_host)),
-                   cwd=ROOT, env=_env(), check=True, capture_output=True, timeout=TIMEOUT)
+    done = subprocess.run(_torchrun("--standalone", "--nproc_per_node", "2", *demo, "--losses", str(one_host)),
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, f"one-host run: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
 
     two_nodes = tmp_path / "two_nodes.json"
     endpoint = f"{SUBNET.format(1)}:{PORT}"

@@ -47,6 +47,9 @@ free a tensor a finished work held) is force-unwound. ``engine.destroy()`` remov
 gathers in flight, then waits (store only, no collective that could mismatch) until every rank is done, stops the
 heartbeat thread (joined), and drops the communicator's references to the group, so that
 ``destroy_process_group()`` destroys it there and then, with its threads joined while the interpreter is whole.
+A third holder was found later (a 1-in-20 abort in the two-host test): the thread that waits on gloo's
+reduce-scatter works for the main thread kept the last work it waited for in its frame, and a work keeps its group
+alive. It now drops each work when its wait ends, and the last watchdog to stop ends and joins that thread too.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def _stop_all_at_exit() -> None:
     for watchdog in list(_live):
         watchdog.stop()
     _heartbeat.stop()
+    _close_waiter()
 
 
 atexit.register(_stop_all_at_exit)
@@ -191,12 +195,16 @@ class _BlockingWaiter:
             item = self._queue.get()
             if item is None:
                 return
-            work, done, outcome = item
-            try:
-                work.wait()
-            except BaseException as error:  # noqa: BLE001 -- handed to the waiting thread
-                outcome.append(error)
-            done.set()
+            self._wait_for(*item)
+            del item  # hold no work between waits: a work keeps its group (and gloo's threads) alive
+
+    @staticmethod
+    def _wait_for(work, done: threading.Event, outcome: list) -> None:
+        try:
+            work.wait()
+        except BaseException as error:  # noqa: BLE001 -- handed to the waiting thread
+            outcome.append(error)
+        done.set()
 
     def wait(self, work, seconds: float) -> bool:
         """True once ``work`` completed (re-raising its error); False if ``seconds`` passed first."""
@@ -212,7 +220,17 @@ class _BlockingWaiter:
         return True
 
     def close(self) -> None:
+        """End the thread and join it, unless it is stuck in a work of a failed group (then it stays a daemon)."""
         self._queue.put(None)
+        if self._current is None:
+            self._thread.join(timeout=5.0)
+
+
+def _close_waiter() -> None:
+    global _waiter
+    waiter, _waiter = _waiter, None
+    if waiter is not None:
+        waiter.close()
 
 
 _waiter: Optional[_BlockingWaiter] = None  # one per process; replaced when a failed group leaves it stuck
@@ -269,8 +287,9 @@ class StallWatchdog:
             return
         self.stopped = True
         _live.discard(self)
-        if not _live:
+        if not _live:  # the last watchdog of the process: its threads end now, not at interpreter exit
             _heartbeat.stop()
+            _close_waiter()
         if left:
             try:
                 self.store.set(self._key("left", self.rank), self.progress.position())
