@@ -1,12 +1,16 @@
 """What the offload tests share (test_offload_optimizer.py, test_offload_param.py): the model, the training loop,
-reading the parameters, the checkpoint round trip and the bitwise comparison."""
+reading the parameters, the checkpoint round trip, the bitwise comparison, and the accelerator's code path on the
+CPU."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 import zero_engine
+from zero_engine.offload.placement import Placement
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 MODEL = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=3, n_embd=33)
@@ -59,3 +63,15 @@ def assert_same(a, b, what: str) -> None:
     assert a[0] == b[0], f"{what}: losses differ: {a[0]} vs {b[0]}"
     for name in a[1]:
         assert torch.equal(a[1][name], b[1][name]), f"{what}: {name} differs"
+
+
+@contextlib.contextmanager
+def accelerator_code_path():
+    """Engines built in the block take the accelerator's code path (host and compute device separate: host copies,
+    host gradient shards, host parameter shards) on this CPU-only machine; the class's own property after."""
+    own = Placement.__dict__["has_separate_host"]
+    Placement.has_separate_host = property(lambda self: True)
+    try:
+        yield
+    finally:
+        Placement.has_separate_host = own

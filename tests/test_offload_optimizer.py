@@ -8,6 +8,7 @@ with offload must equal those without it exactly, in fp32 and bf16, at stages 1-
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -19,7 +20,8 @@ from zero_engine.offload.placement import Placement
 from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, make_batches
 
-from offload_common import MODEL, assert_same, checkpoint_body, gathered_params, run_steps
+from offload_common import (MODEL, accelerator_code_path, assert_same, checkpoint_body, gathered_params,
+                            run_steps)
 
 TIMEOUT = 60
 
@@ -42,12 +44,11 @@ def config(stage: int, offload: str, nvme_path: str | None = None, bf16: bool = 
 
 
 def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(MODEL)
-    if separate_host:  # the accelerator's code path (host copies, host gradient shards) on a CPU-only machine
-        Placement.has_separate_host = property(lambda self: True)
-    try:
+    # separate_host: the accelerator's code path (host copies, host gradient shards) on a CPU-only machine
+    with accelerator_code_path() if separate_host else contextlib.nullcontext():
         engine, *_ = zero_engine.initialize(model=model, config=cfg)
         losses = run_steps(engine, make_batches(MODEL, steps, world * 4))
         stats = engine.memory_stats()
@@ -55,14 +56,7 @@ def _train(cfg: dict, steps: int = 3, separate_host: bool = False):
         params = gathered_params(engine)
         files = [engine.optimizer.swapper.store.run_dir] if getattr(engine.optimizer, "swapper", None) else []
         engine.destroy()
-    finally:
-        if separate_host:
-            del Placement.has_separate_host  # back to the class's own property
-            Placement.has_separate_host = _SEPARATE_HOST
     return losses, params, stats, [os.path.exists(f) for f in files]
-
-
-_SEPARATE_HOST = Placement.__dict__["has_separate_host"]
 
 
 def _parity_body(stage: int, bf16: bool, nvme_path: str):

@@ -17,7 +17,8 @@ import zero_engine
 from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, make_batches
 
-from offload_common import MODEL, assert_same, checkpoint_body, gathered_params, run_steps
+from offload_common import (MODEL, accelerator_code_path, assert_same, checkpoint_body, gathered_params,
+                            run_steps)
 
 TIMEOUT = 90
 
@@ -310,12 +311,8 @@ def _host_path_body(bf16: bool):
     """The accelerator's code path of offload_param cpu (host shards, device copies per gather) on a CPU-only machine:
     Placement says host and device are separate, so the buckets are rebound to host tensors and every gather reads
     fresh copies of them."""
-    from zero_engine.offload.placement import Placement
-
     off = _train(cpu_config("none", bf16))
-    original = Placement.__dict__["has_separate_host"]
-    Placement.has_separate_host = property(lambda self: True)
-    try:
+    with accelerator_code_path():
         torch.manual_seed(0)
         engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cpu_config("cpu", bf16))
         host = engine.host_params
@@ -328,8 +325,6 @@ def _host_path_body(bf16: bool):
         copied = host.copied_bytes
         params = gathered_params(engine)
         engine.destroy()
-    finally:
-        Placement.has_separate_host = original
     return off, (losses, params), bound_to_host, copied, host.host_bytes
 
 
