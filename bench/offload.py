@@ -32,29 +32,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 AIO_THREADS = 1  # aio.thread_count (--aio-threads)
 
-# name: (GPTConfig keywords, sequences per rank per step, build under zero.Init, sub_group_size = param buffer_size,
-# ZeRO knobs). Without knobs the defaults (DeepSpeed's) hold: 5e8-element reduce buckets and 1e9 live parameters,
-# i.e. the whole model's gradient in one fp32 send buffer and the whole model gathered at once, which is what a
-# model too big for memory cannot afford; 100m takes bench/compare.py's knobs, 1.8b the same scaled to its blocks.
+class Model(NamedTuple):
+    gpt: dict  # GPTConfig keywords
+    micro_batch: int  # sequences per rank per step
+    zero_init: bool  # built under zero_engine.zero.Init
+    sub_group: int  # sub_group_size, and offload_param.buffer_size
+    # ZeRO knobs. Without them the defaults (DeepSpeed's) hold: 5e8-element reduce buckets and 1e9 live parameters,
+    # i.e. the whole model's gradient in one fp32 send buffer and the whole model gathered at once, which a model
+    # too big for memory cannot afford; 100m takes bench/compare.py's knobs, 1.8b the same scaled to its blocks.
+    knobs: dict
+
+
 MODELS = {
-    "small": (dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512), 4, False, 500_000, {}),
-    "100m": (dict(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768), 4, False, 5_000_000,
-             {"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000,
-              "stage3_param_persistence_threshold": 10_000, "stage3_max_live_parameters": 20_000_000}),
-    "1.8b": (dict(vocab_size=8192, block_size=64, n_layer=36, n_head=16, n_embd=2048), 1, True, 10_000_000,
-             {"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-              "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 100_000_000}),
+    "small": Model(dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512), 4, False, 500_000, {}),
+    "100m": Model(dict(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768), 4, False, 5_000_000,
+                  {"reduce_bucket_size": 5_000_000, "stage3_prefetch_bucket_size": 5_000_000,
+                   "stage3_param_persistence_threshold": 10_000, "stage3_max_live_parameters": 20_000_000}),
+    "1.8b": Model(dict(vocab_size=8192, block_size=64, n_layer=36, n_head=16, n_embd=2048), 1, True, 10_000_000,
+                  {"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                   "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 100_000_000}),
 }
 
 
 def config(variant: str, nvme_path: str, model: str = "small") -> dict:
-    sub_group = MODELS[model][3]
-    zero = {"stage": 3, "sub_group_size": sub_group, "overlap_comm": True, **MODELS[model][4]}
+    sub_group = MODELS[model].sub_group
+    zero = {"stage": 3, "sub_group_size": sub_group, "overlap_comm": True, **MODELS[model].knobs}
     if variant == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     elif variant in ("nvme", "nvme_params"):
@@ -67,7 +75,7 @@ def config(variant: str, nvme_path: str, model: str = "small") -> dict:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 1,
                                      "pipeline_read": False, "pipeline_write": False}
     extra = {"aio": {"thread_count": AIO_THREADS}} if variant.startswith("nvme") else {}
-    return {**extra, "train_micro_batch_size_per_gpu": MODELS[model][1], "gradient_accumulation_steps": 1,
+    return {**extra, "train_micro_batch_size_per_gpu": MODELS[model].micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
             "zero_optimization": zero}
@@ -83,11 +91,12 @@ def worker(variant: str, nvme_path: str, steps: int, out: str, model_name: str) 
     zero_engine.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    gpt, micro, zero_init, _, _ = MODELS[model_name]
-    cfg = GPTConfig(**gpt)
+    spec = MODELS[model_name]
+    micro = spec.micro_batch
+    cfg = GPTConfig(**spec.gpt)
     ds_config = config(variant, nvme_path, model_name)
     start = time.perf_counter()
-    if zero_init:  # each rank builds and keeps its shards only
+    if spec.zero_init:  # each rank builds and keeps its shards only
         with zero_engine.zero.Init(config_dict_or_path=ds_config):
             model = GPT(cfg)
     else:
