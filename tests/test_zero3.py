@@ -486,7 +486,8 @@ def test_flat_shard_views_no_resting_grads_and_tied_weight_gathered_once():
 
 
 def _grad_layout_body(world_unused=None):
-    """Large (own slot, own reduce-scatter) and small (shared region) parameters reduce to the right shards."""
+    """Parameters of every size (padded or not, one with no gradient) reduce to the right shards, and one bucket is
+    one reduce-scatter."""
     from zero_engine.zero.grads import GradReducer
     from zero_engine.zero.partition import DIRECT_GATHER_NUMEL, ShardedParam
     from zero_engine.comm import Communicator
@@ -496,11 +497,13 @@ def _grad_layout_body(world_unused=None):
     sizes = [DIRECT_GATHER_NUMEL + 3, 5, 7, DIRECT_GATHER_NUMEL * 2 + 1, 1]
     params = [ShardedParam(nn.Parameter(torch.zeros(n)), f"p{i}", i, rank, world) for i, n in enumerate(sizes)]
     reducer = GradReducer(params, comm, bucket_numel=10**9, reduce_dtype=torch.float32)
+    before = comm.stats()["reduce_scatter"]["calls"]
     grads = [torch.arange(n, dtype=torch.float32) * (rank + 1) for n in sizes]
     for sp, g in zip(params, grads):
         if sp.fqn != "p2":  # p2 gets no gradient on any rank: zeros
             reducer.add(sp, g)
     reducer.finish()
+    collectives = comm.stats()["reduce_scatter"]["calls"] - before
     mean = (world + 1) / 2
     ok = []
     for sp, g in zip(params, grads):
@@ -511,14 +514,15 @@ def _grad_layout_body(world_unused=None):
         ok.append(torch.allclose(reducer.shard_grad(sp), expected[lo: lo + sp.shard_numel]))
     freed = reducer.grad_bytes > 0
     reducer.zero_grad()
-    return ok, freed and reducer.grad_bytes == 0
+    return ok, freed and reducer.grad_bytes == 0, collectives
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gradient_buffer_layout_large_and_small(world):
-    for ok, freed in run_ranks(_grad_layout_body, world, timeout=TIMEOUT):
+def test_gradient_bucket_is_one_reduce_scatter_for_every_size(world):
+    for ok, freed, collectives in run_ranks(_grad_layout_body, world, timeout=TIMEOUT):
         assert all(ok), ok
         assert freed
+        assert collectives == 1
 
 
 def test_released_parameter_raises_and_gathered_one_has_no_python_hook():

@@ -7,14 +7,14 @@ all its parameters have reported, and strictly in bucket order; a parameter that
 order whatever its data did.
 
 [Note: gradient buffers]
-A bucket's send buffer is allocated with ``empty()`` when its first gradient arrives and is laid out so that each
-large parameter's padded gradient is one contiguous slot (``world x shard_numel`` elements): the gradient is copied
-in with one contiguous copy, only its padding tail is zeroed, and that slot is reduce-scattered on its own straight
-into the parameter's place in the gradient shards (a collective per large parameter, as for the gather; see
-[Note: flat shard storage] in partition.py). The small parameters of the bucket share one region laid out
-``[world, elements per rank]`` (row ``r``: every small parameter's slice owned by rank ``r``) and one collective,
-which hands each rank its row: its small gradient shards back to back. A parameter that got no gradient has its
-slot zeroed when the bucket is launched.
+A bucket's send buffer is allocated with ``empty()`` when its first gradient arrives and is laid out
+``[world, elements per rank]``: row ``r`` holds every parameter's slice owned by rank ``r``, back to back. Each
+gradient is copied once into its column of that buffer (``world`` contiguous runs of ``shard_numel``), only its
+padding is zeroed, and the whole bucket is one reduce-scatter, which hands each rank its row: its gradient shards
+back to back, in the order the optimizer reads them. One collective per bucket whatever its parameters' sizes: a
+collective costs a fixed ~0.3 ms on gloo (bench/profile_step.py), and unlike the gather (see [Note: flat shard
+storage] in partition.py) the column layout costs no extra copy, as the gradient is copied in either way. A
+parameter that got no gradient has its column zeroed when the bucket is launched.
 
 [Note: gradient shard lifetime]
 Reduced gradient shards exist only inside an accumulation window: allocated (``empty``) by the first reduce-scatter
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .partition import DIRECT_GATHER_NUMEL, ShardedParam
+from .partition import ShardedParam
 
 __all__ = ["GradReducer", "all_reduce_grads"]
 
@@ -50,12 +50,7 @@ MAX_IN_FLIGHT = 2
 
 class _Bucket:
     def __init__(self, params: list[ShardedParam], index: int, world: int):
-        # Large parameters first (each its own slot and collective), then the small region (one collective).
-        large = [p for p in params if p.padded_numel >= DIRECT_GATHER_NUMEL]
-        small = [p for p in params if p.padded_numel < DIRECT_GATHER_NUMEL]
-        if len(small) == 1:
-            large, small = large + small, []
-        self.params = large + small
+        self.params = list(params)
         self.index = index
         self.world = world
         self.offsets: dict[int, int] = {}  # id(p) -> offset of its shard in the [per_rank] gradient shards
@@ -64,25 +59,18 @@ class _Bucket:
             self.offsets[id(p)] = offset
             offset += p.shard_numel
         self.per_rank = offset
-        self.large = large
-        self.small = small
-        self.small_start = sum(p.shard_numel for p in large)  # per-rank offset of the small region
-        self.send: torch.Tensor | None = None
+        self.send: torch.Tensor | None = None  # [world * per_rank], see [Note: gradient buffers]
         self.received: set[int] = set()
-        self.pending: list | None = None  # comm Pendings of the launched reduce-scatters
+        self.pending = None  # comm Pending of the launched reduce-scatter
         self.recv: torch.Tensor | None = None
         self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
         self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
         self.irregular = 0  # parameters of this bucket reduced on their own at the end of this pass
 
     def slot(self, p: ShardedParam) -> torch.Tensor:
-        """Where ``p``'s padded gradient goes in the send buffer: [padded] (large) or a [world, shard] view (small)."""
-        start = self.offsets[id(p)] * self.world
-        if p.padded_numel >= DIRECT_GATHER_NUMEL or not self.small:
-            return self.send[start: start + p.padded_numel]
-        region = self.send[self.small_start * self.world:].view(self.world, self.per_rank - self.small_start)
-        column = self.offsets[id(p)] - self.small_start
-        return region[:, column: column + p.shard_numel]
+        """Where ``p``'s padded gradient goes in the send buffer: a [world, shard_numel] view (its column)."""
+        column = self.offsets[id(p)]
+        return self.send.view(self.world, self.per_rank)[:, column: column + p.shard_numel]
 
 
 class GradReducer:
@@ -149,22 +137,15 @@ class GradReducer:
         dst = bucket.slot(p)
         flat = grad.detach().reshape(-1)
         first = id(p) not in bucket.received
-        if dst.dim() == 1:  # a large parameter's contiguous slot
-            if first:
-                dst[: p.numel].copy_(flat)
-                dst[p.numel:].zero_()
-            else:  # a second gradient in one pass adds up
-                dst[: p.numel].add_(flat)
-        else:
-            full_rows, rem = divmod(p.numel, p.shard_numel)
-            write = "copy_" if first else "add_"
-            if full_rows:
-                getattr(dst[:full_rows], write)(flat[: full_rows * p.shard_numel].view(full_rows, p.shard_numel))
-            if rem:
-                getattr(dst[full_rows, :rem], write)(flat[full_rows * p.shard_numel:])
-            if first and p.numel != p.padded_numel:
-                dst[full_rows, rem:].zero_()
-                dst[full_rows + 1:].zero_()
+        write = "copy_" if first else "add_"  # a second gradient in one pass adds up
+        full_rows, rem = divmod(p.numel, p.shard_numel)
+        if full_rows:
+            getattr(dst[:full_rows], write)(flat[: full_rows * p.shard_numel].view(full_rows, p.shard_numel))
+        if rem:
+            getattr(dst[full_rows, :rem], write)(flat[full_rows * p.shard_numel:])
+        if first and p.numel != p.padded_numel:
+            dst[full_rows, rem:].zero_()
+            dst[full_rows + 1:].zero_()
         bucket.received.add(id(p))
         self._launch_ready()
 
@@ -202,8 +183,8 @@ class GradReducer:
         """After a backward that raised: wait for reductions already issued (every rank issued them), then drop
         half-filled buckets and every accumulated gradient shard. The next backward starts a new window."""
         for bucket in self._in_flight:
-            for pending in bucket.pending or ():
-                pending.wait()
+            if bucket.pending is not None:
+                bucket.pending.wait()
         for bucket in self.buckets:
             if bucket.send is not None:
                 self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
@@ -267,15 +248,7 @@ class GradReducer:
                   and bucket.shard_grads.device == bucket.send.device)
         bucket.recv = bucket.shard_grads if direct else torch.empty(bucket.per_rank, dtype=self.reduce_dtype,
                                                                      device=bucket.send.device)
-        world = self.comm.world_size
-        bucket.pending = []
-        for p in bucket.large:
-            offset = bucket.offsets[id(p)]
-            bucket.pending.append(self._reduce_scatter(bucket.recv[offset: offset + p.shard_numel],
-                                                       bucket.slot(p), bucket))
-        if bucket.small:
-            bucket.pending.append(self._reduce_scatter(bucket.recv[bucket.small_start:],
-                                                       bucket.send[bucket.small_start * world:], bucket))
+        bucket.pending = self._reduce_scatter(bucket.recv, bucket.send, bucket)
         self._next_launch = bucket.index + 1
         # At most two buckets in flight (double buffering): overlap without holding every send buffer.
         self._in_flight.append(bucket)
@@ -294,8 +267,7 @@ class GradReducer:
     def _complete(self, bucket: _Bucket) -> None:
         if bucket.pending is None:
             return
-        for pending in bucket.pending:
-            pending.wait()
+        bucket.pending.wait()
         if bucket.recv is not bucket.shard_grads:
             recv = bucket.recv
             if bucket.has_grads:

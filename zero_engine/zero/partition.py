@@ -24,10 +24,10 @@ Where the bytes of a ZeRO-3 step live (decided once, at initialize):
 * *Gathered parameters*: each parameter's full data is contiguous in its own ``full`` buffer (padded), so autograd's
   saved views and ``param.data`` stay valid across release/gather (the note above). A parameter of at least
   ``DIRECT_GATHER_NUMEL`` elements is all-gathered straight into that buffer: the collective's output *is* the
-  parameter's storage, nothing is copied. Only runs of small parameters (biases, norms) are coalesced into one
-  collective through a small staging buffer and copied out: one collective per parameter would cost more in
-  latency than the copy (measured: 12 parameters of 768 elements, 2 ranks, gloo: 0.4 ms as one collective, far
-  more as twelve).
+  parameter's storage, nothing is copied. Smaller parameters are coalesced, a run of them per collective, through
+  a staging buffer and copied out: below that size one collective per parameter costs more in fixed latency than
+  the copy (``bench/gather_probe.py``, 4 parameters, gloo, 2 and 4 ranks: coalescing wins clearly up to 256k
+  elements each, ties from 512k to 1M, and loses 3x at 2M, where the large staging buffer's page faults dominate).
 * Why not FSDP1's flat parameter (one collective per unit, parameters straddling ranks)? A parameter's shard would
   then be a rank-dependent fragment: checkpoints (per-parameter padded shards, resharding by ranges), the
   per-parameter masters and optimizer state, the estimator and GatheredParameters would all need a second layout.
@@ -51,8 +51,8 @@ __all__ = ["GatheredZeroParameter", "ParamStatus", "ShardBucket", "ShardedParam"
            "shard_numel_for", "sharded_param_of"]
 
 # A parameter at least this large is gathered by its own collective straight into its storage; smaller ones are
-# coalesced (see [Note: flat shard storage]). 32k elements: a copy of that size costs about one collective's latency.
-DIRECT_GATHER_NUMEL = 1 << 15
+# coalesced through a staging buffer (see [Note: flat shard storage]): measured crossover, bench/gather_probe.py.
+DIRECT_GATHER_NUMEL = 1 << 19
 
 # nn.Parameter -> its ShardedParam, so zero.Init, GatheredParameters and the engine find a parameter's state
 # without attaching anything to the parameter object (weak: a dropped model frees its entries).
