@@ -517,6 +517,40 @@ def _grad_layout_body(world_unused=None):
     return ok, freed and reducer.grad_bytes == 0, collectives
 
 
+def _lone_param_body(world_unused=None):
+    """A parameter alone in its bucket, without padding, is reduced from autograd's gradient itself (no copy)."""
+    from zero_engine.zero.grads import GradReducer
+    from zero_engine.zero.partition import ShardedParam
+    from zero_engine.comm import Communicator
+
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    sizes = [6 * world, 5, 3 * world]  # bucket_numel 6 * world: [p0], [p1, p2]; p1 is padded
+    params = [ShardedParam(nn.Parameter(torch.zeros(n)), f"p{i}", i, rank, world) for i, n in enumerate(sizes)]
+    reducer = GradReducer(params, comm, bucket_numel=6 * world, reduce_dtype=torch.float32)
+    grads = [torch.arange(n, dtype=torch.float32) * (rank + 1) for n in sizes]
+    adopted = []
+    for sp, g in zip(params, grads):
+        reducer.add(sp, g)
+        bucket = reducer._bucket_of[id(sp)]
+        adopted.append(bucket.send is not None and bucket.send.data_ptr() == g.data_ptr())
+    reducer.finish()
+    mean = (world + 1) / 2
+    ok = []
+    for sp, n in zip(params, sizes):
+        expected = torch.zeros(sp.padded_numel)
+        expected[:n] = torch.arange(n, dtype=torch.float32) * mean
+        ok.append(torch.equal(reducer.shard_grad(sp), expected[rank * sp.shard_numel: (rank + 1) * sp.shard_numel]))
+    return ok, adopted
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_parameter_alone_in_its_bucket_is_reduced_from_its_gradient(world):
+    for ok, adopted in run_ranks(_lone_param_body, world, timeout=TIMEOUT):
+        assert all(ok), ok
+        assert adopted == [True, False, False]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_gradient_bucket_is_one_reduce_scatter_for_every_size(world):
     for ok, freed, collectives in run_ranks(_grad_layout_body, world, timeout=TIMEOUT):

@@ -14,7 +14,8 @@ padding is zeroed, and the whole bucket is one reduce-scatter, which hands each 
 back to back, in the order the optimizer reads them. One collective per bucket whatever its parameters' sizes: a
 collective costs a fixed ~0.3 ms on gloo (bench/profile_step.py), and unlike the gather (see [Note: flat shard
 storage] in partition.py) the column layout costs no extra copy, as the gradient is copied in either way. A
-parameter that got no gradient has its column zeroed when the bucket is launched.
+parameter that got no gradient has its column zeroed when the bucket is launched. A parameter alone in its bucket
+without padding needs no layout at all: its gradient is reduced from where autograd put it (``_adopt``).
 
 [Note: gradient shard lifetime]
 Reduced gradient shards exist only inside an accumulation window: allocated (``empty``) by the first reduce-scatter
@@ -132,6 +133,9 @@ class GradReducer:
                 f"{p.fqn}: gradient arrived after its bucket was reduced on rank {self.comm.rank}; the parameter got "
                 "a second gradient in one backward pass (reentrant activation checkpointing?). Use "
                 "torch.utils.checkpoint with use_reentrant=False.")
+        if bucket.send is None and self._adopt(bucket, p, grad):
+            self._launch_ready()
+            return
         if bucket.send is None:
             self._alloc_send(bucket)
         dst = bucket.slot(p)
@@ -223,6 +227,19 @@ class GradReducer:
             bucket.has_grads = False
 
     # ---- internals ---------------------------------------------------------------------------------------------
+    def _adopt(self, bucket: _Bucket, p: ShardedParam, grad: torch.Tensor) -> bool:
+        """A parameter alone in its bucket (one larger than reduce_bucket_size: a big embedding) with no padding:
+        its gradient, as autograd made it, already is the send buffer. Reducing from it saves a copy and a buffer
+        of its full size at the end of backward, where the peak is (see [Note: gradient buffers]). The engine drops
+        ``param.grad`` right after, so the tensor is the reducer's alone."""
+        if len(bucket.params) > 1 or p.numel != p.padded_numel or grad.dtype != self.reduce_dtype \
+                or not grad.is_contiguous() or grad.device != p.compute_device:
+            return False
+        bucket.send = grad.detach().view(-1)
+        self._track("comm_buffers", bucket.send.numel() * bucket.send.element_size())
+        bucket.received.add(id(p))
+        return True
+
     def _alloc_send(self, bucket: _Bucket) -> None:
         bucket.send = torch.empty(bucket.per_rank * self.comm.world_size, dtype=self.reduce_dtype,
                                   device=bucket.params[0].compute_device)
