@@ -38,6 +38,7 @@ class ZeroKnobs:
     max_live_parameters: int
     max_reuse_distance: int
     allgather_bucket_size: int  # stages 1 and 2: the post-step refresh of whole parameters
+    leaf_classes: tuple[str, ...] = ()  # stage 3 leaf modules (zero_optimization.leaf_module.classes), both systems
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,16 @@ class BenchSize:
 
 
 SIZES: dict[str, BenchSize] = {
-    # The demo model (examples/train_gpt.py), with the ZeRO knobs of examples/configs/zero3.json.
+    # The demo model (examples/train_gpt.py), with the ZeRO knobs of examples/configs/zero3.json: transformer blocks
+    # as leaf modules (one gather unit per block, as FSDP2 wraps them), a prefetch bucket that holds one block
+    # (789k elements) and a live budget for two of them (the one running and the next).
     "demo": BenchSize(
         name="demo",
         gpt=dict(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256),
         global_batch=16,
-        knobs=ZeroKnobs(reduce_bucket_size=500_000, prefetch_bucket_size=500_000, param_persistence_threshold=1_000,
-                        max_live_parameters=1_000_000, max_reuse_distance=100_000, allgather_bucket_size=500_000),
+        knobs=ZeroKnobs(reduce_bucket_size=500_000, prefetch_bucket_size=1_000_000, param_persistence_threshold=1_000,
+                        max_live_parameters=2_000_000, max_reuse_distance=100_000, allgather_bucket_size=500_000,
+                        leaf_classes=("Block",)),
         warmup=3, steps=10,
     ),
     # GPT-2-small-like blocks with a 16k vocabulary: 97.7M parameters. Buckets of about 2/3 of a block; the live
@@ -128,6 +132,8 @@ def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str =
             "stage3_max_reuse_distance": k.max_reuse_distance,
             "stage3_allgather_sequential": system.sequential,
         })
+        if k.leaf_classes and not system.sequential:  # sequential: per module, its one-parameter working set
+            zero["leaf_module"] = {"classes": list(k.leaf_classes)}
     return {
         "train_micro_batch_size_per_gpu": size.micro_batch(world),
         "gradient_accumulation_steps": 1,
@@ -159,5 +165,6 @@ def deepspeed_config(size: BenchSize, world: int, dtype: str = "fp32") -> dict:
             "stage3_param_persistence_threshold": k.param_persistence_threshold,
             "stage3_max_live_parameters": k.max_live_parameters,
             "stage3_max_reuse_distance": k.max_reuse_distance,
+            **({"leaf_module": {"classes": list(k.leaf_classes)}} if k.leaf_classes else {}),
         },
     }

@@ -58,6 +58,13 @@ DEEPSPEED_DEFAULTS = {
         "model_persistence_threshold": sys.maxsize, "max_live_parameters": 1_000_000_000,
         "max_reuse_distance": 1_000_000_000, "allgather_sequential": False,
         "gather_16bit_weights_on_model_save": False, "round_robin_gradients": False,
+        "module_granularity_threshold": 0,
+    },
+    "zero_optimization.leaf_module": {  # deepspeed/runtime/zero/leaf_module_config.py
+        "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
+        "names": [], "name_suffixes": [],
     },
     "zero_optimization.offload_param": {
         "device": "none", "nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000,
@@ -118,7 +125,8 @@ def test_defaults_table_covers_every_field():
             continue  # optimizer/scheduler sections: tested below
         fields = set(model.file_fields()) - {"train_batch_size", "train_micro_batch_size_per_gpu",
                                              "gradient_accumulation_steps", "fp16", "bf16", "zero_optimization",
-                                             "activation_checkpointing", "zero_engine", "memory_timeline", "aio"}
+                                             "activation_checkpointing", "zero_engine", "memory_timeline", "aio",
+                                             "leaf_module"}
         assert fields == covered[path], f"{path}: add DeepSpeed's default of each new field to the table"
 
 

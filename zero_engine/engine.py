@@ -41,6 +41,7 @@ from .zero.coordinator import ParamCoordinator
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
+from .zero.units import apply_leaf_module_config, gather_units, mark_by_granularity
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
 from .zero.presence import irregular_params
@@ -49,14 +50,6 @@ from .zero.streams import CommStreams
 log = logging.getLogger("zero_engine.engine")
 
 __all__ = ["ZeroEngine"]
-
-
-def _own_parameters(module: nn.Module):
-    """Parameters a module's forward uses itself: its own, and those of ParameterList/ParameterDict children."""
-    yield from module.parameters(recurse=False)
-    for child in module.children():
-        if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
-            yield from _own_parameters(child)
 
 
 class ZeroEngine(DeepSpeedEngineAPI):
@@ -199,14 +192,14 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 persistent_budget -= sp.numel
             if not sp.is_persistent and sp.is_available:
                 sp.release()
+        # See zero/units.py: which modules gather which parameters (leaf modules gather their whole subtree).
+        if zc.module_granularity_threshold:
+            mark_by_granularity(model, zc.module_granularity_threshold, lambda p: by_param[id(p)].numel)
+        apply_leaf_module_config(model, zc.leaf_module)
         module_params, module_names = {}, {}
-        for name, module in model.named_modules():
-            if isinstance(module, (nn.ParameterList, nn.ParameterDict)):
-                continue  # never called: its parameters are gathered by the module that owns it
-            own = list({id(p): by_param[id(p)] for p in _own_parameters(module)}.values())
-            if own:
-                module_params[module] = own
-                module_names[module] = name or "<root>"
+        for name, module, params in gather_units(model):
+            module_params[module] = [by_param[id(p)] for p in params]
+            module_names[module] = name or "<root>"
         gatherer = make_gatherer(self.comm, zc, self.accounting, self.streams)
         if self.placement.params == NVME:
             from .offload.param_swap import ParamSwapper, SwapInGather

@@ -37,7 +37,7 @@ from zero_engine.config.optim_models import (
     WarmupLRParams,
 )
 from zero_engine.config.unsupported import HARMLESS_SECTIONS
-from zero_engine.config.zero_models import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from zero_engine.config.zero_models import LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 # Every section in reference order: (path in the file, model).
 SECTIONS: list[tuple[str, type[Section]]] = [
@@ -45,6 +45,7 @@ SECTIONS: list[tuple[str, type[Section]]] = [
     ("zero_optimization", ZeroConfig),
     ("zero_optimization.offload_param", OffloadParamConfig),
     ("zero_optimization.offload_optimizer", OffloadOptimizerConfig),
+    ("zero_optimization.leaf_module", LeafModuleConfig),
     ("fp16", Fp16Config),
     ("bf16", Bf16Config),
     ("optimizer", OptimizerConfig),

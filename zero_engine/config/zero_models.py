@@ -121,8 +121,37 @@ def _is_empty(value: Any) -> bool:
     return value is None or value == {} or value == []
 
 
-def _leaf_module_off(value: Any) -> bool:
-    return _is_empty(value) or (isinstance(value, dict) and all(_is_empty(v) for v in value.values()))
+def _names(value: Any) -> Any:
+    if isinstance(value, str):  # DeepSpeed accepts one name for a list of one
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(dict.fromkeys(value))
+    raise value_error("expected a string or a list of strings")
+
+
+Names = Annotated[list[str], BeforeValidator(_names)]
+
+# DeepSpeed's default leaf classes (deepspeed/runtime/zero/leaf_module_config.py): Hugging Face's mixture-of-experts
+# blocks, whose experts run by data-dependent routing (see zero_engine/zero/units.py).
+DEFAULT_LEAF_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+class LeafModuleConfig(Section):
+    """Stage 3 leaf modules: each is gathered and released as one unit with its whole subtree, and its descendants
+    get no hooks (zero_engine/zero/units.py). Fewer, larger gathers; all its parameters live while it runs."""
+
+    classes: Names = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_CLASSES),
+        description="Module classes, by name (\"Block\") or fully qualified name. Default: DeepSpeed's, the "
+        "mixture-of-experts blocks of Mixtral, Qwen2-MoE and Qwen3-MoE (absent ones are skipped); a class you name "
+        "must exist in the model.",
+    )
+    names: Names = Field(default_factory=list, description="Module names as model.named_modules() gives them.")
+    name_suffixes: Names = Field(default_factory=list, description="Modules whose name ends with one of these.")
 
 
 def _bool_or_auto(value: Any) -> Any:
@@ -215,6 +244,17 @@ class ZeroConfig(Section):
         "or physical memory limit shared by the local ranks; free device memory on GPU): buckets whose coalesced "
         "prefetch would not fit are gathered sequentially, the rest coalesced; the choice is logged.",
     )
+    leaf_module: LeafModuleConfig = Field(
+        default_factory=LeafModuleConfig,
+        description="Stage 3: modules gathered as one unit with their whole subtree (ZeRO-3 leaf modules).",
+    )
+    module_granularity_threshold: ConfigInt = Field(
+        0,
+        ge=0,
+        description="Stage 3: mark leaf modules automatically, as DeepSpeed does: going down from the root, the "
+        "first module whose parameter elements per layer (its subtree's elements / (1 + its non-container "
+        "descendant layers)) is at most this becomes a leaf. 0: off.",
+    )
     gather_16bit_weights_on_model_save: ConfigBool = Field(
         False, description="Stage 3: gather full 16-bit weights when saving the model."
     )
@@ -230,6 +270,7 @@ class ZeroConfig(Section):
         "stage3_max_reuse_distance": "max_reuse_distance",
         "stage3_allgather_sequential": "allgather_sequential",
         "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save",
+        "stage3_module_granularity_threshold": "module_granularity_threshold",
     }
     runtime_auto = frozenset({"allgather_sequential"})  # "auto" kept: the engine decides it at initialize
     not_supported = {
@@ -251,9 +292,6 @@ class ZeroConfig(Section):
         "pipeline_loading_checkpoint": NotSupported(False, "pipelined checkpoint loading"),
         "enable_sanity_checks": NotSupported(False, "DeepSpeed's internal sanity checks"),
         "save_muon_momentum_buffer_in_memory": NotSupported(False, "Muon optimizer"),
-        "leaf_module": NotSupported(None, "ZeRO-3 leaf modules", is_off=_leaf_module_off),
-        "stage3_module_granularity_threshold": NotSupported(0, "module-granularity fetching"),
-        "module_granularity_threshold": NotSupported(0, "module-granularity fetching"),
         "stage3_use_all_reduce_for_fetch_params": NotSupported(False, "all-reduce parameter fetch"),
         "use_all_reduce_for_fetch_params": NotSupported(False, "all-reduce parameter fetch"),
         "stage3_partition_stream_chunk_size": NotSupported(0, "streamed partitioning"),

@@ -52,13 +52,14 @@ fp32 masters stay the compute shards and nothing is staged, as in the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.nn as nn
 
 from zero_engine.offload.placement import Placement
 from zero_engine.zero.partition import shard_numel_for
+from zero_engine.zero.units import gather_units
 
 __all__ = [
     "StateDtypes",
@@ -135,9 +136,10 @@ class GatherPolicy:
 class ModelCounts:
     """What the estimate needs to know about a model: every unique parameter's size and the layers' groupings.
 
-    ``layers`` holds, per module, the element counts of the parameters that are gathered while it runs: its own
-    and those of its ancestors (a parent's own parameters stay gathered while its children run). A tied parameter
-    appears once in ``numels`` and in every layer that uses it.
+    ``layers`` holds, per gather unit (a module with parameters of its own, or a leaf module with its subtree's: see
+    zero/units.py), the element counts of the parameters that are gathered while it runs: its own and those of its
+    ancestors (a parent's own parameters stay gathered while its children run). A tied parameter appears once in
+    ``numels`` and in every layer that uses it.
     """
 
     numels: tuple[int, ...]
@@ -160,14 +162,6 @@ class ModelCounts:
         return sum(n for n, t in zip(self.numels, self.trainable) if t)
 
 
-def _own_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """Parameters a module's forward uses itself (as the engine groups them: ParameterList children included)."""
-    yield from module.parameters(recurse=False)
-    for child in module.children():
-        if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
-            yield from _own_parameters(child)
-
-
 def count_model_params(model: nn.Module) -> ModelCounts:
     """Sizes of a model's unique parameters and layers, without touching their data (meta tensors are fine)."""
     if not isinstance(model, nn.Module):
@@ -179,22 +173,22 @@ def count_model_params(model: nn.Module) -> ModelCounts:
                          "on a copy built on the meta device.")
     largest, largest_name = 0, ""
     layers: list[tuple[int, ...]] = []
-    stack: dict[str, list[nn.Parameter]] = {}  # module name -> own params of it and its ancestors
-    owners: dict[int, int] = {}  # id(param) -> modules that use it as their own
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ParameterList, nn.ParameterDict)):
-            continue  # gathered by the module that owns it
-        own = list({id(p): p for p in _own_parameters(module)}.values())
+    owners: dict[int, int] = {}  # id(param) -> units that gather it
+    # The engine's gather units (zero/units.py: a leaf module gathers its whole subtree); while one runs, the units
+    # above it (its ancestors, e.g. the root's own embedding) are gathered too.
+    units = {name: params for name, _, params in gather_units(model)}
+    for name, own in units.items():
         for p in own:
             owners[id(p)] = owners.get(id(p), 0) + 1
         own_numel = sum(p.numel() for p in own)
         if own_numel > largest:
             largest, largest_name = own_numel, name or "<root>"
-        parent = stack.get(name.rpartition(".")[0], []) if name else []
-        live = list({id(p): p for p in parent + own}.values())
-        stack[name] = live
-        if own:
-            layers.append(tuple(p.numel() for p in live))
+        chain, ancestor = [], name
+        while ancestor:
+            ancestor = ancestor.rpartition(".")[0]
+            chain.append(units.get(ancestor, ()))
+        live = {id(p): p for params in [*reversed(chain), own] for p in params}  # outermost first
+        layers.append(tuple(p.numel() for p in live.values()))
     return ModelCounts(numels=tuple(p.numel() for p in params), trainable=tuple(p.requires_grad for p in params),
                        layers=tuple(layers), largest_layer_params=largest, largest_layer_name=largest_name,
                        shared_numels=tuple(p.numel() for p in params if owners.get(id(p), 0) > 1))

@@ -29,12 +29,17 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..zero.partition import ShardedParam, sharded_param_of
+from ..zero.units import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
+                          set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
-           "safe_update_full_grad_vectorized", "logger", "log_dist"]
+           "safe_update_full_grad_vectorized", "logger", "log_dist",
+           # ZeRO-3 leaf modules (zero/units.py): call before initialize
+           "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+           "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix"]
 
 logger = logging.getLogger("zero_engine")
 

@@ -289,7 +289,9 @@ class ParamCoordinator:
                 raise RankDivergenceError(
                     f"ranks ran different module orders; first difference at fetch #{i}: {detail}. Every rank must "
                     "run the same modules in the same order in a step (ZeRO-3 gathers are collectives); make "
-                    "data-dependent branches agree across ranks (e.g. decide on rank 0 and broadcast).")
+                    "data-dependent branches agree across ranks (e.g. decide on rank 0 and broadcast), or gather the "
+                    "module that routes by data (a mixture of experts) as one unit: zero_optimization.leaf_module "
+                    "{\"classes\": [\"<its class>\"]}.")
 
     def _log_deviation_once(self, message: str) -> None:
         if not self._warned_deviation:

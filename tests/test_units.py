@@ -1,0 +1,238 @@
+"""Gather units (zero_engine/zero/units.py): leaf modules gather their whole subtree as one unit.
+
+Parity: a leaf unit changes when parameters are gathered, never the math, so a run with leaf modules must match
+the same run without them bitwise, and the single process within the suite's parity tolerance.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero_engine
+from zero_engine import ConfigError
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.utils import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
+                               set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
+from zero_engine.zero.units import gather_units, mark_by_granularity
+
+from test_zero3 import ds_config, full_params, train_and_compare
+
+TIMEOUT = 120
+
+
+# ---- which modules are units -------------------------------------------------------------------------------------
+def test_a_leaf_gathers_its_subtree_and_its_descendants_are_no_units():
+    model = GPT(GPTConfig(n_layer=2))
+    before = {name for name, _, _ in gather_units(model)}
+    assert "blocks.0.attn.qkv" in before and "blocks.0" not in before
+    marked = set_z3_leaf_modules(model, ["Block"])
+    assert marked == list(model.blocks) and all(z3_leaf_module(b) for b in model.blocks)
+    units = {name: params for name, _, params in gather_units(model)}
+    assert {"blocks.0", "blocks.1"} <= set(units) and not any(n.startswith("blocks.0.") for n in units)
+    assert len(units["blocks.0"]) == len(list(model.blocks[0].parameters()))
+    assert {n for n in units if not n.startswith("blocks")} == {n for n in before if not n.startswith("blocks")}
+    unset_z3_leaf_modules(model, [type(model.blocks[0])])
+    assert get_z3_leaf_modules(model) == []
+
+
+def test_a_container_that_never_runs_cannot_be_a_leaf():
+    model = GPT(GPTConfig(n_layer=2))
+    set_z3_leaf_modules_by_name(model, ["blocks"])
+    with pytest.raises(ValueError, match="blocks: a ModuleList is marked as a ZeRO-3 leaf module, but its forward "
+                                         "never runs"):
+        list(gather_units(model))
+
+
+def test_the_estimator_counts_a_leaf_as_one_layer():
+    from zero_engine.memory.estimator import count_model_params
+
+    model = GPT(GPTConfig(n_layer=2))
+    assert count_model_params(model).largest_layer_name != "blocks.0"
+    set_z3_leaf_modules(model, ["Block"])
+    counts = count_model_params(model)
+    assert counts.largest_layer_name == "blocks.0"
+    assert counts.largest_layer_params == sum(p.numel() for p in model.blocks[0].parameters())
+
+
+def test_leaf_helpers_by_name_and_suffix_and_their_errors():
+    model = GPT(GPTConfig(n_layer=2))
+    marked, missing = set_z3_leaf_modules_by_name(model, ["blocks.1.mlp", "nope"], raise_if_not_found=False)
+    assert marked == [model.blocks[1].mlp] and missing == ["nope"]
+    marked, _ = set_z3_leaf_modules_by_suffix(model, ["attn"])
+    assert marked == [model.blocks[0].attn, model.blocks[1].attn]
+    with pytest.raises(ValueError, match="no module named nope"):
+        set_z3_leaf_modules_by_name(model, ["nope"])
+    with pytest.raises(ValueError, match="no module of class Missing"):
+        set_z3_leaf_modules(model, ["Missing"])
+
+
+def test_granularity_threshold_follows_deepspeeds_rule():
+    """DeepSpeed: granularity = subtree elements // (1 + non-container descendant layers), plain layers and
+    containers never leaves, marked top-down. Hand-computed on a two-level model."""
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # a container: never a leaf
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(10, 10), nn.Linear(10, 10)  # 110 elements each
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair, self.inner, self.head = Pair(), inner, nn.Linear(10, 1)
+    model = Top()
+    numel = lambda p: p.numel()  # noqa: E731
+    # Pair: 220 elements / 3 layers = 73; Top: (220 + 40 + 11) / (3 + 2 + 1 + 1) = 38
+    assert mark_by_granularity(model, 37, numel) == []
+    assert mark_by_granularity(model, 38, numel) == [model]  # the root first, as DeepSpeed's pre-order walk
+    model = Top()
+    model.head = nn.Linear(10, 1000)  # Top becomes coarse: (220 + 40 + 11000) / 7 = 1608
+    assert mark_by_granularity(model, 73, numel) == [model.pair]
+
+
+def test_config_leaf_modules_name_their_key_when_nothing_matches():
+    from zero_engine.zero.units import apply_leaf_module_config
+    from zero_engine.config import load_config
+
+    def cfg(section):
+        return load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "leaf_module": section}},
+                           world_size=1).zero_optimization.leaf_module
+
+    model = GPT(GPTConfig(n_layer=1))
+    assert apply_leaf_module_config(model, cfg({})) == []  # DeepSpeed's default MoE classes: absent, no error
+    assert apply_leaf_module_config(model, cfg({"classes": "Block"})) == [model.blocks[0]]
+    with pytest.raises(ConfigError, match=r"leaf_module\.classes: no module of class 'Blok'"):
+        apply_leaf_module_config(GPT(GPTConfig(n_layer=1)), cfg({"classes": ["Blok"]}))
+    with pytest.raises(ConfigError, match=r"leaf_module\.names: 'blocks\.9'"):
+        apply_leaf_module_config(GPT(GPTConfig(n_layer=1)), cfg({"names": ["blocks.9"]}))
+
+
+# ---- training ----------------------------------------------------------------------------------------------------
+def _parity_body(seq, model_kwargs, leaf):
+    cfg = GPTConfig(frozen_param=True, reuse_block=True, **model_kwargs)
+    return train_and_compare(cfg, ds_config(3, seq, optimizer="SGD", lr=0.05, leaf_module=leaf))
+
+
+@pytest.mark.parametrize("world,seq,model_kwargs", [(2, False, {}), (3, True, {}),
+                                                    (2, False, {"checkpoint_blocks": True})])
+def test_leaf_blocks_match_the_single_process(world, seq, model_kwargs):
+    for loss_err, param_err in run_ranks(_parity_body, world, seq, model_kwargs, {"classes": ["Block"]},
+                                         timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+
+
+def _same_as_per_module_body(zero):
+    """The same training with and without leaf blocks: every loss and every parameter bitwise equal, and fewer
+    gathers issued with them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(n_layer=3)
+    results = []
+    for extra in ({}, zero):
+        torch.manual_seed(0)
+        engine, *_ = zero_engine.initialize(model=GPT(cfg), config=ds_config(3, gas=1, **extra))
+        losses = []
+        for x, y in make_batches(cfg, 3, 2 * world):
+            loss = engine(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        stats = engine.comm_stats()["all_gather"]["calls"]
+        results.append((losses, full_params(engine), stats, len(engine.coordinator.trace.events)))
+        engine.destroy()
+    (l0, p0, calls0, events0), (l1, p1, calls1, events1) = results
+    return l0 == l1, all(torch.equal(p0[n], p1[n]) for n in p0), calls1 < calls0, events1 < events0
+
+
+@pytest.mark.parametrize("zero", [{"leaf_module": {"classes": ["Block"]}},
+                                  {"leaf_module": {"name_suffixes": ["attn", "mlp"]}},
+                                  {"stage3_module_granularity_threshold": 10**6}])
+def test_leaf_units_change_when_not_what(zero):
+    for same_losses, same_params, fewer_gathers, fewer_events in run_ranks(_same_as_per_module_body, 2, zero,
+                                                                            timeout=TIMEOUT):
+        assert same_losses and same_params
+        assert fewer_gathers and fewer_events
+
+
+class Router(nn.Module):
+    """A toy mixture of experts: each token goes to one expert, and an expert with no token on this rank is not
+    called, so per-module hooks would gather different experts on different ranks."""
+
+    def __init__(self, width: int, experts: int):
+        super().__init__()
+        self.gate = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if mask.any():
+                out[mask] = expert(x[mask])
+        return x + out
+
+
+class MoEModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.moe = Router(16, 4)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.out(self.moe(self.inp(x))), y)
+
+
+def _moe_body():
+    """Ranks route their tokens to different experts; with the router block as a leaf every rank gathers every
+    expert in one unit, and training matches one process on the full batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = MoEModel()
+    reference = MoEModel()
+    reference.load_state_dict(model.state_dict())
+    set_z3_leaf_modules(model, [Router])
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "reduce_bucket_size": 200, "stage3_prefetch_bucket_size": 200},
+              "zero_engine": {"stall_timeout_s": 5}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    routes = []
+    for _ in range(4):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 1, generator=g)
+        xs, ys = x[4 * rank: 4 * rank + 4], y[4 * rank: 4 * rank + 4]
+        with torch.no_grad():  # the experts this rank's tokens go to (the reference has our weights, up to 1e-7)
+            routes.append(sorted(set(reference.moe.gate(reference.inp(xs)).argmax(-1).tolist())))
+        ref_opt.zero_grad()
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        for p in reference.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_opt.step()
+        loss = engine(xs, ys)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst = max(worst, abs(total.item() / world - ref_loss.item()) / ref_loss.item())
+    ours = full_params(engine)
+    ref = dict(reference.named_parameters())
+    err = max(((ours[n] - ref[n].detach()).norm() / ref[n].detach().norm()).item() for n in ours)
+    engine.destroy()
+    return worst, err, routes
+
+
+def test_mixture_of_experts_block_as_a_leaf_trains_with_different_routes_per_rank():
+    results = run_ranks(_moe_body, 2, timeout=TIMEOUT)
+    assert results[0][2] != results[1][2], "the ranks must route differently for this test to mean anything"
+    for loss_err, param_err, _ in results:
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
