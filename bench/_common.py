@@ -95,6 +95,7 @@ class System:
     stage: int | None = None
     sequential: bool = False
     fully_sharded: bool = False  # params, grads and optimizer states all sharded: the 16Ψ/N formula applies
+    leaf_units: bool = True  # ours: the size's leaf modules (ZeroKnobs.leaf_classes) apply; False: a unit per module
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
@@ -102,7 +103,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("fsdp2", "torch FSDP2", "FSDP2", "torch", fully_sharded=True),
     System("zero3", "ours ZeRO-3 coalesced", "ours Z3\ncoalesced", "ours", stage=3, fully_sharded=True),
     System("zero3-seq", "ours ZeRO-3 sequential", "ours Z3\nsequential", "ours", stage=3, sequential=True,
-           fully_sharded=True),
+           fully_sharded=True, leaf_units=False),
+    System("zero3-module", "ours ZeRO-3 coalesced, a unit per module", "ours Z3\nper module", "ours", stage=3,
+           fully_sharded=True, leaf_units=False),
     System("zero2", "ours ZeRO-2", "ours Z2", "ours", stage=2),
     System("zero1", "ours ZeRO-1", "ours Z1", "ours", stage=1),
     System("deepspeed", "DeepSpeed ZeRO-3", "DeepSpeed\nZ3", "deepspeed", stage=3, fully_sharded=True),
@@ -132,7 +135,8 @@ def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str =
             "stage3_max_reuse_distance": k.max_reuse_distance,
             "stage3_allgather_sequential": system.sequential,
         })
-        if k.leaf_classes and not system.sequential:  # sequential: per module, its one-parameter working set
+        # zero3-seq stays per module: a leaf would gather its whole block, where sequential keeps one parameter.
+        if k.leaf_classes and system.leaf_units:
             zero["leaf_module"] = {"classes": list(k.leaf_classes)}
     return {
         "train_micro_batch_size_per_gpu": size.micro_batch(world),

@@ -173,6 +173,31 @@ def test_emulated_collectives_match_native_results_and_counters(world_size):
         assert result["stats"]["all_gather"] == {"calls": 2, "bytes": 2 * shard * world_size * 4}
 
 
+def _scratch_reduce_scatter(full_numel: int) -> dict:
+    """A reduce-scatter whose input is scratch: on gloo an in-place all-reduce, bitwise the native result, counted
+    as the reduce-scatter it is, recorded as the all-reduce that runs (its wait honours timeouts)."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    shard = _shard_numel(full_numel, world)
+    out = {}
+    for op in ("sum", "avg"):
+        native, scratch = torch.empty(shard), torch.empty(shard)
+        comm.reduce_scatter_tensor(native, _rank_data(rank, shard * world), op=op).wait()
+        inp = _rank_data(rank, shard * world)
+        comm.reduce_scatter_tensor(scratch, inp, op=op, async_op=True, input_is_scratch=True).wait()
+        out[op] = (torch.equal(native, scratch), comm.progress.last.kind)
+    out["stats"] = comm.stats()["reduce_scatter"]["calls"]
+    out["in_place"] = _backend.decide_support("gloo", (2, 13)).reduce_scatter_copies_input
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_scratch_reduce_scatter_on_gloo_is_an_in_place_all_reduce_with_the_same_result(world_size):
+    for result in run_ranks(_scratch_reduce_scatter, world_size, 10, timeout=RANK_TIMEOUT_S):
+        assert result["sum"] == (True, "all_reduce") and result["avg"] == (True, "all_reduce")
+        assert result["stats"] == 4 and result["in_place"]
+
+
 def _native_error_mentioning_support() -> list:
     """A native op failing with a message that contains "support" must be re-raised, and nothing process-wide may
     change: the next collective is issued exactly as on the other ranks."""

@@ -45,7 +45,7 @@ class LoopbackComm:
         out.view(self.world_size, -1).copy_(inp.reshape(1, -1))
         return _Done(out)
 
-    def reduce_scatter_tensor(self, out, inp, op="avg", async_op=False, name=""):
+    def reduce_scatter_tensor(self, out, inp, op="avg", async_op=False, name="", input_is_scratch=False):
         self.calls.append(("reduce_scatter", inp.numel(), inp.dtype, name))
         row = inp.view(self.world_size, -1)[self.rank]
         out.copy_(row if op == "avg" else row * self.world_size)

@@ -245,11 +245,13 @@ class Communicator:
         return self._pending(issued, output, record, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
-                              async_op: bool = False, name: str = "") -> Pending:
+                              async_op: bool = False, name: str = "", input_is_scratch: bool = False) -> Pending:
         """Reduce ``input`` across ranks with ``op`` ("sum" or "avg") and keep this rank's slice in ``output``.
 
         ``input`` must hold world_size x output.numel() elements; rank r receives the reduced
-        ``input.view(-1)[r*n:(r+1)*n]``. Counts the input bytes.
+        ``input.view(-1)[r*n:(r+1)*n]``. Counts the input bytes. ``input_is_scratch``: the caller does not read
+        ``input`` afterwards, so on gloo it is all-reduced in place (see [Note: gloo's reduce-scatter is an
+        all-reduce of a copy] in _backend.py; recorded for the watchdog as the all-reduce it is).
         """
         kind = "reduce_scatter"
         if op not in _REDUCE_SCATTER_OPS:
@@ -260,9 +262,10 @@ class Communicator:
                       f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
         self._require_float_for_avg(kind, name, op, input)
         self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), op=op, name=name)
-        record = self._record(kind, input, input.numel(), name)
+        in_place = self._issuer.reduces_in_place(input_is_scratch)
+        record = self._record("all_reduce" if in_place else kind, input, input.numel(), name)
         with record_function(f"zero3::{kind} {name}"):
-            issued = self._issuer.reduce_scatter(output, input, op, True)
+            issued = self._issuer.reduce_scatter(output, input, op, True, input_is_scratch)
         self._count(kind, _nbytes(input))
         return self._pending(issued, output, record, async_op)
 

@@ -276,9 +276,9 @@ class GradReducer:
         """One reduce-scatter, from the reduce-scatter stream on CUDA. Both buffers were allocated and filled on the
         compute stream and stay referenced by the bucket until ``_complete`` has waited (see [Note: streams, events
         and buffer lifetime] in streams.py)."""
-        def issue():
+        def issue():  # the send buffer is not read again: gloo may all-reduce it in place (see _backend.py)
             return self.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
-                                                   name=f"grads bucket {bucket.index}")
+                                                   name=f"grads bucket {bucket.index}", input_is_scratch=True)
         return issue() if self.streams is None else self.streams.collective_on(self.streams.reduce_scatter, issue)
 
     def _complete(self, bucket: _Bucket) -> None:
