@@ -236,3 +236,55 @@ def test_mixture_of_experts_block_as_a_leaf_trains_with_different_routes_per_ran
     assert results[0][2] != results[1][2], "the ranks must route differently for this test to mean anything"
     for loss_err, param_err, _ in results:
         assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+
+
+def _mixtral_body():
+    """transformers' Mixtral with the default config: its sparse MoE blocks are leaf modules (DeepSpeed's default
+    classes), so ranks whose tokens pick different experts still gather the same parameters, and training matches
+    one process on the full batch."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1,
+                        max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg)
+    reference = MixtralForCausalLM(cfg)
+    reference.load_state_dict(model.state_dict())
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 2000},
+              "zero_engine": {"stall_timeout_s": 5}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    units = sorted(engine.coordinator.module_names[m] for m in engine.coordinator.module_params
+                   if z3_leaf_module(m))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for _ in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (2 * world, 16), generator=g)
+        ref_opt.zero_grad()
+        ref_loss = reference(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        for p in reference.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_opt.step()
+        mine = ids[2 * rank: 2 * rank + 2]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst = max(worst, abs(total.item() / world - ref_loss.item()) / ref_loss.item())
+    engine.destroy()
+    return units, worst
+
+
+def test_mixtral_moe_blocks_are_leaves_by_default_and_train():
+    pytest.importorskip("transformers")
+    for units, loss_err in run_ranks(_mixtral_body, 2, timeout=TIMEOUT):
+        assert len(units) == 2 and all(u.startswith("model.layers.") for u in units), units
+        assert loss_err < 1e-5, loss_err
