@@ -187,6 +187,27 @@ class MoEModel(nn.Module):
         return nn.functional.mse_loss(self.out(self.moe(self.inp(x))), y)
 
 
+def _sgd_config(micro: int, bucket: int) -> dict:
+    """Stage 3, SGD, nothing persistent (every parameter gathered), small buckets, a short stall timeout."""
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket},
+            "zero_engine": {"stall_timeout_s": 5}}
+
+
+def _reference_step(reference: nn.Module, opt, loss_of) -> float:
+    """One plain SGD step on the full batch; an expert no token reached gets a zero gradient, as under ZeRO."""
+    opt.zero_grad()
+    loss = loss_of(reference)
+    loss.backward()
+    for p in reference.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    return loss.item()
+
+
 def _moe_body():
     """Ranks route their tokens to different experts; with the router block as a leaf every rank gathers every
     expert in one unit, and training matches one process on the full batch."""
@@ -196,12 +217,7 @@ def _moe_body():
     reference = MoEModel()
     reference.load_state_dict(model.state_dict())
     set_z3_leaf_modules(model, [Router])
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": 200, "stage3_prefetch_bucket_size": 200},
-              "zero_engine": {"stall_timeout_s": 5}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
+    engine, *_ = zero_engine.initialize(model=model, config=_sgd_config(4, 200))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     worst = 0.0
@@ -211,19 +227,13 @@ def _moe_body():
         xs, ys = x[4 * rank: 4 * rank + 4], y[4 * rank: 4 * rank + 4]
         with torch.no_grad():  # the experts this rank's tokens go to (the reference has our weights, up to 1e-7)
             routes.append(sorted(set(reference.moe.gate(reference.inp(xs)).argmax(-1).tolist())))
-        ref_opt.zero_grad()
-        ref_loss = reference(x, y)
-        ref_loss.backward()
-        for p in reference.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ref_opt.step()
+        ref_loss = _reference_step(reference, ref_opt, lambda m: m(x, y))
         loss = engine(xs, ys)
         engine.backward(loss)
         engine.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        worst = max(worst, abs(total.item() / world - ref_loss.item()) / ref_loss.item())
+        worst = max(worst, abs(total.item() / world - ref_loss) / ref_loss)
     ours = full_params(engine)
     ref = dict(reference.named_parameters())
     err = max(((ours[n] - ref[n].detach()).norm() / ref[n].detach().norm()).item() for n in ours)
@@ -252,12 +262,7 @@ def _mixtral_body():
     model = MixtralForCausalLM(cfg)
     reference = MixtralForCausalLM(cfg)
     reference.load_state_dict(model.state_dict())
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 2000},
-              "zero_engine": {"stall_timeout_s": 5}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
+    engine, *_ = zero_engine.initialize(model=model, config=_sgd_config(2, 2000))
     units = sorted(engine.coordinator.module_names[m] for m in engine.coordinator.module_params
                    if z3_leaf_module(m))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -265,20 +270,14 @@ def _mixtral_body():
     worst = 0.0
     for _ in range(3):
         ids = torch.randint(0, cfg.vocab_size, (2 * world, 16), generator=g)
-        ref_opt.zero_grad()
-        ref_loss = reference(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        for p in reference.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ref_opt.step()
+        ref_loss = _reference_step(reference, ref_opt, lambda m: m(input_ids=ids, labels=ids).loss)
         mine = ids[2 * rank: 2 * rank + 2]
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        worst = max(worst, abs(total.item() / world - ref_loss.item()) / ref_loss.item())
+        worst = max(worst, abs(total.item() / world - ref_loss) / ref_loss)
     engine.destroy()
     return units, worst
 
