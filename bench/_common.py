@@ -38,7 +38,7 @@ class ZeroKnobs:
     max_live_parameters: int
     max_reuse_distance: int
     allgather_bucket_size: int  # stages 1 and 2: the post-step refresh of whole parameters
-    leaf_classes: tuple[str, ...] = ()  # stage 3 leaf modules (zero_optimization.leaf_module.classes), both systems
+    leaf_classes: tuple[str, ...] = ()  # stage 3 leaf modules (leaf_module.classes): DeepSpeed and System.leaf_units
 
 
 @dataclass(frozen=True)

@@ -133,10 +133,10 @@ class GradReducer:
                 f"{p.fqn}: gradient arrived after its bucket was reduced on rank {self.comm.rank}; the parameter got "
                 "a second gradient in one backward pass (reentrant activation checkpointing?). Use "
                 "torch.utils.checkpoint with use_reentrant=False.")
-        if bucket.send is None and self._adopt(bucket, p, grad):
-            self._launch_ready()
-            return
         if bucket.send is None:
+            if self._adopt(bucket, p, grad):
+                self._launch_ready()
+                return
             self._alloc_send(bucket)
         dst = bucket.slot(p)
         flat = grad.detach().reshape(-1)
@@ -177,7 +177,8 @@ class GradReducer:
                 if held is not None:
                     send[: p.numel].copy_(held.reshape(-1))
                 recv = torch.empty(p.shard_numel, dtype=self.reduce_dtype, device=send.device)
-                self.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)")
+                self.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)",
+                                                input_is_scratch=True)
                 offset = bucket.offsets[id(p)]
                 bucket.shard_grads[offset: offset + p.shard_numel].add_(recv.to(bucket.shard_grads.device))
             bucket.irregular = 0
