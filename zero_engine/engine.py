@@ -221,7 +221,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
                                             on_event=self._record_timeline if self.timeline else None)
         self.coordinator.shard_swapper = self.param_swapper
-        self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
+        self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end, model)
 
     def _choose_gather_per_bucket(self) -> None:
         """See [Note: auto gather strategy] in zero/gather.py."""

@@ -123,6 +123,12 @@ class GradReducer:
             bucket.irregular = sum(id(p) in irregular for p in bucket.params)
 
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
+        if grad.numel() != p.numel:  # the last line of defence: see external.py for how reads are gathered
+            raise RuntimeError(
+                f"{p.fqn}: gradient of {grad.numel()} elements on rank {self.comm.rank}, expected {p.numel} "
+                f"{tuple(p.shape)}: the forward computed with the parameter while it was partitioned (a read outside "
+                "every module's forward that only looked at its shape, e.g. in a custom autograd Function). Read it "
+                "inside the model's forward, or inside `with zero_engine.zero.GatheredParameters(param):`.")
         if id(p) in self._irregular:
             held = self._held.get(id(p))
             self._held[id(p)] = grad.detach() if held is None else held + grad.detach()

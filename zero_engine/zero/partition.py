@@ -81,16 +81,17 @@ class ZeroParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
-            if getattr(func, "__name__", "") not in _ALWAYS_ALLOWED:
-                for arg in args:
-                    if type(arg) is ZeroParameter and arg.numel() == 0:
-                        sp = _REGISTRY.get(arg)
-                        if sp is not None and sp.status is not ParamStatus.AVAILABLE:
-                            raise RuntimeError(
-                                f"{sp.fqn or 'parameter'} is partitioned (ZeRO-3): this rank holds only its shard, "
-                                f"so {getattr(func, '__name__', func)}() on it would see no data. Read or edit it "
-                                "inside `with zero_engine.zero.GatheredParameters(param):` (pass modifier_rank= to "
-                                "keep edits).")
+            name = getattr(func, "__name__", "")
+            if name == "__get__":  # an attribute: metadata (.shape, .grad, .data...) is fine, a view of data is not
+                name = getattr(getattr(func, "__self__", None), "__name__", "")
+                checked = name in _DATA_VIEWS
+            else:
+                checked = name not in _ALWAYS_ALLOWED
+            if checked:
+                # kwargs and lists too: F.linear(x, weight=w), torch.cat([w, ...])
+                for arg in itertools.chain(args, (kwargs or {}).values()):
+                    for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+                        _refuse_if_released(tensor, name)
             return func(*args, **(kwargs or {}))
 
     # [Note: ds_* properties] DeepSpeed hangs ds_numel, ds_shape, ds_id, ds_tensor, ds_status and ds_persist on
@@ -127,6 +128,17 @@ class ZeroParameter(nn.Parameter):
         return _state_of(self).is_persistent
 
 
+def _refuse_if_released(tensor, func_name: str) -> None:
+    if type(tensor) is ZeroParameter and tensor.numel() == 0:
+        sp = _REGISTRY.get(tensor)
+        if sp is not None and sp.status is not ParamStatus.AVAILABLE:
+            raise RuntimeError(
+                f"{sp.fqn or 'parameter'} is partitioned (ZeRO-3): this rank holds only its shard, so {func_name}() "
+                "on it would see no data. Inside the model's forward it is gathered for the module that reads it; "
+                "outside, read or edit it inside `with zero_engine.zero.GatheredParameters(param):` (pass "
+                "modifier_rank= to keep edits), or move the computation into a module's forward.")
+
+
 def _state_of(param) -> "ShardedParam":
     sp = _REGISTRY.get(param)
     if sp is None:
@@ -141,6 +153,8 @@ class GatheredZeroParameter(ZeroParameter):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
 
+# Attributes that are views of the data (``w.T``): refused on a released parameter like any other read.
+_DATA_VIEWS = {"T", "mT", "H", "mH", "real", "imag"}
 _ALWAYS_ALLOWED = {"__get__", "__set__", "__delete__", "__repr__", "__format__", "numel", "dim", "size",
                    "element_size", "is_floating_point", "is_complex", "requires_grad_", "register_hook",
                    "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "__reduce_ex__",
