@@ -7,6 +7,7 @@ parameters, step counters and error messages, for the test to compare (DDP runs 
 
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import zero_engine.lightning  # noqa: F401  (registers strategy="zero_engine")
 from zero_engine.lightning import ZeroEngineStrategy
@@ -82,13 +84,21 @@ class ManualRegressor(Regressor):
         optimizer.zero_grad()
 
 
+class ClipsItself(Regressor):
+    """Asks for another clipping value than the Trainer's, which the engine's step cannot honour."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+
 def loader(shuffle=True):
     return DataLoader(dataset(), batch_size=BATCH, shuffle=shuffle)
 
 
 def trainer(strategy, root, **kwargs):
     kwargs.setdefault("max_epochs", 2)
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+    kwargs.setdefault("enable_checkpointing", "callbacks" in kwargs)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                       num_sanity_val_steps=0, **kwargs)
 
@@ -114,6 +124,7 @@ def fit(strategy, root, ckpt_path=None, module=Regressor, **kwargs):
     result = {"losses": all_ranks(model.losses), "state": state, "global_step": t.global_step,
               "engine_steps": engine.global_steps if engine is not None else None,
               "skipped_steps": engine.skipped_steps if engine is not None else None,
+              "batch_sizes": engine.get_batch_info() if engine is not None else None,
               "grad_norm": engine.get_global_grad_norm() if engine is not None else None,  # the last, unclipped
               "dtypes": sorted(model.weight_dtypes), "built_partitioned": all_ranks(model.built_partitioned),
               "val_loss": float(t.callback_metrics["val_loss"]) if "val_loss" in t.callback_metrics else None}
@@ -132,15 +143,21 @@ def main(out):
     results = {}
     root = os.path.join(out, "runs")
     # 1. No accumulation: DDP against stages 1-3 (stage 3 also through the registered name, default config).
-    results["ddp"] = fit("ddp", root)[2]
+    t, _, results["ddp"] = fit("ddp", root)
+    ddp_checkpoint = os.path.join(out, "ddp.ckpt")
+    t.save_checkpoint(ddp_checkpoint)
     for stage in (1, 2, 3):
         results[f"zero{stage}"] = fit(ZeroEngineStrategy(config=config(stage)), root)[2]
     results["zero_registered"] = fit("zero_engine", root)[2]
     # 2. Accumulation 2 over 5 micro-batches per epoch (a remainder of 1) and clipping by norm.
     ga = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
     results["ddp_ga"] = fit("ddp", root, **ga)[2]
-    for stage in (1, 3):
-        results[f"zero{stage}_ga"] = fit(ZeroEngineStrategy(config=config(stage)), root, **ga)[2]
+    results["zero1_ga"] = fit(ZeroEngineStrategy(config=config(1)), root, **ga)[2]
+    every_epoch, best = os.path.join(out, "every_epoch"), os.path.join(out, "best")  # checkpoint directories
+    results["zero3_ga"] = fit(ZeroEngineStrategy(config=config(3)), root, callbacks=[
+        ModelCheckpoint(dirpath=every_epoch, save_top_k=-1),
+        ModelCheckpoint(dirpath=best, monitor="val_loss", save_top_k=1)], **ga)[2]
+    results["checkpoints"] = {"every_epoch": sorted(os.listdir(every_epoch)), "best": sorted(os.listdir(best))}
     # 3. bf16 and fp16: the engine computes in 16 bits from fp32 masters.
     results["zero3_bf16"] = fit(ZeroEngineStrategy(config=config(3)), root, precision="bf16-mixed")[2]
     # (a small initial loss scale: 2**16, the default, overflows this model's fp16 gradients in the first steps)
@@ -149,14 +166,21 @@ def main(out):
     # Manual optimization.
     results["ddp_manual"] = fit("ddp", root, module=ManualRegressor)[2]
     results["zero3_manual"] = fit(ZeroEngineStrategy(config=config(3)), root, module=ManualRegressor)[2]
-    # 4. Checkpoint after epoch 1, resume for epoch 2 with a new Trainer and module: equals the 2-epoch run.
-    t, model, _ = fit(ZeroEngineStrategy(config=config(3)), root, max_epochs=1, **ga)
-    ckpt = os.path.join(out, "epoch1.ckpt")
-    t.save_checkpoint(ckpt)
-    results["ckpt_is_dir"] = os.path.isdir(ckpt)
-    results["zero3_resumed"] = fit(ZeroEngineStrategy(config=config(3)), root, ckpt_path=ckpt, **ga)[2]
+    # 4. Resume from ModelCheckpoint's epoch-1 directory with a new Trainer and module: equals the 2-epoch run.
+    results["zero3_resumed"] = fit(ZeroEngineStrategy(config=config(3)), root,
+                                   ckpt_path=os.path.join(every_epoch, "epoch=0-step=3.ckpt"), **ga)[2]
+    # ... and from DDP's single-file checkpoint: weights and loops, a fresh optimizer (a warning says so).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results["zero3_from_ddp"] = fit(ZeroEngineStrategy(config=config(3)), root, ckpt_path=ddp_checkpoint,
+                                        max_epochs=3)[2]
+    results["from_ddp_warnings"] = [str(w.message) for w in caught if "ZeroEngineStrategy" in str(w.message)]
     # 5. Evaluation after fit (same Trainer), a weights-only export, and evaluation of that file from scratch.
     t, model, results["eval_run"] = fit(ZeroEngineStrategy(config=config(3)), root, max_epochs=1)
+    rank = dist.get_rank()
+    t.strategy.barrier()
+    results["collectives"] = all_ranks((float(t.strategy.reduce(torch.tensor(rank + 1.0), reduce_op="sum")),
+                                        t.strategy.broadcast(rank * 10 + 7)))
     results["validate"] = t.validate(model, dataloaders=loader(shuffle=False), verbose=False)[0]["val_loss"]
     predictions = t.predict(model, dataloaders=DataLoader(dataset(), batch_size=SAMPLES))
     results["predict"] = all_ranks(torch.cat(predictions))
@@ -175,6 +199,9 @@ def main(out):
         ZeroEngineStrategy(config=config(1, gradient_accumulation_steps=4)), root, accumulate_grad_batches=2))
     results["err_optimizer_block"] = error_of(lambda: ZeroEngineStrategy(
         config=config(1, optimizer={"type": "AdamW", "params": {"lr": 0.1}})))
+    results["err_clip_mismatch"] = error_of(lambda: fit(ZeroEngineStrategy(config=config(1)), root,
+                                                        module=ClipsItself))
+    results["err_spawn"] = error_of(lambda: ZeroEngineStrategy(start_method="spawn"))
     results["err_second_fit"] = error_of(lambda: t.fit(model, train_dataloaders=loader()))
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out, "results.pt"))

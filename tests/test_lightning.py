@@ -117,14 +117,30 @@ def test_manual_optimization_steps_when_opt_step_is_called(results):
 
 @pytest.mark.timeout(300)
 def test_checkpoint_directory_resume_equals_the_uninterrupted_run(results):
-    """Epoch 1 with accumulation and a remainder, Trainer.save_checkpoint (a directory), then a new Trainer and module
-    resume with fit(ckpt_path=...): epoch 2's losses and the final parameters equal the 2-epoch run's bitwise."""
-    assert results["ckpt_is_dir"]
+    """ModelCheckpoint saves a directory per epoch of the 2-epoch run (accumulation with a remainder); a new Trainer
+    and module resume from epoch 1's with fit(ckpt_path=...): epoch 2's losses and the final parameters equal the
+    uninterrupted run's bitwise. save_top_k=1 removes the directory it replaces."""
+    assert results["checkpoints"] == {"every_epoch": ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"],
+                                      "best": ["epoch=1-step=6.ckpt"]}
     resumed, straight = results["zero3_resumed"], results["zero3_ga"]
     assert len(resumed["losses"][0]) == 5
     assert_losses_close(resumed, straight)
     assert_state_equal(resumed["state"], straight["state"])
     assert resumed["global_step"] == resumed["engine_steps"] == 6
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_another_strategys_file_restores_weights_and_loops_and_warns(results):
+    from_ddp = results["zero3_from_ddp"]
+    assert from_ddp["global_step"] == 15 and from_ddp["engine_steps"] == 5  # DDP's 10 steps, then epoch 3
+    assert len(results["from_ddp_warnings"]) == 1 and "optimizer starts afresh" in results["from_ddp_warnings"][0]
+
+
+@pytest.mark.timeout(300)
+def test_engine_batch_sizes_and_strategy_collectives(results):
+    # (train, micro, accumulation): the micro-batch from the train loader, the accumulation from the Trainer
+    assert results["zero3"]["batch_sizes"] == (4, 2, 1) and results["zero3_ga"]["batch_sizes"] == (8, 2, 2)
+    assert results["collectives"] == [(3.0, 7), (3.0, 7)]  # reduce(sum) of 1 and 2; rank 0's broadcast
 
 
 @pytest.mark.timeout(300)
@@ -157,6 +173,9 @@ def test_refusals_name_the_argument(results):
     assert "gradient_accumulation_steps=4" in results["err_accumulation"] and \
         "accumulate_grad_batches=2" in results["err_accumulation"]
     assert "configure_optimizers" in results["err_optimizer_block"]
+    assert results["err_clip_mismatch"].startswith("ValueError") and "clip_gradients(gradient_clip_val=1.0)" in \
+        results["err_clip_mismatch"]
+    assert results["err_spawn"].startswith("NotImplementedError") and "start_method='spawn'" in results["err_spawn"]
     assert results["err_second_fit"].startswith("RuntimeError") and "ckpt_path" in results["err_second_fit"]
 
 

@@ -42,6 +42,7 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import TrainerFn
     from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 except ImportError as error:  # an optional dependency: say how to get it
     raise ImportError("zero_engine.lightning needs Lightning: pip install 'lightning>=2.6,<3' "
                       "(or zero_engine's [lightning] extra)") from error
@@ -81,8 +82,10 @@ class ZeroEngineStrategy(DDPStrategy):
             from the Trainer. The optimizer and scheduler come from ``configure_optimizers``, so ``optimizer`` and
             ``scheduler`` blocks are refused. Default: ``{"zero_optimization": {"stage": 3}}``.
         stage: a shortcut for ``zero_optimization.stage`` (an error if the config names another stage).
-        Other arguments are DDPStrategy's: ``start_method="popen"`` (default) re-runs the script per rank,
-        "spawn" starts them with multiprocessing; ``process_group_backend`` defaults to gloo on CPU, nccl on CUDA.
+        Other arguments are DDPStrategy's. ``process_group_backend`` defaults to gloo on CPU, nccl on CUDA. The
+        launcher is Lightning's subprocess script launcher (``start_method="popen"``: the script re-runs once per
+        rank, or torchrun/SLURM start the ranks); "spawn"/"fork" are refused: their launcher sends the weights
+        back to the parent with ``module.state_dict()``, which holds shards only at stage 3.
     """
 
     strategy_name = "zero_engine"
@@ -90,6 +93,11 @@ class ZeroEngineStrategy(DDPStrategy):
     def __init__(self, config: dict | str | os.PathLike | None = None, stage: int | None = None, accelerator=None,
                  parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
                  process_group_backend: str | None = None, timeout=None, start_method: str = "popen") -> None:
+        if start_method != "popen":
+            raise NotImplementedError(f"ZeroEngineStrategy(start_method={start_method!r}) is not supported: that "
+                                      "launcher returns the trained weights to the parent process through "
+                                      "module.state_dict(), which holds only shards under ZeRO-3; use the default "
+                                      "start_method='popen' (or start the ranks with torchrun)")
         kwargs = {} if timeout is None else {"timeout": timeout}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -238,7 +246,13 @@ class ZeroEngineStrategy(DDPStrategy):
         one written by another strategy) loads its state dict into the shards (see load_model_state_dict)."""
         path = self.broadcast(os.fspath(checkpoint_path))
         if os.path.isfile(path):
-            return super().load_checkpoint(path, weights_only)
+            checkpoint = super().load_checkpoint(path, weights_only)
+            if checkpoint.get("optimizer_states") and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                rank_zero_warn(f"ZeroEngineStrategy: resuming from the single-file checkpoint {path}: the weights, "
+                               "the loops and the schedulers are restored, the optimizer state is not (it is another "
+                               "strategy's, unpartitioned); the optimizer starts afresh. A checkpoint directory "
+                               "written by ZeroEngineStrategy restores it")
+            return checkpoint
         if not os.path.isdir(os.path.join(path, _CHECKPOINT_TAG)):
             raise FileNotFoundError(f"ZeroEngineStrategy (rank {self.global_rank}): {path} is not a checkpoint "
                                     f"directory written by ZeroEngineStrategy (no {_CHECKPOINT_TAG}/ inside) nor a "
