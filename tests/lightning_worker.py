@@ -5,6 +5,8 @@ ranks in the same order. Rank 0 writes ``OUT_DIR/results.pt``: per scenario, eve
 parameters, step counters and error messages, for the test to compare (DDP runs are the reference).
 """
 
+import contextlib
+import io
 import os
 import sys
 import warnings
@@ -20,6 +22,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import zero_engine.lightning  # noqa: F401  (registers strategy="zero_engine")
 from zero_engine.lightning import ZeroEngineStrategy
+from zero_engine.testing.models import GPTConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SAMPLES, BATCH = 20, 2  # 5 micro-batches per rank per epoch on 2 ranks: accumulation 2 leaves a remainder of 1
 
@@ -203,6 +208,26 @@ def main(out):
                                                         module=ClipsItself))
     results["err_spawn"] = error_of(lambda: ZeroEngineStrategy(start_method="spawn"))
     results["err_second_fit"] = error_of(lambda: t.fit(model, train_dataloaders=loader()))
+    # 7. The test GPT (tied embeddings, a parameter read by the root's forward, re-initialised after construction)
+    # against DDP, and the example script itself, in these processes.
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import train_lightning
+
+    gpt = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=3, n_embd=33)
+    for name, strategy in (("gpt_ddp", "ddp"), ("gpt_zero3", ZeroEngineStrategy(config=config(3)))):
+        pl.seed_everything(0, verbose=False)
+        module = train_lightning.GPTModule(gpt, lr=3e-3, steps=4)
+        t = trainer(strategy, root, max_steps=4)
+        t.fit(module, train_lightning.loader(gpt, 16, 4, seed=0, shuffle=True))
+        state = (t.strategy.lightning_module_state_dict() if name != "gpt_ddp" else
+                 {k: v.detach().clone() for k, v in module.state_dict().items()})
+        results[name] = {"losses": all_ranks(module.losses), "state": state}
+    sys.argv = ["train_lightning.py", "--steps", "3", "--accumulate", "2", "--checkpoint",
+                os.path.join(out, "example_ckpt")]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train_lightning.main()
+    results["example_output"] = printed.getvalue()
     if dist.get_rank() == 0:
         torch.save(results, os.path.join(out, "results.pt"))
     dist.barrier()

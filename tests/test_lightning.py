@@ -31,24 +31,30 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ("zero1", "zero2", "zero3", "zero_registered")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lightning")
+def launch(args, cwd, timeout):
+    """Run a script that makes a 2-rank Lightning Trainer (Lightning starts rank 1); its output, checked rc 0."""
     env = {k: v for k, v in os.environ.items()  # this run launches its own ranks: no inherited rank variables
            if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("PL_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "lightning_worker.py"), str(out)], cwd=out,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # rank 1 joins this session: killed with it on a timeout
     try:
-        output, _ = proc.communicate(timeout=240)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        pytest.fail(f"the Lightning worker did not finish in 240 s:\n{output[-4000:]}")
+        pytest.fail(f"{args[0]} did not finish in {timeout} s:\n{output[-4000:]}")
     assert proc.returncode == 0, output[-6000:]
-    return torch.load(out / "results.pt", weights_only=False)
+    return output
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning")
+    launch([str(REPO / "tests" / "lightning_worker.py"), str(out)], cwd=out, timeout=240)
+    return dict(torch.load(out / "results.pt", weights_only=False), out=out)
 
 
 def assert_state_equal(state, reference, rtol=0.0, atol=0.0):
@@ -130,6 +136,23 @@ def test_checkpoint_directory_resume_equals_the_uninterrupted_run(results):
 
 
 @pytest.mark.timeout(300)
+def test_convert_checkpoint_writes_a_file_lightning_loads(results, tmp_path):
+    """Offline: the last epoch's checkpoint directory -> one .ckpt file; load_from_checkpoint gives the gathered
+    final weights bitwise."""
+    from zero_engine.lightning import convert_checkpoint
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from lightning_worker import Regressor
+
+    out = convert_checkpoint(results["out"] / "every_epoch" / "epoch=1-step=6.ckpt", tmp_path / "model.ckpt")
+    model = Regressor.load_from_checkpoint(out)
+    assert_state_equal(model.state_dict(), results["zero3_ga"]["state"])
+    assert torch.load(out, weights_only=False)["global_step"] == 6
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory written by ZeroEngineStrategy"):
+        convert_checkpoint(tmp_path, tmp_path / "other.ckpt")
+
+
+@pytest.mark.timeout(300)
 def test_resume_from_another_strategys_file_restores_weights_and_loops_and_warns(results):
     from_ddp = results["zero3_from_ddp"]
     assert from_ddp["global_step"] == 15 and from_ddp["engine_steps"] == 5  # DDP's 10 steps, then epoch 3
@@ -177,6 +200,18 @@ def test_refusals_name_the_argument(results):
         results["err_clip_mismatch"]
     assert results["err_spawn"].startswith("NotImplementedError") and "start_method='spawn'" in results["err_spawn"]
     assert results["err_second_fit"].startswith("RuntimeError") and "ckpt_path" in results["err_second_fit"]
+
+
+@pytest.mark.timeout(300)
+def test_test_gpt_matches_ddp_and_the_example_runs(results):
+    """The test GPT (tied embeddings, a parameter read by the root's forward, re-initialised after construction)
+    built in configure_model under zero.Init: bitwise as DDP. And examples/train_lightning.py's main(), run in the
+    same ranks: accumulation 2, a checkpoint directory."""
+    assert_losses_close(results["gpt_zero3"], results["gpt_ddp"])
+    assert_state_equal(results["gpt_zero3"]["state"], results["gpt_ddp"]["state"])
+    output = results["example_output"]
+    assert "zero_engine stage 3 under Lightning, 2 ranks" in output and "3 steps (engine: 3)" in output, output
+    assert (results["out"] / "example_ckpt" / "checkpoint").is_dir()
 
 
 # ---- the Trainer's flags as config keys, without ranks ----------------------------------------------------------------

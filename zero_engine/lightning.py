@@ -53,7 +53,7 @@ from .zero.partition import sharded_param_of
 
 log = logging.getLogger("zero_engine.lightning")
 
-__all__ = ["ZeroEngineStrategy"]
+__all__ = ["ZeroEngineStrategy", "convert_checkpoint"]
 
 _TESTED = ((2, 6), (3, 0))  # lightning versions this module is tested with: [2.6, 3.0)
 _CHECKPOINT_TAG = "checkpoint"  # the engine's tag inside a Lightning checkpoint directory
@@ -328,6 +328,28 @@ class _EnginePrecision(Precision):
 
 _CLIP_BY_VALUE = ("ZeroEngineStrategy: Trainer(gradient_clip_algorithm='value') is not supported: the engine clips "
                   "by the global gradient norm (over all shards) inside its step; use gradient_clip_algorithm='norm'")
+
+
+def convert_checkpoint(checkpoint_dir, output_file) -> str:
+    """Offline (no ranks, any machine): a checkpoint directory written by ZeroEngineStrategy -> one ordinary
+    Lightning checkpoint file: Lightning's trainer state plus the full fp32 state dict, consolidated one parameter
+    at a time from the shards. ``LightningModule.load_from_checkpoint(output_file)`` loads it, and so does any
+    strategy's ``fit(ckpt_path=...)`` (without the optimizer state). Returns ``output_file``.
+
+    The state dict alone, without Lightning: ``zero_engine.checkpoint.get_fp32_state_dict_from_zero_checkpoint``."""
+    from .checkpoint import get_fp32_state_dict_from_zero_checkpoint
+    from .checkpoint._metadata import CLIENT_STATE_FILE
+
+    tagged = os.path.join(os.fspath(checkpoint_dir), _CHECKPOINT_TAG)
+    if not os.path.isfile(os.path.join(tagged, CLIENT_STATE_FILE)):
+        raise FileNotFoundError(f"convert_checkpoint: {checkpoint_dir} is not a checkpoint directory written by "
+                                f"ZeroEngineStrategy (no {_CHECKPOINT_TAG}/{CLIENT_STATE_FILE} inside)")
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=_CHECKPOINT_TAG)
+    # Lightning's own objects (loops, callbacks' states): the full pickle, as Lightning itself loads them
+    checkpoint = torch.load(os.path.join(tagged, CLIENT_STATE_FILE), weights_only=False)
+    checkpoint["state_dict"] = state_dict
+    torch.save(checkpoint, output_file)
+    return output_file
 
 
 # ---- config -------------------------------------------------------------------------------------------------------
