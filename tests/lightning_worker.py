@@ -208,6 +208,7 @@ def main(out):
                                                         module=ClipsItself))
     results["err_spawn"] = error_of(lambda: ZeroEngineStrategy(start_method="spawn"))
     results["err_second_fit"] = error_of(lambda: t.fit(model, train_dataloaders=loader()))
+    results["err_other_module"] = error_of(lambda: t.validate(Regressor(), dataloaders=loader(), verbose=False))
     # 7. The test GPT (tied embeddings, a parameter read by the root's forward, re-initialised after construction)
     # against DDP, and the example script itself, in these processes.
     sys.path.insert(0, os.path.join(REPO, "examples"))

@@ -199,6 +199,8 @@ def test_refusals_name_the_argument(results):
     assert results["err_clip_mismatch"].startswith("ValueError") and "clip_gradients(gradient_clip_val=1.0)" in \
         results["err_clip_mismatch"]
     assert results["err_spawn"].startswith("NotImplementedError") and "start_method='spawn'" in results["err_spawn"]
+    assert results["err_other_module"].startswith("RuntimeError") and "holds another Regressor" in \
+        results["err_other_module"]
     assert results["err_second_fit"].startswith("RuntimeError") and "ckpt_path" in results["err_second_fit"]
 
 

@@ -148,6 +148,10 @@ class ZeroEngineStrategy(DDPStrategy):
                 "Trainer, strategy and LightningModule (resume with fit(ckpt_path=...) to continue training)")
         if self.engine is None:
             self._build_engine(trainer, fitting)
+        elif self.engine.module is not self.lightning_module:
+            raise RuntimeError(f"ZeroEngineStrategy (rank {self.global_rank}): this strategy's engine holds another "
+                               f"{type(self.engine.module).__name__} (from an earlier Trainer call); use a new Trainer "
+                               "and strategy for another module")
         self.model = self.engine
         plugin = self.precision_plugin
         plugin.engine = self.engine
