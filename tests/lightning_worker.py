@@ -192,10 +192,10 @@ def main(out):
     exported = os.path.join(out, "weights.ckpt")
     t.save_checkpoint(exported, weights_only=True)
     results["exported"] = torch.load(exported, weights_only=True)["state_dict"] if dist.get_rank() == 0 else None
-    fresh = Regressor()
-    t2 = trainer(ZeroEngineStrategy(config=config(3)), root)
-    results["validate_from_file"] = t2.validate(fresh, dataloaders=loader(shuffle=False), ckpt_path=exported,
-                                                verbose=False)[0]["val_loss"]
+    for stage in (1, 3):  # evaluation only: an engine that never steps, the file loaded into its shards
+        t2 = trainer(ZeroEngineStrategy(config=config(stage)), root)
+        results[f"validate_from_file{stage}"] = t2.validate(Regressor(), dataloaders=loader(shuffle=False),
+                                                            ckpt_path=exported, verbose=False)[0]["val_loss"]
     # 6. What is refused.
     results["err_precision"] = error_of(lambda: trainer(ZeroEngineStrategy(), root, precision="64-true"))
     results["err_clip_value"] = error_of(lambda: fit(ZeroEngineStrategy(config=config(1)), root,

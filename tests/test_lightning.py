@@ -182,7 +182,7 @@ def test_validate_predict_and_weights_only_export(results):
     with torch.no_grad():
         expected = model(x)
     torch.testing.assert_close(torch.tensor(results["validate"]), F.mse_loss(expected, y), rtol=1e-6, atol=0)
-    assert results["validate_from_file"] == results["validate"]
+    assert results["validate_from_file3"] == results["validate_from_file1"] == results["validate"]
     for rank, predictions in enumerate(results["predict"]):  # DistributedSampler: rank r gets samples r, r+2, ...
         torch.testing.assert_close(predictions, expected[rank::2], rtol=1e-6, atol=1e-7)
 

@@ -455,8 +455,9 @@ def _load_full_state_dict(module: torch.nn.Module, state_dict: dict, strict: boo
     """Load a whole state dict (every rank reads the same file) into the partitioned parameters; fp32 masters
     included. Collective."""
     params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers())
     missing = [name for name in params if name not in state_dict]
-    unexpected = [key for key in state_dict if key not in params and key not in dict(module.named_buffers())]
+    unexpected = [key for key in state_dict if key not in params and key not in buffers]
     if strict and (missing or unexpected):
         raise RuntimeError(f"ZeroEngineStrategy: the checkpoint's state_dict does not match the model: missing "
                            f"{missing[:5]}, unexpected {unexpected[:5]} (pass strict_loading=False to skip them)")
@@ -474,7 +475,7 @@ def _load_full_state_dict(module: torch.nn.Module, state_dict: dict, strict: boo
             with GatheredParameters([param], modifier_rank=0), torch.no_grad():
                 param.copy_(value.reshape(param.shape))
     with torch.no_grad():
-        for name, buffer in module.named_buffers():
+        for name, buffer in buffers.items():
             if name in state_dict:
                 buffer.copy_(state_dict[name])
 
