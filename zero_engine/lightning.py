@@ -8,7 +8,8 @@ collectives), with the engine in place of the DDP wrapper. How Lightning's piece
 
 * setup: ``configure_optimizers``' torch optimizer goes to ``zero_engine.initialize(optimizer=...)``, which re-points
   its param groups at the fp32 master shards; Lightning's optimizer list holds the engine's partitioned optimizer,
-  and the scheduler stays Lightning's (it was built on that same torch optimizer).
+  and the scheduler stays Lightning's (it was built on that same torch optimizer; Lightning steps it, also after a
+  step the engine skipped on an fp16 overflow, as with Lightning's own fp16 AMP).
 * training: Lightning's backward is ``engine.backward`` (the loss arrives divided by ``accumulate_grad_batches``
   already) and ``optimizer.step(closure)`` is the closure, then ``engine.step()`` at a boundary set just for it. So
   the engine updates exactly when Lightning's loop steps, the epoch's remainder micro-batches included, and in
