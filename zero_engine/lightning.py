@@ -233,7 +233,10 @@ class ZeroEngineStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
         """A directory ``filepath`` written by every rank (``engine.save_checkpoint``; Lightning's trainer state as
         its client state); with ``weights_only`` (no optimizer states in ``checkpoint``), one ordinary file written
-        by rank 0 from the gathered state dict."""
+        by rank 0 from the gathered state dict. Lightning builds ``checkpoint`` with lightning_module_state_dict()
+        before every save, so a directory checkpoint also costs that gather (the whole fp32 model in rank 0's host
+        memory for the moment, as FSDPStrategy's default full state dict); the directory does not keep it, since the
+        shards hold the weights."""
         if storage_options is not None:
             raise TypeError("ZeroEngineStrategy.save_checkpoint(storage_options=...): the engine writes the "
                             "checkpoint itself, without Lightning's CheckpointIO; pass storage_options=None")
