@@ -236,15 +236,18 @@ def _registered_after_body():
         unregister_external_parameter(model.reader, model.a.bias)
     except ValueError as error:
         errors.append(str(error))
+    with zero_engine.zero.GatheredParameters([model.a.bias], fwd_module=model.reader):  # registers, as DeepSpeed
+        pass
+    units.append([sp.fqn for sp in engine.coordinator.module_params[model.reader]])
     return errors, units, loss.item(), _all_released(engine)
 
 
-def test_register_and_unregister_external_parameter_after_initialize():
+def test_register_and_unregister_external_parameter_after_initialize_and_gathered_parameters_fwd_module():
     for errors, units, loss, leaks in run_ranks(_registered_after_body, 2, timeout=TIMEOUT):
         assert len(errors) == 2, errors
         assert "a.bias is partitioned" in errors[0] and "mul()" in errors[0], errors[0]
         assert "not registered as external" in errors[1], errors[1]
-        assert units == [["reader.gain", "a.bias"], ["reader.gain"]], units
+        assert units == [["reader.gain", "a.bias"], ["reader.gain"], ["reader.gain", "a.bias"]], units
         assert loss > 0 and not leaks, (loss, leaks)
 
 
