@@ -9,10 +9,11 @@ and the raw row-major data. The flat range ``[start, stop)`` of a tensor is ther
 ``begin + start*itemsize .. begin + stop*itemsize``: a rank reads exactly its shard's bytes with one positioned
 read into its shard (or into a bounded staging buffer when the file's dtype differs), no mmap, so nothing but the
 shard enters the process. The header is validated first, by safetensors' rules (see [Note: what a valid header
-is] in _header.py), so a lying offset can never read another tensor's bytes. A ``.bin`` is a zip of pickled storages: it is opened with ``torch.load(mmap=True)``,
-which maps the file and materialises nothing; slicing a tensor touches only the pages of that slice. Those pages
-are file-backed: they count in RSS while the file stays mapped, and the kernel may drop them at any time, as for
-the page cache; each .bin shard is unmapped once its tensors were read.
+is] in _header.py), so a lying offset can never read another tensor's bytes. A ``.bin`` is a zip of pickled
+storages: it is opened with ``torch.load(mmap=True)``, which maps the file and materialises nothing; slicing a
+tensor touches only the pages of that slice. Those pages are file-backed: they count in RSS while the file stays
+mapped, and the kernel may drop them at any time, as for the page cache; each .bin shard is unmapped once its
+tensors were read.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class NvmeStore:
         self._bounce = threading.local()  # one aligned bounce buffer per I/O thread
         self._sizes: dict[str, int] = {}  # key -> logical bytes of what was written
         self.checksum = bool(checksum)
-        self._crcs: dict[str, list[int]] = {}  # key -> CRC-32 of each block_size chunk written (see [Note: swap ...])
+        self._crcs: dict[str, list[int]] = {}  # key -> CRC-32 of each block_size chunk ([Note: swap checksums])
         self._bad: set[str] = set()  # keys whose last write failed: never read back
         self._in_flight: set[IoHandle] = set()
         self._closed = False
@@ -304,7 +304,8 @@ class NvmeStore:
                 raise NvmeError(errno.EIO, f"offload: {path} is corrupt: bytes [{start}, {start + length}) read back "
                                 f"with CRC-32 {crc:08x}, written with {expected_crc:08x}. The swap file was changed "
                                 "after this process wrote it (another process writing under nvme_path, or a failing "
-                                "disk); the read raised before its data could be used. Restart from the last checkpoint")
+                                "disk); the read raised before its data could be used. Restart from the last "
+                                "checkpoint")
 
     def _io(self, call, fd: int, path: str, view: memoryview, offset: int, what: str) -> None:
         done = 0
