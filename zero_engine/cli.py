@@ -1,7 +1,7 @@
 """The ``zero-engine`` command: small tools around the runtime.
 
-    zero-engine schema          print the JSON Schema of ds_config.json as we accept it
-    zero-engine ops             which fused optimizer ops can be built here, and why not
+    zero-engine schema          print the JSON Schema of ds_config.json as we accept it (--path: the shipped file)
+    zero-engine ops             which fused optimizer ops can be built here, and why not (--build: build them)
     zero-engine estimate        per-rank memory of model states per ZeRO stage and precision
     zero-engine plot            draw memory timelines (zero_engine.memory_timeline) into a PNG
     zero-engine to-fp32         a sharded checkpoint as one fp32 state dict (torch or safetensors file), offline
@@ -14,19 +14,24 @@ import json
 import sys
 
 
-def _schema(_args) -> int:
-    from .config import json_schema
+def _schema(args) -> int:
+    from .config import json_schema, schema_file
 
+    if args.path:
+        print(schema_file())
+        return 0
     json.dump(json_schema(), sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0
 
 
-def _ops(_args) -> int:
-    from .ops import op_report_text
+def _ops(args) -> int:
+    from .ops import op_report, op_report_text
 
-    print(op_report_text())
-    return 0
+    rows = op_report(build=args.build)
+    print(op_report_text(rows=rows))
+    # With --build the exit status says whether the CPU kernel built (scripts and CI can rely on it).
+    return 1 if args.build and not next(row for row in rows if row.name == "cpu_adam").available else 0
 
 
 def _plot(args) -> int:
@@ -95,8 +100,14 @@ def _to_fp32(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zero-engine", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("schema", help="print the config JSON Schema").set_defaults(run=_schema)
-    sub.add_parser("ops", help="report which fused optimizer ops are available").set_defaults(run=_ops)
+    schema = sub.add_parser("schema", help="print the config JSON Schema")
+    schema.add_argument("--path", action="store_true", help="print where the installed package keeps the schema file "
+                        "instead (to point an editor at it)")
+    schema.set_defaults(run=_schema)
+    ops = sub.add_parser("ops", help="report which fused optimizer ops are available")
+    ops.add_argument("--build", action="store_true", help="build (or load from the cache) each op that can be "
+                     "built here, so compiler errors show too; exit status 1 when cpu_adam does not build")
+    ops.set_defaults(run=_ops)
     est = sub.add_parser("estimate", help="per-rank memory of model states per ZeRO stage and precision")
     est.add_argument("model", nargs="?", help="pkg.module:factory, called with no arguments on the meta device")
     est.add_argument("--params", type=_count, help="total parameters (instead of a model)")
