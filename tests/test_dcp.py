@@ -1,0 +1,258 @@
+"""torch.distributed.checkpoint in and out: an FSDP2 run (fully_shard, gloo, CPU) moves to zero_engine at another
+world size and back, through DCP directories converted offline (zero_engine.checkpoint.from_dcp / to_dcp and
+`zero-engine convert`).
+
+The run: FSDP2 on 2 ranks trains 3 steps and saves (both layouts: the FSDP2 recipe's model/optim, and torchtitan's
+top-level model with the flattened optimizer under "optimizer"), then trains 3 more. The converted checkpoint loads
+into a ZeRO-3 engine on 3 ranks, which trains the same 3 steps and saves; that converts back to DCP, which FSDP2 on 2
+ranks loads and trains the third step from.
+
+Tolerances: conversion copies values, so what a side loads equals what the other saved bitwise (parameters, Adam's
+exp_avg, exp_avg_sq and step). Training after the move is the same math over another split of the same global batch
+(FSDP2 averages 2 half-batch gradients, the engine 3 third-batch ones) with another Adam implementation (torch's
+foreach AdamW, our CPUAdam kernel): losses within 1e-5 relative, parameters within 1e-5 relative + 1e-6 absolute.
+
+Bodies named ``_*_body`` run on every rank (module level, so the rank pool can import them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_engine
+from zero_engine.checkpoint import CheckpointError, from_dcp, to_dcp
+from zero_engine.cli import main as cli
+from zero_engine.testing import run_ranks
+
+TIMEOUT = 180
+GLOBAL_BATCH = 12  # split evenly over 2 and over 3 ranks
+ADAM = {"lr": 0.02, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+SAVE_AT, STEPS = 3, 6
+
+
+class Net(torch.nn.Module):
+    """Odd sizes (shards padded at worlds 2 and 3), a LayerNorm, a persistent buffer, and a frozen parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 7)
+        self.norm = torch.nn.LayerNorm(7)
+        self.out = torch.nn.Linear(7, 3)
+        self.frozen = torch.nn.Parameter(torch.linspace(-1, 1, 3), requires_grad=False)
+        self.register_buffer("scale", torch.tensor([1.5, 0.5, 1.0]))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.norm(self.inp(x)))) * self.scale + self.frozen
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of the global batch of ``step``."""
+    generator = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(GLOBAL_BATCH, 5, generator=generator), torch.randn(GLOBAL_BATCH, 3, generator=generator)
+    per_rank = GLOBAL_BATCH // dist.get_world_size()
+    rows = slice(dist.get_rank() * per_rank, (dist.get_rank() + 1) * per_rank)
+    return x[rows], y[rows]
+
+
+def loss_of(model, step: int) -> torch.Tensor:
+    x, y = batch(step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def global_loss(loss: torch.Tensor) -> float:
+    """The loss over the whole global batch: the mean of the ranks' equal-sized parts."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def engine_config() -> dict:
+    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 3, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": dict(ADAM, betas=list(ADAM["betas"]))},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+# ---- FSDP2 side ----------------------------------------------------------------------------------------------------
+def _fsdp2(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model.inp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trainable, lr=ADAM["lr"], betas=ADAM["betas"], eps=ADAM["eps"],
+                                    weight_decay=ADAM["weight_decay"])
+
+
+def _full_state(model, optimizer):
+    """Whole tensors on every rank: the model's state dict and the optimizer's, keyed by fully qualified name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return ({k: v.detach().clone() for k, v in model_sd.items()},
+            {fqn: {k: v.clone() for k, v in s.items()} for fqn, s in optim_sd["state"].items()})
+
+
+def _fsdp2_train_and_save_body(fsdp2_dir: str, titan_dir: str):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optimizer = _fsdp2(make_model())
+    losses, saved = [], None
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=fsdp2_dir)
+            # torchtitan: model at the top level, the optimizer flattened, the step in train_state
+            _, flat_optim = get_state_dict(model, optimizer, options=StateDictOptions(
+                flatten_optimizer_state_dict=True))
+            dcp.save({**model_sd, "optimizer": flat_optim, "train_state": {"step": torch.tensor(SAVE_AT)}},
+                     checkpoint_id=titan_dir)
+            saved = _full_state(model, optimizer)
+        loss = loss_of(model, step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(global_loss(loss))
+    return losses, saved, _full_state(model, optimizer)
+
+
+def _fsdp2_load_body(dcp_dir: str, layout: str, step: int):
+    """Load a DCP directory into a fresh FSDP2 model (another seed), return what it holds, then train one step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    torch.manual_seed(1234)
+    model, optimizer = _fsdp2(Net())
+    loss_of(model, 0).backward()  # Adam's states exist after a first step; load_state_dict replaces them
+    optimizer.step()
+    optimizer.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if layout == "fsdp2":
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=dcp_dir)
+        model_sd, optim_sd = state["model"], state["optim"]
+    else:
+        state = {**model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=dcp_dir)
+        optim_sd = state.pop("optimizer")
+        model_sd = state
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    loaded = _full_state(model, optimizer)
+    loss = loss_of(model, step)
+    loss.backward()
+    optimizer.step()
+    return loaded, global_loss(loss), _full_state(model, optimizer)
+
+
+# ---- zero_engine side ----------------------------------------------------------------------------------------------
+def _engine_full_state(engine):
+    """Whole fp32 parameters and Adam states, gathered from every rank's shards."""
+    from zero_engine.checkpoint._views import param_views
+
+    params, states = {}, {}
+    optimizer = engine.optimizer.optimizer
+    for v in param_views(engine):
+        n = v.stop - v.start
+        pieces = {"param": (v.master if v.master is not None else v.shard)[:n]}
+        if v.opt_param is not None:
+            pieces.update({k: s.reshape(-1)[:n] for k, s in optimizer.state[v.opt_param].items() if s.dim() > 0})
+        for key, piece in pieces.items():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, piece.clone())
+            whole = torch.cat(gathered).view(v.info.shape)
+            if key == "param":
+                params[v.info.name] = whole
+            else:
+                states.setdefault(v.info.name, {})[key] = whole
+        if v.opt_param is not None:
+            states[v.info.name]["step"] = optimizer.state[v.opt_param]["step"].clone()
+    return params, states
+
+
+def _engine_resume_body(ours_dir: str, save_dir: str):
+    torch.manual_seed(99)  # another initialisation: everything must come from the checkpoint
+    engine, _, _, _ = zero_engine.initialize(model=Net(), config=engine_config())
+    engine.load_checkpoint(ours_dir)
+    loaded = _engine_full_state(engine)
+    losses = []
+    for step in range(SAVE_AT, STEPS):
+        if step == STEPS - 1:
+            engine.save_checkpoint(save_dir)
+            at_save = _engine_full_state(engine)
+        loss = loss_of(engine, step)
+        engine.backward(loss)
+        engine.step()
+        losses.append(global_loss(loss))
+    return (engine.global_steps, type(engine.optimizer.optimizer).__name__, loaded, losses, at_save,
+            _engine_full_state(engine))
+
+
+# ---- the tests -----------------------------------------------------------------------------------------------------
+PARAMS = ("inp.weight", "inp.bias", "norm.weight", "norm.bias", "out.weight", "out.bias", "frozen")
+TRAINABLE = PARAMS[:-1]
+
+
+def assert_states_equal(actual, expected, what: str, exact: bool = True):
+    """Parameters and Adam states (exp_avg, exp_avg_sq, step) of every parameter: bitwise, or within 1e-5."""
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    (params, states), (expected_params, expected_states) = actual, expected
+    assert sorted(states) == sorted(expected_states) == sorted(TRAINABLE), (what, sorted(states))
+    for name in PARAMS:
+        torch.testing.assert_close(params[name], expected_params[name], **tol, msg=lambda m: f"{what}: {name}: {m}")
+    for name, entry in expected_states.items():
+        assert sorted(states[name]) == sorted(entry) == ["exp_avg", "exp_avg_sq", "step"], (what, name)
+        for key, value in entry.items():
+            torch.testing.assert_close(states[name][key].float(), value.float(), **tol,
+                                       msg=lambda m: f"{what}: {name} {key}: {m}")
+
+
+def test_fsdp2_to_zero_engine_and_back(tmp_path):
+    fsdp2_dir, titan_dir = str(tmp_path / "fsdp2"), str(tmp_path / "titan")
+    (fsdp2_losses, at_save, fsdp2_final), _ = run_ranks(_fsdp2_train_and_save_body, 2, fsdp2_dir, titan_dir,
+                                                        timeout=TIMEOUT)
+
+    # DCP -> ours, offline: the command line with the model (for the buffer), and the Python function for torchtitan
+    config_file = tmp_path / "ds_config.json"
+    config_file.write_text(json.dumps(engine_config()))
+    assert cli(["convert", fsdp2_dir, str(tmp_path / "ours"), "--config", str(config_file),
+                "--model", "test_dcp:make_model", "--world-size", "2"]) == 0
+    titan_ours = from_dcp(titan_dir, tmp_path / "ours_titan", engine_config(), model=make_model())
+    assert titan_ours.endswith(f"global_step{SAVE_AT}")  # the step from torchtitan's train_state
+
+    runs = {}
+    for name in ("ours", "ours_titan"):
+        runs[name] = run_ranks(_engine_resume_body, 3, str(tmp_path / name), str(tmp_path / f"{name}_next"),
+                               timeout=TIMEOUT)[0]
+    for name, (global_steps, optimizer, loaded, losses, _, final) in runs.items():
+        assert global_steps == STEPS and optimizer == "CPUAdam", (name, global_steps, optimizer)
+        assert_states_equal(loaded, at_save, f"{name}: loaded into the engine")
+        for ours, theirs in zip(losses, fsdp2_losses[SAVE_AT:]):
+            assert math.isclose(ours, theirs, rel_tol=1e-5), (name, losses, fsdp2_losses[SAVE_AT:])
+        assert_states_equal(final, fsdp2_final, f"{name}: the engine's steps vs FSDP2's", exact=False)
+    _, _, _, engine_losses, engine_at_save, engine_final = runs["ours"]
+
+    # ours -> DCP, both layouts, and FSDP2 (another world size than the engine's) takes the last step from each
+    back = str(tmp_path / "back")
+    assert cli(["convert", str(tmp_path / "ours_next"), back]) == 0
+    titan_back = to_dcp(tmp_path / "ours_titan_next", tmp_path / "titan_back", layout="torchtitan")
+    for directory, layout in ((back, "fsdp2"), (titan_back, "torchtitan")):
+        (loaded, loss, final), _ = run_ranks(_fsdp2_load_body, 2, directory, layout, STEPS - 1, timeout=TIMEOUT)
+        assert_states_equal(loaded, engine_at_save, f"{layout}: loaded into FSDP2")
+        # the last step, taken by FSDP2 from the converted checkpoint and by the engine
+        assert math.isclose(loss, engine_losses[-1], rel_tol=1e-6), (layout, loss, engine_losses)
+        assert_states_equal(final, engine_final, f"{layout}: FSDP2's last step vs the engine's", exact=False)
+        assert_states_equal(final, fsdp2_final, f"{layout}: FSDP2 after the round trip vs uninterrupted",
+                            exact=False)
