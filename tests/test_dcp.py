@@ -27,7 +27,7 @@ import torch.distributed as dist
 import zero_engine
 from zero_engine.checkpoint import CheckpointError, from_dcp, to_dcp
 from zero_engine.cli import main as cli
-from zero_engine.testing import run_ranks
+from zero_engine.testing import RankError, run_ranks
 
 TIMEOUT = 180
 GLOBAL_BATCH = 12  # split evenly over 2 and over 3 ranks
@@ -159,15 +159,21 @@ def _fsdp2_load_body(dcp_dir: str, layout: str, step: int):
 
 # ---- zero_engine side ----------------------------------------------------------------------------------------------
 def _engine_full_state(engine):
-    """Whole fp32 parameters and Adam states, gathered from every rank's shards."""
+    """Whole fp32 parameters and Adam states, gathered from every rank's shards (stage 0: rank 0's copies)."""
     from zero_engine.checkpoint._views import param_views
 
     params, states = {}, {}
     optimizer = engine.optimizer.optimizer
     for v in param_views(engine):
+        if engine.stage == 0:
+            params[v.info.name] = v.param.detach().clone()
+            if optimizer.state.get(v.opt_param):
+                states[v.info.name] = {k: s.clone() for k, s in optimizer.state[v.opt_param].items()}
+            continue
         n = v.stop - v.start
         pieces = {"param": (v.master if v.master is not None else v.shard)[:n]}
-        if v.opt_param is not None:
+        state = optimizer.state.get(v.opt_param, {}) if v.opt_param is not None else {}
+        if state:
             pieces.update({k: s.reshape(-1)[:n] for k, s in optimizer.state[v.opt_param].items() if s.dim() > 0})
         for key, piece in pieces.items():
             gathered = [None] * dist.get_world_size()
@@ -177,9 +183,25 @@ def _engine_full_state(engine):
                 params[v.info.name] = whole
             else:
                 states.setdefault(v.info.name, {})[key] = whole
-        if v.opt_param is not None:
-            states[v.info.name]["step"] = optimizer.state[v.opt_param]["step"].clone()
+        if state:
+            states[v.info.name]["step"] = state["step"].clone()
     return params, states
+
+
+def _engine_load_body(ours_dir: str, config: dict, module_only: bool):
+    """Load a converted checkpoint at the config's stage and dtype; what it holds, and its 16-bit shards' fidelity."""
+    from zero_engine.checkpoint._views import param_views
+
+    torch.manual_seed(99)
+    engine, _, _, _ = zero_engine.initialize(model=Net(), config=config)
+    engine.load_checkpoint(ours_dir, load_module_only=module_only)
+    compute_is_master_cast = all(torch.equal(v.shard, v.master.to(v.shard.dtype)) for v in param_views(engine)
+                                 if v.master is not None)
+    loaded = _engine_full_state(engine)
+    loss = loss_of(engine, SAVE_AT)
+    engine.backward(loss)
+    engine.step()
+    return loaded, compute_is_master_cast, engine.global_steps, global_loss(loss)
 
 
 def _engine_resume_body(ours_dir: str, save_dir: str):
@@ -211,7 +233,8 @@ def assert_states_equal(actual, expected, what: str, exact: bool = True):
     (params, states), (expected_params, expected_states) = actual, expected
     assert sorted(states) == sorted(expected_states) == sorted(TRAINABLE), (what, sorted(states))
     for name in PARAMS:
-        torch.testing.assert_close(params[name], expected_params[name], **tol, msg=lambda m: f"{what}: {name}: {m}")
+        torch.testing.assert_close(params[name].float(), expected_params[name], **tol,
+                                   msg=lambda m: f"{what}: {name}: {m}")
     for name, entry in expected_states.items():
         assert sorted(states[name]) == sorted(entry) == ["exp_avg", "exp_avg_sq", "step"], (what, name)
         for key, value in entry.items():
@@ -219,10 +242,17 @@ def assert_states_equal(actual, expected, what: str, exact: bool = True):
                                        msg=lambda m: f"{what}: {name} {key}: {m}")
 
 
-def test_fsdp2_to_zero_engine_and_back(tmp_path):
-    fsdp2_dir, titan_dir = str(tmp_path / "fsdp2"), str(tmp_path / "titan")
-    (fsdp2_losses, at_save, fsdp2_final), _ = run_ranks(_fsdp2_train_and_save_body, 2, fsdp2_dir, titan_dir,
-                                                        timeout=TIMEOUT)
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory):
+    """FSDP2 on 2 ranks: DCP directories saved after SAVE_AT steps (both layouts), its losses and states."""
+    directory = tmp_path_factory.mktemp("fsdp2_run")
+    fsdp2_dir, titan_dir = str(directory / "fsdp2"), str(directory / "titan")
+    (losses, at_save, final), _ = run_ranks(_fsdp2_train_and_save_body, 2, fsdp2_dir, titan_dir, timeout=TIMEOUT)
+    return fsdp2_dir, titan_dir, losses, at_save, final
+
+
+def test_fsdp2_to_zero_engine_and_back(tmp_path, fsdp2_run):
+    fsdp2_dir, titan_dir, fsdp2_losses, at_save, fsdp2_final = fsdp2_run
 
     # DCP -> ours, offline: the command line with the model (for the buffer), and the Python function for torchtitan
     config_file = tmp_path / "ds_config.json"
@@ -256,3 +286,63 @@ def test_fsdp2_to_zero_engine_and_back(tmp_path):
         assert_states_equal(final, engine_final, f"{layout}: FSDP2's last step vs the engine's", exact=False)
         assert_states_equal(final, fsdp2_final, f"{layout}: FSDP2 after the round trip vs uninterrupted",
                             exact=False)
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (1, "bf16"), (3, "fp16")])
+def test_converted_checkpoint_loads_at_other_stages_and_dtypes(tmp_path, fsdp2_run, stage, dtype):
+    """16-bit runs get fp32 masters equal to the DCP values and compute shards cast from them; stage 0 replicates."""
+    fsdp2_dir, _, fsdp2_losses, at_save, _ = fsdp2_run
+    config = dict(engine_config(), train_micro_batch_size_per_gpu=GLOBAL_BATCH // 2,
+                  zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0})
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    from_dcp(fsdp2_dir, tmp_path / "ours", config, model=make_model(), world_size=3)
+    loaded, cast, global_steps, loss = run_ranks(_engine_load_body, 2, str(tmp_path / "ours"), config, False,
+                                                 timeout=TIMEOUT)[0]
+    # a frozen parameter has no fp32 master in 16-bit training: it is kept in the compute dtype
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    expected = (dict(at_save[0], frozen=at_save[0]["frozen"].to(compute).float()), at_save[1])
+    assert_states_equal(loaded, expected, f"stage {stage} {dtype}")
+    assert cast and global_steps == SAVE_AT + 1
+    # the forward runs in the compute dtype: 16-bit rounding of the parameters and activations
+    assert math.isclose(loss, fsdp2_losses[SAVE_AT], rel_tol=1e-5 if dtype == "fp32" else 2e-2), (loss, fsdp2_losses)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process, as intended
+def test_weights_only_dcp_loads_with_load_module_only(tmp_path, fsdp2_run):
+    """torchtitan's last checkpoint (model_weights_only) has no optimizer: the weights load, the optimizer is fresh;
+    a full resume from it is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    fsdp2_dir, _, fsdp2_losses, at_save, _ = fsdp2_run
+    model_sd = {k: v.clone() for k, v in at_save[0].items()}
+    dcp.save(model_sd, checkpoint_id=str(tmp_path / "weights"), no_dist=True)  # top level, as torchtitan's
+    from_dcp(tmp_path / "weights", tmp_path / "ours", engine_config(), model=make_model())
+    loaded, _, _, loss = run_ranks(_engine_load_body, 2, str(tmp_path / "ours"), engine_config(), True,
+                                   timeout=TIMEOUT)[0]
+    for name in PARAMS:
+        assert torch.equal(loaded[0][name], at_save[0][name]), name
+    assert loaded[1] == {}  # no optimizer state loaded: it starts fresh at the next step
+    assert math.isclose(loss, fsdp2_losses[SAVE_AT], rel_tol=1e-5)
+    with pytest.raises(RankError, match="the optimizer had 0 param groups; this one has 1"):
+        run_ranks(_engine_load_body, 2, str(tmp_path / "ours"), engine_config(), False, timeout=TIMEOUT)
+
+
+def test_conversion_refusals(tmp_path, fsdp2_run):
+    fsdp2_dir = fsdp2_run[0]
+    with pytest.raises(CheckpointError, match="not a torch.distributed.checkpoint directory"):
+        from_dcp(tmp_path, tmp_path / "ours", engine_config())
+    other = torch.nn.Sequential(torch.nn.Linear(5, 7))
+    with pytest.raises(CheckpointError, match=r"does not fit the model: missing \['0.weight', '0.bias'\]"):
+        from_dcp(fsdp2_dir, tmp_path / "ours", engine_config(), model=other)
+    wider = make_model()
+    wider.out = torch.nn.Linear(7, 4)
+    with pytest.raises(CheckpointError, match=r"out.weight: \[3, 7\] in the checkpoint, \[4, 7\] in the model"):
+        from_dcp(fsdp2_dir, tmp_path / "ours", engine_config(), model=wider)
+    with pytest.raises(SystemExit, match="needs --config"):
+        cli(["convert", fsdp2_dir, str(tmp_path / "ours")])
+    ours = from_dcp(fsdp2_dir, tmp_path / "ours", engine_config(), model=make_model())
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        to_dcp(ours, tmp_path / "taken")

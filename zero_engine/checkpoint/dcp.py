@@ -33,12 +33,14 @@ dict (parameters and optimizer states) in host memory, as DCP's own dcp_to_torch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +49,7 @@ import torch.nn as nn
 from ._atomic import check_tag, create_staging, publish, remove_stale_staging, write_latest
 from ._consolidate import _locate
 from ._errors import CheckpointError
-from ._load import _load_engine_state
+from ._load import _ADAM_STATE_ALIKE, _load_engine_state
 from ._metadata import (ENGINE_STATE_FILE, FORMAT, GRADS_NONE, BufferInfo, CheckpointMeta, ParamInfo, rank_file_name,
                         read_metadata, state_dict_layout, write_metadata)
 from ._reader import CheckpointReader, verify_files
@@ -85,6 +87,14 @@ class _DcpSource:
                                            for k in keys})
 
 
+@contextlib.contextmanager
+def _single_process():
+    """DCP warns that it assumes a single process when none is initialized: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _load_keys(directory: str, state: dict) -> dict:
     """Fill ``state`` (DCP's own flat keys: tensors to read into, None for pickled values) from the directory."""
     import torch.distributed.checkpoint as dcp
@@ -100,8 +110,9 @@ def _load_keys(directory: str, state: dict) -> dict:
             values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
     # No process group: one process reads whole tensors (in place), whatever world size wrote them.
-    dcp.load(state, storage_reader=FileSystemReader(directory), planner=KeepValues(flatten_state_dict=False),
-             no_dist=True)
+    with _single_process():
+        dcp.load(state, storage_reader=FileSystemReader(directory), planner=KeepValues(flatten_state_dict=False),
+                 no_dist=True)
     state.update(values)
     return state
 
@@ -220,7 +231,8 @@ def from_dcp(dcp_dir, save_dir, config, tag: str | None = None, model: nn.Module
             only chooses how the data is split across files.
 
     The LR scheduler, loss scaler and RNG states are not in DCP's model/optimizer state: the loading engine keeps
-    its own (a scheduler built from the config starts from its beginning: give it the step if it depends on it).
+    its own (a scheduler from the config starts at its first step; the param groups' saved ``lr`` holds until the
+    scheduler's first step sets it).
     """
     from ..config import load_config
 
@@ -243,6 +255,9 @@ def from_dcp(dcp_dir, save_dir, config, tag: str | None = None, model: nn.Module
         raise
     if save_latest:
         write_latest(save_dir, tag)
+    if not source.param_groups:
+        log.warning("%s holds no optimizer state (a weights-only checkpoint): load %s with "
+                    "load_checkpoint(..., load_module_only=True)", source.directory, final)
     log.info("converted %s (%s layout) to %s: %d parameters, stage %d, %s, %d rank files", source.directory,
              source.layout, final, len(meta.params), meta.stage, meta.compute_dtype, world_size)
     return final
@@ -330,7 +345,7 @@ def _write_converted(source: _DcpSource, entries: list[_Entry], cfg, world: int,
         tag=tag, world_size=world, partition_world_size=partition_world, stage=stage, compute_dtype=dtype_key,
         params=tuple(params), buffers=tuple(buffers),
         state_dict_keys=tuple((e.key, e.kind, e.name) for e in entries), masters=masters, gradients=GRADS_NONE,
-        optimizer=_optimizer_name(source.param_groups), files=files,
+        optimizer=_optimizer_name(source.param_groups, source.directory), files=files,
         counters={"global_steps": step, "micro_steps": step * gas, "skipped_steps": 0,
                   "global_samples": step * cfg.train_batch_size},
         config=cfg.model_dump(mode="json"),
@@ -339,10 +354,16 @@ def _write_converted(source: _DcpSource, entries: list[_Entry], cfg, world: int,
     return meta
 
 
-def _optimizer_name(groups: list[dict]) -> str:
-    """torch's class name for the groups' Adam flavour; load_checkpoint accepts it for any Adam implementation."""
-    decoupled = any(g.get("decoupled_weight_decay", g.get("adamw_mode", True)) for g in groups)
-    return "AdamW" if decoupled or not groups else "Adam"
+def _optimizer_name(groups: list[dict], directory: str) -> str:
+    """The torch optimizer class the param groups belong to (DCP does not record it); for Adam, load_checkpoint
+    accepts the name for any Adam implementation (torch's, CPUAdam, FusedAdam)."""
+    if not groups or all("betas" in g for g in groups):
+        decoupled = any(g.get("decoupled_weight_decay", g.get("adamw_mode", True)) for g in groups)
+        return "AdamW" if decoupled or not groups else "Adam"
+    if all("momentum" in g and "nesterov" in g for g in groups):
+        return "SGD"
+    raise NotImplementedError(f"{directory}: an optimizer with param group keys {sorted(groups[0])} is not supported "
+                              "yet (Adam, AdamW and SGD are)")
 
 
 def _split_state(source: _DcpSource, info: ParamInfo) -> tuple[dict[str, str], dict[str, str]]:
@@ -437,10 +458,15 @@ def to_dcp(checkpoint_dir, dcp_dir, tag: str | None = None, layout: str = "fsdp2
     meta = read_metadata(path)
     if verify:
         verify_files(path, meta)
+    if meta.gradients != GRADS_NONE:
+        log.warning("to_dcp: %s was saved in the middle of gradient accumulation; the accumulated gradients are not "
+                    "converted (DCP state dicts hold none)", path)
     engine_state = _load_engine_state(path, meta)
     with CheckpointReader(path, meta) as reader:
         model_sd, optim_state = _read_ours(reader)
-    groups = [_torch_adam_group(group, path) for group in engine_state["param_groups"]]
+    groups = engine_state["param_groups"]
+    if meta.optimizer in _ADAM_STATE_ALIKE:
+        groups = [_torch_adam_group(group, path) for group in groups]
     step = meta.counters.get("global_steps", 0)
     if layout == "fsdp2":
         state = {"model": model_sd, "optim": {"state": optim_state, "param_groups": groups}}
@@ -451,7 +477,8 @@ def to_dcp(checkpoint_dir, dcp_dir, tag: str | None = None, layout: str = "fsdp2
         # torchtitan (since 0.3) keeps the model's fqns at the top level; train_state.step as its TrainState has it
         state = {**model_sd, "optimizer": flat, "train_state": {"step": torch.tensor(step, dtype=torch.int32)}}
     os.makedirs(dcp_dir, exist_ok=True)
-    dcp.save(state, storage_writer=FileSystemWriter(dcp_dir), no_dist=True)  # one process writes whole tensors
+    with _single_process():
+        dcp.save(state, storage_writer=FileSystemWriter(dcp_dir), no_dist=True)  # one process writes whole tensors
     log.info("wrote %s (%s layout) from %s: %d model tensors in fp32, step %d", dcp_dir, layout, path,
              len(model_sd), step)
     return dcp_dir
