@@ -172,8 +172,8 @@ def suite_precision(work):
     check(lrs[0] == lrs[engine.skipped_steps] == 1e-2, f"fp16: the LR moved during skipped steps: {lrs}")
 
 
-def suite_best_and_peft(work):
-    """load_best_model_at_end (here the eval loss rises: the best is the first step's, not the last); PEFT LoRA."""
+def suite_best(work):
+    """load_best_model_at_end (here the eval loss rises: the best is the first step's, not the last)."""
     best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, max_steps=3,
                 load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)
     zero = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/best", **best), train_dataset=Tokens(22),
@@ -184,11 +184,10 @@ def suite_best_and_peft(work):
           f"evals {evals}")
     close(zero.evaluate()["eval_loss"], zero.state.best_metric, 1e-6, "load_best_model_at_end")
 
-    try:
-        import peft
-    except ImportError:
-        print("SKIP peft: not installed")
-        return
+
+def suite_peft(work):
+    """PEFT LoRA: frozen base weights partitioned, adapters trained as under DDP; the adapter saved and reloaded."""
+    import peft
 
     def lora():
         model = tiny_llama()
@@ -215,28 +214,30 @@ def suite_best_and_peft(work):
 
 
 def suite_sft(work):
-    """TRL's SFTTrainer through the mixin against plain SFTTrainer, on a pre-tokenized dataset."""
+    """TRL's SFTTrainer through the mixin against plain SFTTrainer (pre-tokenized data, TRL's default fused LM
+    head and activation checkpointing), at each stage in SFT_STAGES; prints "OK sft-stageN" after each."""
     import datasets
     import trl
 
     class ZeroSFTTrainer(ZeroTrainerMixin, trl.SFTTrainer):
         pass
 
-    ids = Tokens(22).ids.tolist()
-    train = datasets.Dataset.from_dict({"input_ids": ids})
-    stage = int(os.environ.get("SFT_STAGE", "3"))
-    config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    runs = {}
-    for name, cls, kwargs in (("plain", trl.SFTTrainer, {}), ("zero", ZeroSFTTrainer, {"zero_config": config})):
-        args = trl.SFTConfig(output_dir=f"{work}/sft-{name}", per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
-                             report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
-                             max_grad_norm=0.5, dataset_num_proc=None, max_length=None,
-                             bf16=False)  # SFTConfig turns bf16 on by default; fp32 compares to 1e-4
-        trainer = cls(model=tiny_llama(), args=args, train_dataset=train, processing_class=tokenizer(), **kwargs)
-        trainer.train()
-        runs[name] = history(trainer, ("loss", "grad_norm", "learning_rate", "mean_token_accuracy"))
-    close(runs["zero"], runs["plain"], 1e-4, f"SFTTrainer stage {stage}")
+    train = datasets.Dataset.from_dict({"input_ids": Tokens(22).ids.tolist()})
+    for stage in (int(s) for s in os.environ.get("SFT_STAGES", "2,3").split(",")):
+        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        runs = {}
+        for name, cls, kwargs in (("plain", trl.SFTTrainer, {}), ("zero", ZeroSFTTrainer, {"zero_config": config})):
+            args = trl.SFTConfig(output_dir=f"{work}/sft{stage}-{name}", per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                                 report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
+                                 max_grad_norm=0.5, dataset_num_proc=None, max_length=None,
+                                 bf16=False)  # SFTConfig turns bf16 on by default; fp32 compares to 1e-4
+            trainer = cls(model=tiny_llama(), args=args, train_dataset=train, processing_class=tokenizer(), **kwargs)
+            trainer.train()
+            runs[name] = history(trainer, ("loss", "grad_norm", "learning_rate", "mean_token_accuracy"))
+        close(runs["zero"], runs["plain"], 1e-4, f"SFTTrainer stage {stage}")
+        if dist.get_rank() == 0:
+            print(f"OK sft-stage{stage}", flush=True)
 
 
 def tokenizer():

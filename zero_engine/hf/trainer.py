@@ -51,7 +51,6 @@ CHECKPOINT_TAG = "zero_engine"  # the engine checkpoint's directory inside check
 
 # TrainingArguments this class cannot honour, with the reason (checked at construction).
 _REFUSED_ARGS = {
-    "deepspeed": "zero_config replaces it: leave TrainingArguments.deepspeed unset and pass zero_config=",
     "fsdp": "FSDP and ZeRO both partition the model: use one (zero_config's zero_optimization.stage 3)",
     "auto_find_batch_size": "the engine is built once for one micro-batch size",
     "torch_compile": "the ZeRO-3 hooks gather and release around each module; not supported yet",
@@ -73,10 +72,15 @@ def _check_transformers_version():
 
 
 def _refuse_unsupported(args) -> None:
+    if getattr(args, "deepspeed", None):
+        raise ValueError(f"TrainingArguments.deepspeed={args.deepspeed!r} with ZeroTrainer: zero_config replaces it "
+                         "(Accelerate's DeepSpeed path would start DeepSpeed itself); leave deepspeed unset and pass "
+                         "the same file as ZeroTrainer(..., zero_config=...)")
     for name, why in _REFUSED_ARGS.items():
         if getattr(args, name, None):
             raise NotImplementedError(f"TrainingArguments.{name}={getattr(args, name)!r} with ZeroTrainer: {why}")
-    if str(getattr(args, "lr_scheduler_type", "")).endswith("reduce_lr_on_plateau"):
+    schedule = getattr(args, "lr_scheduler_type", None)
+    if getattr(schedule, "value", schedule) == "reduce_lr_on_plateau":
         raise NotImplementedError("TrainingArguments.lr_scheduler_type='reduce_lr_on_plateau' with ZeroTrainer: "
                                   "the engine steps the schedule after each applied step; use another schedule")
     if args.save_only_model and args.load_best_model_at_end:
