@@ -56,6 +56,8 @@ _REFUSED_ARGS = {
     "torch_compile": "the ZeRO-3 hooks gather and release around each module; not supported yet",
     "use_liger_kernel": "Liger's fused kernels read weights outside their modules' forward; not supported yet",
     "neftune_noise_alpha": "not supported yet with ZeroTrainer",
+    # TRL's SFTConfig: its offloading context wraps training_step, which ZeroTrainerMixin replaces
+    "activation_offloading": "not supported yet with ZeroTrainerMixin (it replaces training_step)",
 }
 
 
