@@ -110,6 +110,8 @@ def suite_stage3(work):
     zero.train()
     close(history(zero), history(plain), 1e-4, "stage 3 log history")
     check(len([h for h in history(zero) if "loss" in h]) == 4, f"expected 4 steps: {history(zero)}")
+    check(zero.state.total_flos == plain.state.total_flos > 0, f"total_flos {zero.state.total_flos} != "
+          f"{plain.state.total_flos}")
 
     ckpt = f"{work}/s3-zero/checkpoint-2"
     check(os.path.isdir(f"{ckpt}/zero_engine") and os.path.isfile(f"{ckpt}/model.safetensors"),

@@ -39,6 +39,7 @@ import os
 import torch
 
 from ..zero.gathered import GatheredParameters
+from ..zero.partition import sharded_param_of
 from ._trainer_config import config_for_trainer, scheduler_params_for
 from ._transformers import require_transformers
 
@@ -296,6 +297,18 @@ class ZeroTrainerMixin:
     def _get_grad_norm(self, model, grad_norm=None):
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else None
+
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's estimate (6 x input tokens x non-embedding parameters) with the parameters' full sizes:
+        a partitioned parameter's own ``numel()`` is its empty placeholder's."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        model = self.model
+        embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+        params = sum(sp.numel if (sp := sharded_param_of(p)) is not None else p.numel()
+                     for p in model.parameters() if id(p) not in embeddings)
+        return 6 * inputs[main_input].numel() * params
 
     # ---- saving and loading ---------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
