@@ -133,7 +133,6 @@ def test_zero_config_completed_from_training_arguments(tmp_path):
 
 
 def test_importing_zero_engine_hf_does_not_import_transformers():
-    code = ("import sys, zero_engine.hf; assert 'transformers' not in sys.modules, 'imported'; "
-            "zero_engine.hf.ZeroTrainer; assert 'transformers' in sys.modules")
+    code = "import sys, zero_engine.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
                    env=dict(os.environ, PYTHONPATH=REPO))
