@@ -145,11 +145,36 @@ def suite_stage3(work):
 
 
 def suite_stages12(work):
-    """Stages 1 and 2 (parameters whole, gradients reduced at the boundary / in every backward)."""
+    """Stages 1 and 2 (parameters whole, gradients reduced at the boundary / in every backward); then the config's
+    own optimizer and scheduler blocks with "auto" values, filled from the arguments and stepped by the engine."""
     for stage in (1, 2):
         plain, zero = plain_and_zero(work, f"s{stage}", {"zero_optimization": {"stage": stage}}, max_steps=3)
         zero.train()
         close(history(zero), history(plain), 1e-4, f"stage {stage} log history")
+
+    from zero_engine.schedulers import build_scheduler
+
+    auto = "auto"
+    schedule = {"warmup_min_lr": auto, "warmup_max_lr": auto, "warmup_num_steps": auto, "total_num_steps": auto,
+                "warmup_type": "linear"}
+    config = {"zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": auto, "betas": auto, "weight_decay": auto}},
+              "scheduler": {"type": "WarmupDecayLR", "params": schedule}}
+    zero = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/blocks", max_steps=4, warmup_steps=2,
+                                                              adam_beta2=0.95, weight_decay=0.01),
+                       train_dataset=Tokens(22), zero_config=config)
+    zero.train()
+    group = zero.engine.optimizer.param_groups[0]
+    check(tuple(group["betas"]) == (0.9, 0.95) and group["weight_decay"] == 0.01, f"optimizer block: {group}")
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    reference = build_scheduler("WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2,
+                                                  "total_num_steps": 4, "warmup_type": "linear"}, probe)
+    expected = []
+    for _ in range(4):
+        expected.append(probe.param_groups[0]["lr"])
+        reference.step()
+    lrs = [h["learning_rate"] for h in history(zero) if "loss" in h]
+    close(lrs, expected, 1e-9, "scheduler block: learning rates")
 
 
 def suite_precision(work):
