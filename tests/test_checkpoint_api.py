@@ -17,24 +17,15 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import zero_engine
 import zero_engine as deepspeed
 from zero_engine.checkpoint import CheckpointError, _atomic, verify_checkpoint
 from zero_engine.testing import run_ranks
 
+from test_deepspeed_api import Small  # a frozen layer too: frozen parameters are saved and converted
+
 TIMEOUT = 120
-
-
-class Small(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 10)
-        self.b = nn.Linear(10, 3)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x))).pow(2).mean()
 
 
 def make_engine(stage=3, **extra):
