@@ -9,9 +9,8 @@ Bodies named ``_*_body`` run on simulated ranks.
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
 import subprocess
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -107,24 +106,46 @@ def test_version_parts(text, parts):
     assert _version.parse_version(text) == parts
 
 
-def test_git_info_is_unknown_without_a_build_and_read_from_it(monkeypatch):
-    monkeypatch.delitem(sys.modules, "zero_engine._git_info", raising=False)
-    if not (Path(_version.__file__).parent / "_git_info.py").exists():
-        assert _version.git_info() == ("unknown", "unknown")
-    built = types.ModuleType("zero_engine._git_info")
-    built.git_hash, built.git_branch = "abc1234", "main"
-    monkeypatch.setitem(sys.modules, "zero_engine._git_info", built)
-    assert _version.git_info() == ("abc1234", "main")
+def test_git_info_of_this_checkout_is_what_git_says():
+    if not (REPO / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    said = [subprocess.run(["git", "rev-parse", *args, "HEAD"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.strip() for args in (["--short=7"], ["--abbrev-ref"])]
+    assert (deepspeed.__git_hash__, deepspeed.__git_branch__) == tuple(said) == _version.git_info()
 
 
-def test_the_build_records_the_version_and_the_commit(tmp_path):
-    """setup.py reads the version from zero_engine/_version.py and writes _git_info.py into the built package."""
-    subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path), "build_py",
-                    "--build-lib", str(tmp_path / "lib")], cwd=REPO, check=True, capture_output=True, timeout=120)
-    written = (tmp_path / "lib" / "zero_engine" / "_git_info.py").read_text()
-    namespace: dict = {}
-    exec(written, namespace)
-    assert isinstance(namespace["git_hash"], str) and namespace["git_hash"]
-    assert isinstance(namespace["git_branch"], str) and namespace["git_branch"]
-    pkg_info = next(tmp_path.glob("*.egg-info")) / "PKG-INFO"
-    assert f"Version: {_version.VERSION}\n" in pkg_info.read_text()
+def test_git_info_reads_loose_packed_detached_and_worktree_checkouts(tmp_path):
+    commit, other = "0123456789abcdef0123456789abcdef01234567", "fedcba9876543210fedcba9876543210fedcba98"
+    main = tmp_path / "repo" / ".git"
+    (main / "refs" / "heads").mkdir(parents=True)
+    (main / "HEAD").write_text("ref: refs/heads/main\n")
+    (main / "refs" / "heads" / "main").write_text(commit + "\n")
+    assert _version.git_info(main.parent) == ("0123456", "main")
+    (main / "refs" / "heads" / "main").unlink()  # after `git gc`: in packed-refs
+    (main / "packed-refs").write_text(f"# pack-refs with: peeled\n{commit} refs/heads/main\n")
+    assert _version.git_info(main.parent) == ("0123456", "main")
+    (main / "HEAD").write_text(other + "\n")  # detached
+    assert _version.git_info(main.parent) == ("fedcba9", "HEAD")
+    worktree_git = main / "worktrees" / "wt"  # `git worktree add`: .git is a file; branches in the main repository
+    worktree_git.mkdir(parents=True)
+    (worktree_git / "HEAD").write_text("ref: refs/heads/feature/x\n")
+    (worktree_git / "commondir").write_text("../..\n")
+    (main / "refs" / "heads" / "feature").mkdir()
+    (main / "refs" / "heads" / "feature" / "x").write_text(other + "\n")
+    (tmp_path / "wt").mkdir()
+    (tmp_path / "wt" / ".git").write_text(f"gitdir: {worktree_git}\n")
+    assert _version.git_info(tmp_path / "wt") == ("fedcba9", "feature/x")
+    assert _version.git_info(tmp_path / "no-checkout") == ("unknown", "unknown")  # an installed wheel
+    (main / "HEAD").write_text("ref: refs/heads/unborn\n")  # a branch without commits
+    assert _version.git_info(main.parent) == ("unknown", "unknown")
+
+
+def test_the_build_reads_the_version_from_the_one_place_it_is_written():
+    """pyproject.toml declares the version dynamic, read by setuptools (statically) from zero_engine/_version.py."""
+    from setuptools.config.expand import read_attr
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" in project["project"]["dynamic"] and "version" not in project["project"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert read_attr(attr, root_dir=str(REPO)) == _version.VERSION

@@ -1,18 +1,22 @@
-"""The package version and the build's git commit, under DeepSpeed's names (``deepspeed.__version__``,
+"""The package version and the git commit, under DeepSpeed's names (``deepspeed.__version__``,
 ``__version_major__``..., ``__git_hash__``, ``__git_branch__``; read by scripts, bug-report tools and version checks).
 
-``VERSION`` below is the one place the version is written: the build reads it from this file (setup.py), so the
+``VERSION`` below is the one place the version is written: pyproject.toml's build reads it from this file, so the
 installed distribution's metadata carries the same string. ``__version__`` is that metadata when zero_engine is
-installed, else ``VERSION`` (a source checkout on the path). The git commit and branch are known only at build time:
-the build writes them into ``_git_info.py`` (never run git at import: it is slow, and fails loudly outside a
-checkout); without that file they are "unknown", as in DeepSpeed's own builds without git.
+installed, else ``VERSION`` (a source checkout on the path, not installed).
+
+The commit and branch are those of the git checkout zero_engine is imported from (a source tree, an editable
+install), read from its ``.git`` files: git itself is never run at import (a subprocess is slow, and fails loudly
+outside a checkout). An installed wheel has no checkout: "unknown", as DeepSpeed's builds without git say.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 VERSION = "0.1.0"
+UNKNOWN = "unknown"
 
 
 def installed_version() -> str:
@@ -32,10 +36,39 @@ def parse_version(version: str) -> tuple[int, int, int]:
     return tuple(int(part or 0) for part in match.groups())  # type: ignore[return-value]
 
 
-def git_info() -> tuple[str, str]:
-    """(commit, branch) written by the build, or ("unknown", "unknown")."""
+def git_info(root: Path | None = None) -> tuple[str, str]:
+    """(short commit, branch) of the checkout at ``root`` (default: the one holding this package), as
+    ``git rev-parse --short HEAD`` and ``--abbrev-ref HEAD`` print them ("HEAD" when detached); ("unknown",
+    "unknown") when there is none or its files are not as expected."""
+    root = Path(__file__).resolve().parent.parent if root is None else root
     try:
-        from ._git_info import git_branch, git_hash
-    except ImportError:
-        return "unknown", "unknown"
-    return git_hash, git_branch
+        return _read_checkout(root)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return UNKNOWN, UNKNOWN
+
+
+def _read_checkout(root: Path) -> tuple[str, str]:
+    dot_git = root / ".git"
+    if dot_git.is_file():  # a worktree (or submodule): "gitdir: <its own git directory>"
+        pointer = dot_git.read_text().strip()
+        if not pointer.startswith("gitdir:"):
+            raise ValueError(pointer)
+        git_dir = (root / pointer[len("gitdir:"):].strip()).resolve()
+    else:
+        git_dir = dot_git
+    common = git_dir  # where a worktree's branches live
+    if (git_dir / "commondir").is_file():
+        common = (git_dir / (git_dir / "commondir").read_text().strip()).resolve()
+    head = (git_dir / "HEAD").read_text().strip()
+    if not head.startswith("ref: "):
+        return head[:7], "HEAD"
+    ref = head[len("ref: "):]
+    branch = ref[len("refs/heads/"):] if ref.startswith("refs/heads/") else ref
+    for base in (git_dir, common):
+        if (base / ref).is_file():
+            return (base / ref).read_text().strip()[:7], branch
+    packed = common / "packed-refs"
+    for line in packed.read_text().splitlines() if packed.is_file() else ():
+        if line.endswith(" " + ref):
+            return line.split()[0][:7], branch
+    raise ValueError(f"{ref} has no commit yet")
