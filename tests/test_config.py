@@ -76,7 +76,8 @@ DEEPSPEED_DEFAULTS = {
         "convert_grad_on_cpu": True, "cpuadam_cores_perc": 0.8,
     },
     "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-            "overlap_events": True},
+            "overlap_events": True,
+            "checksum": True},  # ours, not DeepSpeed's: a CRC-32 per NVMe swap block (aio.checksum)
     "activation_checkpointing": {
         "partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,
         "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False,
