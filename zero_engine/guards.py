@@ -59,9 +59,10 @@ def claim_model(model: nn.Module, engine) -> None:
     previous = _ENGINE_OF.get(model)
     if previous is not None and previous() is not None:
         raise RuntimeError(
-            f"initialize: this {type(model).__name__} is already wrapped by a zero_engine engine (its parameters "
-            "are partitioned and hooked by it). Keep using that engine, call its destroy() first, or build a new "
-            "model")
+            f"initialize: this {type(model).__name__} is already wrapped by a live zero_engine engine (its "
+            "parameters are partitioned and hooked by it: two engines would both gather and reduce them). Call that "
+            "engine's destroy() on every rank first (the new engine then adopts the model as it is, partitioned "
+            "parameters included), keep using it, or build a new model")
     _ENGINE_OF[model] = weakref.ref(engine)
 
 
@@ -150,7 +151,7 @@ def discard_failed_backward(engine) -> None:
         engine.coordinator.release_all()
     for p in engine.module.parameters():
         p.grad = None
-    engine.optimizer.zero_grad()
+    engine.zero_grad()
     engine.nonfinite.reset_window()
     dropped = engine.micro_steps % engine.gradient_accumulation_steps()
     engine._backwards_since_update = 0

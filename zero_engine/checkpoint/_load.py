@@ -199,6 +199,8 @@ def _load_weights(engine, views: list[ParamView], reader: CheckpointReader, meta
             reader.read_range("param" if same_dtype else precise, name, 0, v.info.numel, target)
             if target.data_ptr() != data.data_ptr():
                 data.copy_(target.view(data.shape))
+            if v.master is not None:  # fp16/bf16: the whole fp32 master, a view of its data
+                reader.read_range(precise, name, 0, v.info.numel, v.master)
             continue
         if v.master is not None:
             v.master.zero_()
