@@ -18,6 +18,7 @@ import zero_engine as deepspeed
 from zero_engine.engine import ZeroEngine
 from zero_engine.testing import run_ranks
 from zero_engine.utils import safe_get_full_fp32_param, safe_get_full_grad
+from zero_engine.zero.partition import sharded_param_of
 
 TIMEOUT = 120
 
@@ -102,9 +103,20 @@ def test_initialize_without_optimizer_partitions_and_runs_forward_and_backward_a
 
 
 def _no_optimizer_refusals_body():
+    # built under zero.Init in bf16 (which keeps each trainable shard's exact fp32 value for a master): the engine
+    # without an optimizer drops those, and runs forward
+    cfg = config(3, False, "bf16")
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        torch.manual_seed(0)
+        model = Small()
+    kept_by_init = sum(sharded_param_of(p).master_init is not None for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    after = sum(sp.master_init is not None or sp.master is not None for sp in engine.sharded)
+    loss = engine(batch(0)).float().item()
+    engine.destroy()
     torch.manual_seed(0)
     engine, *_ = deepspeed.initialize(model=Small(), config=config(3, False))
-    errors = []
+    errors = [(kept_by_init, after, loss == loss)]
     for call in (lambda: engine.save_checkpoint("/nonexistent"), lambda: engine.load_checkpoint("/nonexistent")):
         with pytest.raises(NotImplementedError, match="without an optimizer") as caught:
             call()
@@ -115,8 +127,9 @@ def _no_optimizer_refusals_body():
     return errors
 
 
-def test_without_optimizer_checkpoints_and_schedulers_are_refused_by_name():
-    for errors in run_ranks(_no_optimizer_refusals_body, 2, timeout=TIMEOUT):
+def test_without_optimizer_zero_init_masters_are_dropped_and_checkpoints_and_schedulers_are_refused():
+    for (kept_by_init, after, finite), *errors in run_ranks(_no_optimizer_refusals_body, 2, timeout=TIMEOUT):
+        assert kept_by_init == 4 and after == 0 and finite
         assert len(errors) == 2
 
 

@@ -38,8 +38,8 @@ class DeepSpeedEngineAPI:
     _inside_no_sync: bool = False
 
     def __getattr__(self, name: str):
-        """The model's attribute when the engine has none (``engine.generate(...)``, ``engine.config`` of an HF
-        model, custom methods), as DeepSpeedEngine.__getattr__ does. Python calls this only after the normal lookup
+        """The model's attribute when the engine has none (``engine.generate(...)``, custom methods), as
+        DeepSpeedEngine.__getattr__ does (the engine's own names win: ``engine.config`` is the engine's). Python calls this only after the normal lookup
         failed; ``module`` is read from ``__dict__`` so that a half-built or unpickled engine (no ``module`` yet)
         raises instead of recursing, and dunder names (copy/pickle protocol probes) are never forwarded."""
         module = self.__dict__.get("module")
