@@ -132,7 +132,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.optimizer = DataParallelOptimizer(
                 trainable, self.comm, self.config.gradient_clipping, zc.reduce_bucket_size, optimizer,
                 self.config.optimizer, groups, self.compute_dtype, self.communication_data_type) if trains else None
-            cast_floating_(model, self.compute_dtype)  # after the fp32 masters were taken
+            if self.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
+                cast_floating_(model, self.compute_dtype)  # after the fp32 masters were taken
         else:
             self._partition(model, zc, fp32_masters=trains)
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
