@@ -256,3 +256,20 @@ def _collected_body():
 
 def test_second_engine_after_the_first_was_garbage_collected():
     assert run_ranks(_collected_body, 2, timeout=TIMEOUT) == [True, True]
+
+
+def _stage0_after_stage3_body():
+    torch.manual_seed(0)
+    model = Small()
+    engine, *_ = deepspeed.initialize(model=model, config=config(3))
+    engine.destroy()
+    with pytest.raises(NotImplementedError, match=r"stage 0 on a model whose parameters are partitioned \(a.weight"):
+        deepspeed.initialize(model=model, config=config(0))
+    engine, *_ = deepspeed.initialize(model=model, config=config(1))  # stages 1-3 adopt the partitioned parameters
+    _train(engine, 1, 0)
+    engine.destroy()
+    return True
+
+
+def test_stage0_engine_on_parameters_partitioned_before_is_refused_by_name():
+    assert run_ranks(_stage0_after_stage3_body, 2, timeout=TIMEOUT) == [True, True]

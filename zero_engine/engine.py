@@ -30,7 +30,7 @@ from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
 from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward,
-                     release_model)
+                     refuse_partitioned_at_stage0, release_model)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
@@ -83,6 +83,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
         self.streams = CommStreams(self._device)  # side streams on CUDA, no-ops elsewhere (zero/streams.py)
         self.placement = Placement.from_config(zc, self._device)  # where each state lives (offload/placement.py)
+        if self.stage == 0:
+            refuse_partitioned_at_stage0(model)
         if self.stage == 0 and self.placement.offloads_optimizer:
             raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1 (the offloaded "
                              "optimizer steps over partitioned fp32 masters); set stage 1, or remove offload_optimizer")

@@ -25,7 +25,7 @@ from .zero.partition import sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
 
-__all__ = ["broadcast_initial_state", "claim_model", "release_model", "ModelSnapshot", "NonFiniteSteps",
+__all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_partitioned_at_stage0", "ModelSnapshot", "NonFiniteSteps",
            "discard_failed_backward"]
 
 
@@ -69,6 +69,17 @@ def claim_model(model: nn.Module, engine) -> None:
 def release_model(model: nn.Module) -> None:
     """Forget the engine of ``model`` (engine.destroy() calls this once the engine let go of the model)."""
     _ENGINE_OF.pop(model, None)
+
+
+def refuse_partitioned_at_stage0(model: nn.Module) -> None:
+    """Stage 0 trains plain whole parameters; ones partitioned before (zero.Init, or a destroyed engine of stage 1-3)
+    belong to partition state that stage 0 would leave stale."""
+    name = next((n for n, p in model.named_parameters() if sharded_param_of(p) is not None), None)
+    if name is not None:
+        raise NotImplementedError(
+            f"zero_optimization.stage 0 on a model whose parameters are partitioned ({name}: built under zero.Init, "
+            "or wrapped by a ZeRO stage 1-3 engine before) is not supported yet; use stage 1 or higher, or build the "
+            "model without zero.Init")
 
 
 class ModelSnapshot:
