@@ -122,8 +122,12 @@ def _no_optimizer_refusals_body():
             call()
         errors.append(str(caught.value))
     engine.destroy()
+    model = Small()
     with pytest.raises(ValueError, match="needs an optimizer"):
-        deepspeed.initialize(model=Small(), config={**config(3, False), "scheduler": {"type": "WarmupLR"}})
+        deepspeed.initialize(model=model, config={**config(3, False), "scheduler": {"type": "WarmupLR"}})
+    engine, *_ = deepspeed.initialize(model=model, config=config(3))  # the failed engine let go of the model
+    _train(engine, 1, 0)
+    engine.destroy()
     return errors
 
 

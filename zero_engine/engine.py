@@ -57,7 +57,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     """The training engine ``initialize()`` returns; DeepSpeed's accessors come from DeepSpeedEngineAPI."""
 
     _destroyed = False
-    _grad_hooks: list = []  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
+    _grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
 
     def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None):
         if not isinstance(model, nn.Module):

@@ -55,8 +55,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     config = _config_from(args, config, config_params)
     _init_distributed_if_needed(dist_init_required, distributed_port)
     engine = ZeroEngine(model, config, optimizer=optimizer, model_parameters=model_parameters)
-    engine.lr_scheduler = _make_scheduler(engine, lr_scheduler)
-    engine.training_dataloader = _make_dataloader(engine, training_data, collate_fn)
+    try:
+        engine.lr_scheduler = _make_scheduler(engine, lr_scheduler)
+        engine.training_dataloader = _make_dataloader(engine, training_data, collate_fn)
+    except BaseException:
+        engine.destroy()  # unhooks and releases the model: initialize may be called on it again
+        raise
     return engine, _returned_optimizer(engine), engine.training_dataloader, engine.lr_scheduler
 
 
