@@ -102,7 +102,7 @@ def test_initialize_without_optimizer_partitions_and_runs_forward_and_backward_a
             assert evaluated == evaluated, where  # finite forward under no_grad after backward
 
 
-def _no_optimizer_refusals_body():
+def _no_optimizer_refusals_body(path):
     # built under zero.Init in bf16 (which keeps each trainable shard's exact fp32 value for a master): the engine
     # without an optimizer drops those, and runs forward
     cfg = config(3, False, "bf16")
@@ -127,14 +127,24 @@ def _no_optimizer_refusals_body():
         deepspeed.initialize(model=model, config={**config(3, False), "scheduler": {"type": "WarmupLR"}})
     engine, *_ = deepspeed.initialize(model=model, config=config(3))  # the failed engine let go of the model
     _train(engine, 1, 0)
+    engine.save_checkpoint(path)
+    trained = _full_params(model)
     engine.destroy()
+    # evaluation of a trained checkpoint: an engine without an optimizer loads its weights
+    torch.manual_seed(1)
+    evaluator, *_ = deepspeed.initialize(model=Small(), config=config(3, False))
+    evaluator.load_checkpoint(path, load_module_only=True)
+    loaded = _full_params(evaluator.module)
+    evaluator.destroy()
+    errors.append(all(torch.equal(loaded[n], trained[n]) for n in trained))
     return errors
 
 
-def test_without_optimizer_zero_init_masters_are_dropped_and_checkpoints_and_schedulers_are_refused():
-    for (kept_by_init, after, finite), *errors in run_ranks(_no_optimizer_refusals_body, 2, timeout=TIMEOUT):
+def test_without_optimizer_zero_init_masters_are_dropped_weights_load_and_the_rest_is_refused(tmp_path):
+    for (kept_by_init, after, finite), *errors, loaded in run_ranks(_no_optimizer_refusals_body, 2, str(tmp_path),
+                                                                     timeout=TIMEOUT):
         assert kept_by_init == 4 and after == 0 and finite
-        assert len(errors) == 2
+        assert len(errors) == 2 and loaded
 
 
 # ---- item 9: the optimizer initialize() returns ------------------------------------------------------------------

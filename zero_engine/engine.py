@@ -540,8 +540,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         A missing ``load_dir`` is an error unless ``missing_ok=True`` (then ``(None, None)``, as DeepSpeed)."""
         from .checkpoint import load_checkpoint
 
-        _refuse_if(self.optimizer is None, "load_checkpoint() into an engine without an optimizer",
-                   "initialize with the optimizer the checkpoint was trained with")
+        _refuse_if(self.optimizer is None and not load_module_only, "load_checkpoint() into an engine without an "
+                   "optimizer", "pass load_module_only=True to load the weights, or initialize with an optimizer")
         _refuse_if(not load_module_strict, "load_checkpoint(load_module_strict=False)",
                    "a checkpoint must match the model's parameters exactly")
         _refuse_if(custom_load_fn is not None, "load_checkpoint(custom_load_fn=...)",

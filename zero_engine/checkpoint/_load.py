@@ -228,7 +228,7 @@ def _refresh_whole_params(engine) -> None:
 
 def _reset_gradients(engine, views: list[ParamView]) -> None:
     """Gradients of whatever ran before the load must not leak into the restored accumulation window."""
-    engine.optimizer.zero_grad()
+    engine.zero_grad()
     for v in views:
         v.param.grad = None
 

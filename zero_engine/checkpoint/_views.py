@@ -38,9 +38,10 @@ class ParamView:
 def param_views(engine) -> list[ParamView]:
     """One view per parameter, in the engine's fixed order (``model.named_parameters()``, tied ones once)."""
     views = []
+    optimizer = engine.optimizer  # None for an engine without one (forward/backward only; loads weights only)
+    masters = optimizer.masters if optimizer is not None else {}  # stage 0: whole fp32 masters under fp16/bf16
     if engine.stage == 0:
-        stepped = {id(p) for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
-        masters = engine.optimizer.masters  # fp16/bf16: whole fp32 masters, which the optimizer steps
+        stepped = {id(p) for g in optimizer.optimizer.param_groups for p in g["params"]} if optimizer else set()
         for name, p in engine.module.named_parameters():
             info = ParamInfo(name, tuple(p.shape), p.numel(), max(1, p.numel()), dtype_name(p.dtype),
                              p.requires_grad)
@@ -50,7 +51,6 @@ def param_views(engine) -> list[ParamView]:
                                    master.detach().view(-1) if master is not None else None,
                                    opt_param if id(opt_param) in stepped else None))
         return views
-    masters = engine.optimizer.masters
     for sp in engine.sharded:
         info = ParamInfo(sp.fqn, tuple(sp.shape), sp.numel, sp.shard_numel, dtype_name(sp.dtype),
                          sp.param.requires_grad)
