@@ -33,6 +33,7 @@ from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, cla
                      refuse_partitioned_at_stage0, release_model)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
+from .errors import ArgumentError, UsageError
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
@@ -272,7 +273,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Backward of ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas=False``, and
         multiplied by the fp16 loss scale); returns the loss as divided, like DeepSpeed."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
+            raise ArgumentError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         self._last_loss = loss.detach()
         self.nonfinite.note_loss(loss)
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
@@ -315,13 +316,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does).
 
         ``lr_kwargs`` are passed to the LR scheduler's ``step()``."""
-        if self.optimizer is None:
-            raise RuntimeError("step(): this engine has no optimizer (initialize() got no optimizer= and the config "
+        if self.optimizer is None:  # DeepSpeed asserts here too: a UsageError is also an AssertionError
+            raise UsageError("step(): this engine has no optimizer (initialize() got no optimizer= and the config "
                                "has no \"optimizer\" block): it runs forward and backward only. Pass an optimizer "
                                "to initialize() to train")
         if self._inside_no_sync:
-            raise RuntimeError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
-                               "run the last micro-batch's backward, then call step()")
+            raise UsageError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
+                             "run the last micro-batch's backward, then call step()")
         at_boundary = self.is_gradient_accumulation_boundary()
         self._awaiting_step = False
         self._step_applied = False
