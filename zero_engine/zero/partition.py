@@ -179,8 +179,9 @@ class ShardedParam:
     """
 
     def __init__(self, param: nn.Parameter, fqn: str, index: int, rank: int, world_size: int,
-                 dtype: torch.dtype | None = None):
-        """Shard ``param`` (its current full data) for ``rank``; ``dtype``: the compute dtype to cast to."""
+                 dtype: torch.dtype | None = None, fp32_master: bool = True):
+        """Shard ``param`` (its current full data) for ``rank``; ``dtype``: the compute dtype to cast to;
+        ``fp32_master``: keep the exact fp32 value for a master (16-bit training with an optimizer)."""
         self.param = param
         self.fqn = fqn
         self.index = index  # position in the fixed parameter order: gradient buckets are built from it
@@ -209,7 +210,8 @@ class ShardedParam:
         local = self.local_slice()
         exact[: local.stop - local.start].copy_(flat[local])
         # The master starts from the full-precision value, not from its 16-bit rounding.
-        needs_master = param.requires_grad and param.is_floating_point() and self.dtype != torch.float32
+        needs_master = (fp32_master and param.requires_grad and param.is_floating_point()
+                        and self.dtype != torch.float32)
         self.master_init = exact.float() if needs_master else None  # frozen params: no master, no copy
         self.shard = exact.to(self.dtype)
         # The full buffer starts with the parameter's own data; `release()` frees it.
@@ -293,13 +295,26 @@ class ShardedParam:
                 target.zero_()
                 target[: local.stop - local.start].copy_(self.full[local])
 
-    def cast_(self, dtype: torch.dtype) -> None:
+    def adopt(self, fqn: str, index: int, dtype: torch.dtype, fp32_master: bool = True) -> None:
+        """Become a new engine's: the state zero.Init made, or that of an engine destroyed since (its master,
+        if separate, seeds the new one: a 16-bit model goes on from the exact fp32 values)."""
+        if fp32_master and self.master_init is None and self.master is not None and not self.master_is_shard:
+            self.master_init = self.master
+        self.master, self.master_is_shard = None, False
+        self.fqn, self.index = fqn, index
+        self.gather_sequential = False
+        self.cast_(dtype, fp32_master)
+        if not fp32_master:
+            self.master_init = None  # no optimizer: no master (zero.Init made one for 16-bit parameters)
+
+    def cast_(self, dtype: torch.dtype, fp32_master: bool = True) -> None:
         """Change the compute dtype of a released parameter (zero.Init builds in fp32; the engine casts)."""
         if dtype == self.dtype:
             return
         if self.status is not ParamStatus.NOT_AVAILABLE:
             raise AssertionError(f"{self.fqn}: cast while {self.status.name}")
-        self.master_init = self.shard.float() if dtype != torch.float32 and self.param.requires_grad else None
+        self.master_init = (self.shard.float() if fp32_master and dtype != torch.float32 and self.param.requires_grad
+                            else None)
         self.shard = self.shard.to(dtype)
         self.dtype = dtype
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
