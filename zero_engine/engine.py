@@ -65,7 +65,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         created_group = not dist.is_initialized()
         if created_group:
             init_distributed(timeout_s=self.config.zero_engine.collective_timeout_s)
-        elif self.config.zero_engine.stall_timeout_s == 0 and dist.get_world_size() > 1:
+        elif (self.config.zero_engine.stall_timeout_s == 0 and dist.get_world_size() > 1
+              and self.config.zero_engine.collective_timeout_s is not None):
             log.warning("zero_engine.collective_timeout_s=%g is not enforced: the process group was created before "
                         "the engine (its own timeout applies) and zero_engine.stall_timeout_s=0 turns off the "
                         "watchdog that enforces it; set stall_timeout_s > 0 or create the group with that timeout",
