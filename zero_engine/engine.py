@@ -29,7 +29,8 @@ from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
-from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward
+from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward,
+                     refuse_after_destroy, warn_backward_without_step)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
@@ -269,6 +270,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        refuse_after_destroy(self, "engine(...)")
         self.progress.phase = "forward"
         if self._step_started is None:
             self._step_started = time.perf_counter()
@@ -288,8 +290,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas=False``, and
         multiplied by the fp16 loss scale); returns the loss as divided, like DeepSpeed."""
+        refuse_after_destroy(self, "backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
+        warn_backward_without_step(self)
         self._last_loss = loss.detach()
         self.nonfinite.note_loss(loss)
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
@@ -332,6 +336,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does).
 
         ``lr_kwargs`` are passed to the LR scheduler's ``step()``."""
+        refuse_after_destroy(self, "step()")
         if self._inside_no_sync:
             raise RuntimeError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
                                "run the last micro-batch's backward, then call step()")
