@@ -8,12 +8,12 @@ A DeepSpeed script runs with one changed import, ``import zero_engine as deepspe
 
 from . import comm, zero
 from .comm import init_distributed
-from .errors import ConfigError, DistributedError, RankDivergenceError, RankLostError
+from .errors import ConfigError, DistributedError, RankDivergenceError, RankFailedError, RankLostError
 from .initialize import add_config_arguments, initialize
 from .memory import estimate_zero3_model_states_mem_needs_all_live
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "utils", "config", "checkpoint",
-           "ConfigError", "DistributedError", "RankDivergenceError", "RankLostError",
+           "ConfigError", "DistributedError", "RankDivergenceError", "RankFailedError", "RankLostError",
            "estimate_zero3_model_states_mem_needs_all_live"]
 
 __version__ = "0.1.0"

@@ -134,8 +134,8 @@ class Communicator:
             return
         try:
             if self.watchdog is not None:
-                if self.watchdog.failed:
-                    self.watchdog.stop()
+                if self.watchdog.failed:  # not "left": the others would read a clean finish (a divergence)
+                    self.watchdog.stop(mark=None)
                 else:
                     self.watchdog.leave()
             elif self.world_size > 1 and self.backend != "fake":
