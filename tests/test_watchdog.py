@@ -230,12 +230,17 @@ class _Collect(logging.Handler):
     def emit(self, record):
         self.messages.append(record.getMessage())
 
+    def __enter__(self):
+        logging.getLogger("zero_engine.watchdog").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("zero_engine.watchdog").removeHandler(self)
+
 
 def _slow_rank_body():
     """Rank 1 computes for 3x stall_timeout_s before a collective: slow, not divergent."""
-    handler = _Collect()
-    logging.getLogger("zero_engine.watchdog").addHandler(handler)
-    try:
+    with _Collect() as handler:
         torch.manual_seed(0)
         cfg = GPTConfig()
         engine, *_ = zero_engine.initialize(model=GPT(cfg), config=_config(3, stall=1.0))
@@ -248,8 +253,6 @@ def _slow_rank_body():
             engine.step()
         engine.destroy()
         return engine.global_steps, handler.messages
-    finally:
-        logging.getLogger("zero_engine.watchdog").removeHandler(handler)
 
 
 def test_no_false_alarm_when_one_rank_is_slow():
@@ -306,9 +309,7 @@ def _gil_hold_body(hold_s: float):
     """Rank 1's main thread holds the GIL for ``hold_s`` in one C call between two steps (as json.loads of a large
     file would), so its heartbeat thread cannot beat: slow, not lost."""
     libc = ctypes.PyDLL(ctypes.util.find_library("c"))  # PyDLL: the GIL stays held during the call
-    handler = _Collect()
-    logging.getLogger("zero_engine.watchdog").addHandler(handler)
-    try:
+    with _Collect() as handler:
         torch.manual_seed(0)
         cfg = GPTConfig()
         engine, *_ = zero_engine.initialize(model=GPT(cfg), config=_config(3, stall=1.0))
@@ -323,8 +324,6 @@ def _gil_hold_body(hold_s: float):
         heartbeat_timeout = engine.comm.watchdog.heartbeat_timeout_s
         engine.destroy()
         return engine.global_steps, held, heartbeat_timeout, handler.messages
-    finally:
-        logging.getLogger("zero_engine.watchdog").removeHandler(handler)
 
 
 def test_a_rank_holding_the_gil_longer_than_the_heartbeat_limit_is_not_lost():
