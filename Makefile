@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 
 install: $(STAMP)
 
-$(STAMP): setup.py
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

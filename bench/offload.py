@@ -6,6 +6,7 @@
     python bench/offload.py --variants none nvme nvme_params       # parameter shards on NVMe too
     python bench/offload.py --model 100m --variants none nvme_params --steps 5     # bench/compare.py's 100m GPT
     python bench/offload.py --model 1.8b --variants nvme_params --steps 3          # states 2x what half the RAM holds
+    python bench/offload.py --variants nvme_params_nocrc nvme_params --passes time # cost of the swap checksums
 
 Each variant runs in fresh processes (``python -m torch.distributed.run --standalone --nproc_per_node N``, CPU,
 gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time pass with the default glibc allocator
@@ -15,7 +16,9 @@ gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time p
 "none" (offload changes where states live, not the arithmetic). The NVMe variant puts the fp32 masters and the Adam
 moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buffers, both pipelines on);
 ``nvme_params`` adds ``offload_param`` nvme (the 16-bit shards in files too: buckets of ``buffer_size`` 500k
-elements, 4 read ahead, ``max_in_cpu`` 2M elements per rank).
+elements, 4 read ahead, ``max_in_cpu`` 2M elements per rank). A ``_nocrc`` suffix (``nvme_nocrc``,
+``nvme_params_nocrc``) runs the same with ``aio.checksum`` off: no CRC of the swap blocks (see [Note: swap
+checksums] in zero_engine/offload/nvme.py).
 ``--model`` picks the GPT: ``small`` (23.2M, the default), ``100m`` (97.7M, bench/compare.py's) or ``1.8b``
 (1.83B, built under ``zero_engine.zero.Init`` so that no rank ever holds the whole model; its model states, 16 bytes
 a parameter, are 13.6 GiB per rank at world 2, more than half of a 24 GiB machine, so only ``nvme_params`` fits).
@@ -61,6 +64,8 @@ MODELS = {
 
 
 def config(variant: str, nvme_path: str, model: str = "small") -> dict:
+    checksum = not variant.endswith("_nocrc")
+    variant = variant.removesuffix("_nocrc")
     sub_group = MODELS[model].sub_group
     zero = {"stage": 3, "sub_group_size": sub_group, "overlap_comm": True, **MODELS[model].knobs}
     if variant == "cpu":
@@ -74,7 +79,7 @@ def config(variant: str, nvme_path: str, model: str = "small") -> dict:
     elif variant == "nvme_sequential":  # the same without overlap: what the pipeline hides
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 1,
                                      "pipeline_read": False, "pipeline_write": False}
-    extra = {"aio": {"thread_count": AIO_THREADS}} if variant.startswith("nvme") else {}
+    extra = {"aio": {"thread_count": AIO_THREADS, "checksum": checksum}} if variant.startswith("nvme") else {}
     return {**extra, "train_micro_batch_size_per_gpu": MODELS[model].micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
@@ -157,7 +162,7 @@ def _io_text(io: dict | None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "nvme_params"])
+    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "nvme_params", "nvme_nocrc", "nvme_params_nocrc"])
     parser.add_argument("--model", default="small", choices=list(MODELS))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--passes", default="time,memory",
@@ -165,6 +170,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_engine_nvme"))
     parser.add_argument("--aio-threads", type=int, default=1, help="aio.thread_count of the nvme variants")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the variants this many times, interleaved (a, b, a, b...); step times pool the "
+                             "measured steps of every repeat (a noisy machine hits each variant alike)")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -177,9 +185,17 @@ def main(argv=None) -> int:
         return 0
     passes = args.passes.split(",")
     results = {}
-    for variant in args.variants:
-        ran = {p: launch(variant, args.world, args.steps, args.nvme_path, p == "memory", args.model) for p in passes}
-        results[variant] = {"time": ran.get("time", ran.get("memory")), "memory": ran.get("memory", ran.get("time"))}
+    timed = slice(min(2, args.steps - 1), None)
+    for repeat in range(args.repeats):
+        for variant in args.variants:
+            ran = {p: launch(variant, args.world, args.steps, args.nvme_path, p == "memory", args.model)
+                   for p in passes}
+            if variant in results:  # pool the measured steps; the first repeat's other numbers are kept
+                results[variant]["time"]["measured"] += ran.get("time", ran.get("memory"))["times"][timed]
+                continue
+            results[variant] = {"time": ran.get("time", ran.get("memory")),
+                                "memory": ran.get("memory", ran.get("time"))}
+            results[variant]["time"]["measured"] = list(results[variant]["time"]["times"][timed])
     base = results[args.variants[0]]
     psi = base["time"]["psi"]
     states = 16 * psi / args.world  # 2 (bf16 param) + 2 (grad) + 12 (fp32 master, two moments) bytes a parameter
@@ -187,18 +203,17 @@ def main(argv=None) -> int:
           f"model states 16Ψ/N = {states / 2**30:.2f} GiB per rank (machine: "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB); "
           f"build + initialize {base['time']['init_seconds']:.0f} s; "
-          f"{args.steps} steps; step time = median of steps 3.. (slowest rank); peak RSS = max over ranks "
+          f"{args.steps} steps x {args.repeats} interleaved run(s); step time = median of steps 3.. (slowest rank); peak RSS = max over ranks "
           "(MALLOC_MMAP_THRESHOLD_=65536); optimizer-step I/O of rank 0 over steps 3..: MiB/s = bytes read + "
           "written / optimizer-step time, and the share of that time spent waiting for I/O\n")
     print(f"| variant | step time (s) | ÷ {args.variants[0]} | peak RSS per rank (MiB) | ÷ {args.variants[0]} | "
           "÷ 16Ψ/N | model states device / host / nvme per rank (MiB) | losses bitwise = "
           f"{args.variants[0]} | optimizer-step I/O MiB/s, I/O wait share |")
     print("|---|---|---|---|---|---|---|---|---|")
-    timed = slice(min(2, args.steps - 1), None)
-    t0 = statistics.median(base["time"]["times"][timed])
+    t0 = statistics.median(base["time"]["measured"])
     r0 = base["memory"]["rss_peak_max_rank"]
     for variant, r in results.items():
-        t = statistics.median(r["time"]["times"][timed])
+        t = statistics.median(r["time"]["measured"])
         rss = r["memory"]["rss_peak_max_rank"]
         where = r["memory"]["by_location"]
         same = r["time"]["losses"] == base["time"]["losses"] and r["memory"]["losses"] == base["memory"]["losses"]

@@ -2,6 +2,7 @@
 
     python bench/offload_io.py                                   # /tmp, 256 MiB, 1 MiB blocks, 3 repeats (< 1 min)
     python bench/offload_io.py --dir /local_nvme --mib 1024 --block-kib 1024 --threads 1 2 4
+    python bench/offload_io.py --checksum both                   # the cost of aio.checksum: stores with it on and off
 
 For each repeat, interleaved so that the disk's and the machine's state hit both alike:
 - `dd if=/dev/zero of=F bs=<block> count=<n> oflag=direct` then `dd if=F of=/dev/null bs=<block> iflag=direct`
@@ -72,15 +73,19 @@ def main() -> None:
     parser.add_argument("--block-kib", type=int, default=1024, help="block size, KiB (dd bs= and aio block_size)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="store thread_count values")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checksum", choices=["on", "off", "both"], default="on",
+                        help="aio.checksum of the stores (both: a store of each, interleaved)")
     args = parser.parse_args()
     nbytes, block = args.mib * MIB, args.block_kib * 1024
-    stores = {t: NvmeStore(args.dir, rank=0, purpose=f"bench-t{t}", block_size=block, thread_count=t)
-              for t in args.threads}
-    results: dict[str, list[tuple[float, float]]] = {"dd": [], **{f"store t{t}": [] for t in args.threads}}
+    checksums = {"on": [True], "off": [False], "both": [False, True]}[args.checksum]
+    stores = {f"store t{t}" + ("" if args.checksum != "both" else f", checksum {'on' if c else 'off'}"):
+              NvmeStore(args.dir, rank=0, purpose=f"bench-t{t}-{c}", block_size=block, thread_count=t, checksum=c)
+              for t in args.threads for c in checksums}
+    results: dict[str, list[tuple[float, float]]] = {"dd": [], **{name: [] for name in stores}}
     for _ in range(args.repeats):
         results["dd"].append(dd_pass(args.dir, nbytes, block))
-        for t, store in stores.items():
-            results[f"store t{t}"].append(store_pass(store, nbytes))
+        for name, store in stores.items():
+            results[name].append(store_pass(store, nbytes))
     direct = next(iter(stores.values())).direct
     for store in stores.values():
         store.close()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import zero_engine
 from zero_engine.checkpoint import CheckpointError
+from zero_engine import _owned_dirs
 from zero_engine.checkpoint import _atomic
 from zero_engine.checkpoint._atomic import (create_staging, publish, remove_stale_staging, resolve_checkpoint,
                                             write_latest)
@@ -55,7 +56,7 @@ def test_staging_names_identify_the_job(tmp_path):
 
 def test_staging_of_another_host_is_removed_only_when_old(tmp_path, monkeypatch):
     staging = create_staging(str(tmp_path), "step1")
-    monkeypatch.setattr(_atomic, "_HOST", "another-host")  # seen from another host: liveness cannot be checked
+    monkeypatch.setattr(_owned_dirs, "_HOST", "another-host")  # seen from another host: liveness cannot be checked
     assert remove_stale_staging(str(tmp_path)) == [] and os.path.isdir(staging)
     old = time.time() - _atomic.STALE_STAGING_S - 60
     for root, _, files in os.walk(staging):

@@ -19,7 +19,7 @@ from zero_engine.config.fields import auto_rule
 from zero_engine.config.schema import SECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA_PATH = REPO / "config_schemas" / "zero_engine.schema.json"
+SCHEMA_PATH = REPO / "zero_engine" / "config_schemas" / "zero_engine.schema.json"
 DOCS = REPO / "docs" / "config.md"
 LOGGER = "zero_engine.config"
 BATCH = {"train_batch_size": 8}
@@ -608,7 +608,7 @@ def test_config_is_frozen_and_config_error_is_shared():
 
 # --- generated schema and reference ----------------------------------------------------------------------------
 
-REGENERATE = "regenerate it: zero-engine schema > config_schemas/zero_engine.schema.json"
+REGENERATE = "regenerate it: zero-engine schema > zero_engine/config_schemas/zero_engine.schema.json"
 TRANSFORMERS_ZERO3 = {  # huggingface/transformers tests/deepspeed/ds_config_zero3.json (pre-"auto" version)
     "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
              "hysteresis": 2, "min_loss_scale": 1},

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from functools import partial
 import os
+import shutil
 import subprocess
 import sys
 
@@ -362,6 +363,57 @@ def test_finetune_example_runs_with_torchrun(tmp_path):
     assert os.path.isdir(os.path.join(out, "checkpoints"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     assert reloaded.config.model_type == "llama"
+
+
+# ---- one rank's failure while loading (issue 20, item 5) -----------------------------------------------------------
+def _load_per_rank_body(directories, model_class, catch=True):
+    import zero_engine.hf as zhf
+
+    cls = getattr(sys.modules[__name__], model_class, None) or getattr(transformers, model_class)
+    try:
+        zhf.from_pretrained(cls, directories[dist.get_rank()])
+    except Exception as error:  # noqa: BLE001 -- what each rank saw is the result
+        if not catch:
+            raise
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def test_a_rank_whose_copy_is_truncated_is_named_by_the_others(tmp_path):
+    """Each rank reads its own copy (a node-local disk); rank 1's lost its last 8 bytes. Rank 1 says what is wrong
+    with its file; rank 0 must say that rank 1 failed and why, not hang or fail with the backend's raw error."""
+    good = save(tiny_llama(), str(tmp_path / "good"))
+    bad = str(tmp_path / "bad")
+    shutil.copytree(good, bad)
+    weights = os.path.join(bad, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) - 8)
+    rank0, rank1 = run_ranks(_load_per_rank_body, 2, [good, bad], "LlamaForCausalLM", timeout=TIMEOUT)
+    assert rank1.startswith("InvalidSafetensorsError") and weights in rank1 and "truncated file" in rank1, rank1
+    assert rank0.startswith("CheckpointError") and "failed on rank 1 (this is rank 0)" in rank0, rank0
+    assert weights in rank0 and "truncated file" in rank0, rank0
+
+
+class KilledOnRank1(transformers.LlamaForCausalLM):
+    """A model whose construction kills rank 1 outright (as an OOM kill would): no exception, no traceback."""
+
+    def __init__(self, config):
+        if dist.get_rank() == 1:
+            from zero_engine.testing import kill_this_rank
+
+            kill_this_rank()
+        super().__init__(config)
+
+
+def test_a_rank_killed_while_loading_is_named_as_lost(tmp_path):
+    from zero_engine.testing import RankError
+
+    directory = save(tiny_llama(), str(tmp_path / "llama"))
+    with pytest.raises(RankError) as caught:
+        run_ranks(_load_per_rank_body, 2, [directory, directory], "KilledOnRank1", False, timeout=TIMEOUT,
+                  grace_after_failure=45)
+    failures = {f.rank: f.exception for f in caught.value.failures}
+    assert "exited with code -9" in failures[1], failures
+    assert failures[0].startswith("RankLostError") and "rank 1 was lost" in failures[0], failures[0]
 
 
 # ---- refusals, without ranks ---------------------------------------------------------------------------------------

@@ -133,3 +133,141 @@ def test_only_contiguous_cpu_tensors(store):
         store.write("k", torch.ones(4, 4).t())
     with pytest.raises(ValueError, match="plain file name"):
         store.write("../escape", torch.ones(1))
+
+
+def _overwrite_with_random_bytes(path: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_swap_file_changed_on_disk_is_refused_naming_it(tmp_path, direct):
+    """[Note: swap checksums]: a file overwritten with random bytes of the same size is caught at read, naming the
+    file and the range; unchanged keys still read back bitwise."""
+    s = NvmeStore(str(tmp_path), rank=0, purpose="crc", block_size=1 << 14, thread_count=2, use_direct=direct)
+    try:
+        value = torch.randn(50_000)
+        s.write("x", value).wait()
+        s.write("y", value).wait()
+        _overwrite_with_random_bytes(os.path.join(s.directory, "x"))
+        out = torch.empty_like(value)
+        with pytest.raises(NvmeError, match=rf"{os.path.join(s.directory, 'x')} is corrupt: bytes \[0, 16384\)"):
+            s.read("x", out).wait()
+        s.read("y", out).wait()
+        assert torch.equal(out, value)
+    finally:
+        s.close()
+
+
+def test_checksum_off_reads_whatever_the_file_holds(tmp_path):
+    """aio.checksum=false acts: the store does no check (and a changed file is read back as it is)."""
+    s = NvmeStore(str(tmp_path), rank=0, purpose="nocrc", block_size=1 << 14, checksum=False)
+    try:
+        s.write("x", torch.randn(50_000)).wait()
+        _overwrite_with_random_bytes(os.path.join(s.directory, "x"))
+        out = torch.empty(50_000)
+        s.read("x", out).wait()
+        with open(os.path.join(s.directory, "x"), "rb") as f:
+            assert f.read(out.numel() * 4) == out.numpy().tobytes()
+    finally:
+        s.close()
+
+
+def test_checksum_config_key_reaches_the_store():
+    from zero_engine.config import load_config
+    from zero_engine.offload.nvme import store_options
+
+    assert store_options(load_config({"train_batch_size": 1}, world_size=1).aio)["checksum"] is True
+    cfg = load_config({"train_batch_size": 1, "aio": {"checksum": False}}, world_size=1)
+    assert store_options(cfg.aio)["checksum"] is False
+
+
+def test_a_short_read_names_the_file(store):
+    store.write("x", torch.ones(20_000)).wait()
+    path = os.path.join(store.directory, "x")
+    os.truncate(path, 4096)
+    with pytest.raises(NvmeError, match=rf"in {path} stopped after \d+ bytes \(file shorter than expected\)"):
+        store.read("x", torch.empty(20_000)).wait()
+
+
+# ---- after a crash: SIGTERM and reclaiming abandoned directories ([Note: swap after a crash]) --------------------
+_HOLD_SWAP = """
+import os, signal, sys, time, torch
+from zero_engine.offload.nvme import NvmeStore
+if {previous!r} == "exit":
+    def handler(signum, frame):  # e.g. a trainer that checkpoints on SIGTERM: it still needs the swap files
+        print("handler ran, files present:", os.path.exists(store.directory + "/k"), flush=True)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, handler)
+store = NvmeStore({path!r}, rank=0, purpose="optimizer")
+other = NvmeStore({path!r}, rank=0, purpose="params")
+store.write("k", torch.ones(300_000)).wait()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("previous", ["default", "exit"])
+def test_sigterm_removes_this_process_swap_files(tmp_path, previous):
+    """torchrun SIGTERMs the surviving ranks when one fails: their swap directories must go. With the default
+    disposition the process still dies of SIGTERM; a handler installed before is called first and decides."""
+    child = subprocess.Popen([sys.executable, "-c", _HOLD_SWAP.format(path=str(tmp_path), previous=previous)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert len(os.listdir(tmp_path)) == 2  # two stores (without torchrun: two run directories)
+        child.send_signal(subprocess.signal.SIGTERM)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    if previous == "default":
+        assert child.returncode == -subprocess.signal.SIGTERM, child.returncode
+    else:
+        assert child.returncode == 0 and "handler ran, files present: True" in out, (child.returncode, out)
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def test_the_previous_sigterm_handler_is_back_after_close(tmp_path):
+    import signal
+
+    from zero_engine.offload import swap_cleanup
+
+    before = signal.getsignal(signal.SIGTERM)
+    a = NvmeStore(str(tmp_path), rank=0, purpose="a")
+    b = NvmeStore(str(tmp_path), rank=1, purpose="b")
+    assert signal.getsignal(signal.SIGTERM) is swap_cleanup._on_sigterm
+    a.close()
+    assert signal.getsignal(signal.SIGTERM) is swap_cleanup._on_sigterm  # b still holds swap files
+    b.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_abandoned_swap_directories_are_reclaimed_and_live_ones_kept(tmp_path):
+    from zero_engine._owned_dirs import write_owner
+
+    live_job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        crashed = tmp_path / f"zero_engine-job1-{dead.pid}-rank0"
+        alive = tmp_path / f"zero_engine-job2-{live_job.pid}-rank1"
+        for directory, pid in ((crashed, dead.pid), (alive, live_job.pid)):
+            (directory / "optimizer").mkdir(parents=True)
+            (directory / "optimizer" / "state").write_bytes(b"x" * 4096)
+            write_owner(str(directory), pid)
+        unrelated = tmp_path / "zero_engine-notes"
+        unrelated.mkdir()
+        store = NvmeStore(str(tmp_path), rank=0, purpose="optimizer")
+        try:
+            assert not crashed.exists(), "a swap directory whose owner died was not reclaimed"
+            assert alive.is_dir() and (alive / "optimizer" / "state").is_file(), "a live job's swap was removed"
+            assert unrelated.is_dir()
+        finally:
+            store.close()
+    finally:
+        live_job.kill()
+        live_job.wait()
+    assert sorted(os.listdir(tmp_path)) == sorted([alive.name, unrelated.name])

@@ -413,3 +413,47 @@ def test_lr_schedule_steps_with_and_without_param_offload(tmp_path):
     for (lrs, losses), (nvme_lrs, nvme_losses) in run_ranks(_scheduler_body, 2, str(tmp_path), timeout=TIMEOUT):
         assert lrs[0] < lrs[1] < lrs[2], lrs
         assert (lrs, losses) == (nvme_lrs, nvme_losses)
+
+
+def _corrupted_swap_body(nvme_path: str, checksum: bool):
+    """Train one step with parameters and optimizer states on NVMe, overwrite every swap file of this rank with
+    random bytes of the same size, train on: the next read of a swap file must raise, naming the file."""
+    from zero_engine.offload.nvme import NvmeError
+
+    cfg = {**config("nvme", nvme_path, optimizer="nvme"), "aio": {"checksum": checksum}}
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
+    batches = make_batches(MODEL, 2, dist.get_world_size() * 4)
+    run_steps(engine, batches[:1])
+    stores = [engine.param_swapper.store, engine.optimizer.swapper.store]
+    for store in stores:
+        store.wait_all()
+    corrupted = []
+    for store in stores:
+        for name in sorted(os.listdir(store.directory)):
+            path = os.path.join(store.directory, name)
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                f.write(os.urandom(size))
+            corrupted.append(path)
+    try:
+        outcome = run_steps(engine, batches[1:])
+    except NvmeError as error:
+        outcome = str(error)
+    try:
+        engine.destroy()
+    except NvmeError:
+        pass  # with checksums, destroy() cannot read the corrupt shards back either (and says so)
+    return outcome, corrupted, [os.path.exists(s.run_dir) for s in stores]
+
+
+def test_swap_files_overwritten_on_disk_raise_naming_the_file(tmp_path):
+    """Issue 20, item 7: random bytes in a rank's swap files gave NaN losses and exit 0."""
+    message, corrupted, left = run_ranks(_corrupted_swap_body, 1, str(tmp_path), True, timeout=TIMEOUT)[0]
+    assert isinstance(message, str) and "is corrupt" in message, message
+    assert any(f"{path} is corrupt" in message for path in corrupted), (message, corrupted)
+    assert left == [False, False], "swap files left after destroy()"
+    # aio.checksum: false acts: nothing checks, the garbage is trained on
+    (tmp_path / "off").mkdir()
+    losses, _, _ = run_ranks(_corrupted_swap_body, 1, str(tmp_path / "off"), False, timeout=TIMEOUT)[0]
+    assert isinstance(losses, list), losses

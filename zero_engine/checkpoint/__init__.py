@@ -8,6 +8,11 @@
     state_dict = zero_engine.checkpoint.get_fp32_state_dict_from_zero_checkpoint("ckpt")
     $ zero-engine to-fp32 ckpt model.safetensors
 
+    # to and from torch.distributed.checkpoint (FSDP2, torchtitan), offline (dcp.py):
+    zero_engine.checkpoint.from_dcp("fsdp2_ckpt", "ckpt", config="ds_config.json")
+    zero_engine.checkpoint.to_dcp("ckpt", "fsdp2_ckpt")
+    $ zero-engine convert fsdp2_ckpt ckpt --config ds_config.json
+
 Format: our own (see [Note: why our own format] below), one safetensors-layout file per rank plus a JSON metadata
 file that lists every parameter's partitioning and every file's size and SHA-256; _metadata.py shows the layout.
 
@@ -33,7 +38,8 @@ from ._errors import CheckpointError
 from ._load import load_checkpoint
 from ._model16 import save_16bit_model
 from ._save import save_checkpoint
+from .dcp import from_dcp, to_dcp
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_16bit_model", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
-           "verify_checkpoint", "ConversionResult", "CheckpointError"]
+           "verify_checkpoint", "ConversionResult", "CheckpointError", "from_dcp", "to_dcp"]

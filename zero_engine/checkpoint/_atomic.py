@@ -19,27 +19,23 @@ checkpoint), and the next save of that tag cleans up.
 Two jobs may save into the same directory (a restarted job while the old one still runs, two experiments sharing a
 path). A save must never remove a staging directory another job is still writing. So a staging directory is named
 after its job (``.<tag>.tmp-<host>-<pid>-<nonce>``, rank 0's process) and holds ``.owner.json`` (host, pid, the
-process's start time, nonce). A save removes another staging directory only when it is provably abandoned: its
-owner ran on this host and that process is gone (pid not running, or running but started at another time: the pid
-was reused); or its owner ran elsewhere (liveness cannot be checked from here) and nothing in it was modified for
-``STALE_STAGING_S``. Before the rename, rank 0 checks that every file the ranks reported is in the staging directory
+process's start time, nonce). A save removes another staging directory only when it is provably abandoned (see
+[Note: provably abandoned] in zero_engine/_owned_dirs.py, shared with NVMe swap directories): its owner ran on this
+host and that process is gone; or its owner ran elsewhere and nothing in it was modified for ``STALE_STAGING_S``. Before the rename, rank 0 checks that every file the ranks reported is in the staging directory
 with the size they wrote, so a directory emptied by anything else is never published (the SHA-256 of each file is
 in metadata.json and checked at load). ``latest`` is replaced through a job-private temporary file.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import shutil
 import socket
-import time
 import uuid
 
-import psutil
-
+from .._owned_dirs import OWNER_FILE, STALE_S, abandoned_because, write_owner
 from ._errors import CheckpointError
 from ._metadata import LATEST_FILE, METADATA_FILE
 
@@ -49,10 +45,8 @@ __all__ = ["check_tag", "create_staging", "remove_stale_staging", "publish", "wr
            "fsync_dir", "STALE_STAGING_S"]
 
 _STAGING = re.compile(r"^\..+\.tmp-.+$")
-_OWNER_FILE = ".owner.json"
-_HOST = socket.gethostname()
 # A staging directory of another host (or without an owner file) untouched this long is taken as abandoned.
-STALE_STAGING_S = 24 * 3600.0
+STALE_STAGING_S = STALE_S
 
 
 def check_tag(tag: str) -> str:
@@ -64,61 +58,17 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def _process_start_time(pid: int) -> float | None:
-    """When process ``pid`` started (None: no such process); with the pid it identifies a process uniquely."""
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
-    except psutil.AccessDenied:
-        return -1.0  # it exists (another user's); its start time is unknown
-
-
 def create_staging(save_dir: str, tag: str, nonce: str | None = None, owner_pid: int | None = None) -> str:
     """Create ``<save_dir>/.<tag>.tmp-<host>-<pid>-<nonce>`` owned by process ``owner_pid`` (default: this one).
 
     See [Note: several jobs, one save_dir]."""
     pid = os.getpid() if owner_pid is None else owner_pid
     nonce = nonce or uuid.uuid4().hex[:16]
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", _HOST)
+    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
     path = os.path.join(save_dir, f".{tag}.tmp-{host}-{pid}-{nonce}")
     os.mkdir(path)
-    owner = {"host": _HOST, "pid": pid, "started": _process_start_time(pid), "nonce": nonce}
-    with open(os.path.join(path, _OWNER_FILE), "x") as f:
-        json.dump(owner, f)
+    write_owner(path, pid, nonce=nonce)
     return path
-
-
-def _last_modified(path: str) -> float:
-    newest = os.stat(path).st_mtime
-    for root, dirs, files in os.walk(path):
-        for name in files + dirs:
-            try:
-                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
-            except OSError:
-                pass
-    return newest
-
-
-def _abandoned_because(path: str) -> str | None:
-    """Why the staging directory at ``path`` is provably abandoned, or None when it may still be written."""
-    try:
-        with open(os.path.join(path, _OWNER_FILE)) as f:
-            owner = json.load(f)
-    except (OSError, ValueError):
-        owner = None
-    if isinstance(owner, dict) and owner.get("host") == _HOST and isinstance(owner.get("pid"), int):
-        started = _process_start_time(owner["pid"])
-        if started is None:
-            return f"its owner, pid {owner['pid']} on this host, has exited"
-        if started != -1.0 and owner.get("started") not in (None, started):
-            return f"its owner, pid {owner['pid']} on this host, has exited (the pid now names another process)"
-        return None
-    age = time.time() - _last_modified(path)
-    if age > STALE_STAGING_S:
-        where = f"owned by host {owner.get('host')}" if isinstance(owner, dict) else "without an owner file"
-        return f"{where}, nothing written in it for {age / 3600:.1f} h"
-    return None
 
 
 def _previous_dir(save_dir: str, tag: str) -> str:
@@ -143,7 +93,7 @@ def remove_stale_staging(save_dir: str) -> list[str]:
         path = os.path.join(save_dir, name)
         if not (_STAGING.match(name) and os.path.isdir(path)):
             continue
-        reason = _abandoned_because(path)
+        reason = abandoned_because(path, STALE_STAGING_S)
         if reason is None:
             log.info("left %s alone: another save may still be writing it", path)
             continue
@@ -176,7 +126,7 @@ def publish(save_dir: str, staging: str, tag: str, expected_files: dict[str, int
     if expected_files is not None:
         check_staged_files(staging, expected_files)
     try:
-        os.remove(os.path.join(staging, _OWNER_FILE))  # bookkeeping of the save, not part of the checkpoint
+        os.remove(os.path.join(staging, OWNER_FILE))  # bookkeeping of the save, not part of the checkpoint
     except FileNotFoundError:
         pass
     fsync_dir(staging)

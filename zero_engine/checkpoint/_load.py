@@ -34,6 +34,11 @@ log = logging.getLogger("zero_engine.checkpoint")
 
 __all__ = ["load_checkpoint"]
 
+# Optimizers whose state is the same (step, exp_avg, exp_avg_sq) and whose param groups carry the Adam/AdamW mode:
+# a checkpoint of one resumes in another (our kernel where it builds, torch's where it does not, or one converted
+# from an FSDP2 run's torch.optim.AdamW).
+_ADAM_STATE_ALIKE = {"Adam", "AdamW", "CPUAdam", "FusedAdam"}
+
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False):
@@ -120,7 +125,7 @@ def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: b
     engine_state = _load_engine_state(path, meta)
     if with_optimizer:
         ours_opt = type(engine.optimizer.optimizer).__name__
-        if meta.optimizer != ours_opt:
+        if meta.optimizer != ours_opt and not {meta.optimizer, ours_opt} <= _ADAM_STATE_ALIKE:
             raise CheckpointError(f"checkpoint {path} holds {meta.optimizer} state; this engine's optimizer is "
                                   f"{ours_opt}. Use the same optimizer, or load_optimizer_states=False")
         if meta.gradients == GRADS_LOCAL and meta.world_size != engine.comm.world_size:

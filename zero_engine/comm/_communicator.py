@@ -27,6 +27,7 @@ from zero_engine.comm._backend import CollectiveIssuer, reduce_op
 from zero_engine.comm._init import group_timeout_s
 from zero_engine.comm._records import CollectiveRecord, ProgressLog
 from zero_engine.comm.watchdog import StallWatchdog, default_store
+from zero_engine.errors import DistributedError
 from zero_engine.comm._consistency import (
     CollectiveDescriptor,
     CollectiveMismatchError,
@@ -303,10 +304,15 @@ class Communicator:
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, indexed by rank. For small metadata (e.g. order checks), not tensors."""
         self._check_consistency_if_debug("object", None, 0, 0)
-        self._record("object", None, 0, "")
+        record = self._record("object", None, 0, "")
         gathered: list = [None] * self.world_size
         with record_function("zero3::object"):
-            dist.all_gather_object(gathered, obj, group=self.group)
+            try:
+                dist.all_gather_object(gathered, obj, group=self.group)  # synchronous: not a sliced wait
+            except RuntimeError as error:  # the backend's own error (a peer's connection closed...)
+                if self.watchdog is None or isinstance(error, DistributedError):
+                    raise
+                self.watchdog.fail(record, error)  # raises the DistributedError naming the rank at fault
         self._count("object", len(pickle.dumps(obj)))
         return gathered
 

@@ -535,6 +535,15 @@ class StallWatchdog:
                     f"zero_engine.collective_timeout_s={self.collective_timeout_s:g}s. {UNUSABLE}")
             time.sleep(_HOLD_POLL_S)
 
+    def fail(self, record: Optional[CollectiveRecord], error: BaseException) -> None:
+        """A collective that was not waited on here (a synchronous object exchange) failed in the backend: raise
+        what ``explain_failure`` finds, and mark the group unusable as ``wait`` does."""
+        try:
+            self.explain_failure(record, error)
+        except DistributedError:
+            self._mark_failed()
+            raise
+
     def explain_failure(self, record: Optional[CollectiveRecord], error: BaseException) -> None:
         """A backend error ("Connection reset by peer", an NCCL error): find the rank that caused it and raise."""
         self._publish(record)

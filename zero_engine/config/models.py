@@ -111,6 +111,12 @@ class AioConfig(Section):
         1, ge=1, description="I/O threads per rank (DeepSpeed's intra_op_parallelism): chunks of one tensor are "
         "transferred in parallel by this many threads.",
     )
+    checksum: ConfigBool = Field(
+        True, description="zero_engine: keep a CRC-32 of every block written to an NVMe swap file and check it when "
+        "the block is read back, so a swap file changed or damaged on disk raises an error naming the file instead "
+        "of training on garbage. Costs one CRC pass over the swapped bytes on the I/O threads (measured in "
+        "docs/benchmarks.md); false turns it off.",
+    )
     single_submit: ConfigBool = Field(False, description="libaio: submit requests one at a time.")
     overlap_events: ConfigBool = Field(True, description="libaio: overlap request submission and completion.")
 

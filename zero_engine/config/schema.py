@@ -5,14 +5,16 @@ description; the class-level tables add what a real file may contain besides fie
 aliases, deprecated keys, keys accepted only while off, ignored keys) and where "auto" is allowed.
 
 Regenerate the committed copies with
-    zero-engine schema > config_schemas/zero_engine.schema.json
+    zero-engine schema > zero_engine/config_schemas/zero_engine.schema.json
     python -m zero_engine.config reference      # the block between the markers in docs/config.md
 """
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic_core import PydanticUndefined
@@ -61,6 +63,11 @@ SECTIONS: list[tuple[str, type[Section]]] = [
     ("zero_engine.memory_timeline", MemoryTimelineConfig),
 ]
 _PARAMS_MODELS = (AdamParams, SgdParams, WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams)
+
+
+def schema_file() -> Path:
+    """The committed JSON Schema shipped inside the package (``zero-engine schema --path``), for an editor to use."""
+    return Path(str(importlib.resources.files("zero_engine") / "config_schemas" / "zero_engine.schema.json"))
 
 
 def json_schema() -> dict[str, Any]:

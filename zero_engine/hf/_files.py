@@ -8,10 +8,12 @@ A safetensors file is an 8-byte header length, a JSON header (dtype, shape, [beg
 and the raw row-major data. The flat range ``[start, stop)`` of a tensor is therefore the byte range
 ``begin + start*itemsize .. begin + stop*itemsize``: a rank reads exactly its shard's bytes with one positioned
 read into its shard (or into a bounded staging buffer when the file's dtype differs), no mmap, so nothing but the
-shard enters the process. A ``.bin`` is a zip of pickled storages: it is opened with ``torch.load(mmap=True)``,
-which maps the file and materialises nothing; slicing a tensor touches only the pages of that slice. Those pages
-are file-backed: they count in RSS while the file stays mapped, and the kernel may drop them at any time, as for
-the page cache; each .bin shard is unmapped once its tensors were read.
+shard enters the process. The header is validated first, by safetensors' rules (see [Note: what a valid header
+is] in _header.py), so a lying offset can never read another tensor's bytes. A ``.bin`` is a zip of pickled
+storages: it is opened with ``torch.load(mmap=True)``, which maps the file and materialises nothing; slicing a
+tensor touches only the pages of that slice. Those pages are file-backed: they count in RSS while the file stays
+mapped, and the kernel may drop them at any time, as for the page cache; each .bin shard is unmapped once its
+tensors were read.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from ._header import read_header
 
 __all__ = ["CheckpointFiles", "find_checkpoint", "TensorEntry", "open_tensor_file"]
 
@@ -95,18 +99,22 @@ class _SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         self._f = open(path, "rb", buffering=0)
-        header_len = int.from_bytes(self._f.read(8), "little")
-        header = json.loads(self._f.read(header_len))
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._data_start = 8 + header_len
+        try:
+            header = read_header(path, self._f.fileno())  # see [Note: what a valid header is] in _header.py
+        except BaseException:
+            self._f.close()
+            raise
+        self.metadata = header.metadata
+        self._data_start = header.data_start
         self._offsets = {}
         self.entries: dict[str, TensorEntry] = {}
-        for key, info in header.items():
-            if info["dtype"] not in _SAFETENSORS_DTYPES:
-                raise NotImplementedError(f"zero_engine.hf: {path}: tensor {key} has dtype {info['dtype']}, "
+        for key, tensor in header.tensors.items():
+            if tensor.dtype not in _SAFETENSORS_DTYPES:
+                self._f.close()
+                raise NotImplementedError(f"zero_engine.hf: {path}: tensor {key} has dtype {tensor.dtype}, "
                                           f"which is not supported (supported: {', '.join(_SAFETENSORS_DTYPES)})")
-            self.entries[key] = TensorEntry(key, _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
-            self._offsets[key] = info["data_offsets"][0]
+            self.entries[key] = TensorEntry(key, _SAFETENSORS_DTYPES[tensor.dtype], tensor.shape)
+            self._offsets[key] = tensor.begin
 
     def read_into(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of the flattened tensor ``key``, cast into ``out`` (``stop - start`` long)."""

@@ -21,6 +21,17 @@ How, so that no rank ever holds the whole model (nor one whole layer beyond a mo
    or stripped, legacy renames) and ignore patterns (``_keys_to_ignore_on_load_missing`` / ``_unexpected``), and
    reported with transformers' own load report.
 
+[Note: one rank's failure while loading]
+Loading is collective: a rank whose part fails (its copy of a file truncated or corrupt, a full disk, a bug) must not
+leave the others waiting in, or failing with a bare backend error from, the next collective. So everything up to
+the first collective (configuration, building on meta, reading this rank's bytes) runs through ``agree`` (the
+checkpoint loader's rule, see [Note: why every phase is agreed] in checkpoint/_collective.py): one exchange of
+outcomes, then the failing rank raises its own error and every other rank a ``CheckpointError`` naming that rank
+and its error. The collectives of loading (that exchange, the gathers that initialise missing weights, the buffer
+broadcasts) run on a Communicator with the training watchdog (``zero_engine.stall_timeout_s`` and
+``collective_timeout_s`` from the config): a rank that dies outright (killed, out of memory) is reported as
+``RankLostError`` naming it, as in training.
+
 Peak memory per rank: the shards (``4 * numel / world`` bytes in fp32) plus a 16 MiB staging buffer when the file's
 dtype differs from the model's, plus the missing parameters while they are initialised (gathered together).
 """
@@ -34,7 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm import init_distributed
+from ..checkpoint._collective import agree
+from ..comm import Communicator, init_distributed
+from ..config.models import ZeroEngineSection
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import ShardedParam
 from ._files import find_checkpoint, open_tensor_file
@@ -95,33 +108,47 @@ def from_pretrained(model_class, path, config=None, **hf_kwargs):
     key_mapping = hf_kwargs.pop("key_mapping", None)
     attn_implementation = hf_kwargs.pop("attn_implementation", None)
 
-    _check_engine_config(config)
+    zero_engine_section = _check_engine_config(config)
     path = os.fspath(path)
     files = find_checkpoint(path, use_safetensors)
     if not dist.is_initialized():
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    requested_class, requested_dtype = model_class, dtype
 
-    hf_config, model_kwargs = transformers.AutoConfig.from_pretrained(path, return_unused_kwargs=True, **hf_kwargs)
-    if attn_implementation is not None:
-        hf_config._attn_implementation = attn_implementation
-    model_class = _concrete_class(model_class, hf_config)
-    if not isinstance(hf_config, model_class.config_class):
-        hf_config, model_kwargs = model_class.config_class.from_pretrained(path, return_unused_kwargs=True,
-                                                                           **hf_kwargs)
-    readers = [open_tensor_file(f, files.fmt) for f in files.files]
+    def read_this_ranks_part():
+        hf_config, model_kwargs = transformers.AutoConfig.from_pretrained(path, return_unused_kwargs=True,
+                                                                          **hf_kwargs)
+        if attn_implementation is not None:
+            hf_config._attn_implementation = attn_implementation
+        cls = _concrete_class(requested_class, hf_config)
+        if not isinstance(hf_config, cls.config_class):
+            hf_config, model_kwargs = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **hf_kwargs)
+        readers = []
+        try:
+            for f in files.files:
+                readers.append(open_tensor_file(f, files.fmt))
+            resolved = _resolve_dtype(requested_dtype, hf_config, readers)
+            hf_config.dtype = resolved
+            model = _build_on_meta(cls, hf_config, resolved, model_kwargs)
+            plan = _plan(model, readers, key_mapping, transformers)
+            _check_renamings(plan)
+            sharded = _partition(model, rank, world)
+            loaded = _stream(model, sharded, plan, readers)
+        finally:
+            for reader in readers:
+                reader.close()
+        return cls, resolved, model, plan, sharded, loaded
+
+    # [Note: one rank's failure while loading] in the module docstring
+    comm = Communicator(stall_timeout_s=zero_engine_section.stall_timeout_s,
+                        collective_timeout_s=zero_engine_section.collective_timeout_s)
     try:
-        dtype = _resolve_dtype(dtype, hf_config, readers)
-        hf_config.dtype = dtype
-        model = _build_on_meta(model_class, hf_config, dtype, model_kwargs)
-        plan = _plan(model, readers, key_mapping, transformers)
-        _check_renamings(plan)
-        sharded = _partition(model, rank, world)
-        loaded = _stream(model, sharded, plan, readers)
+        model_class, dtype, model, plan, sharded, loaded = agree(
+            comm, f"zero_engine.hf.from_pretrained: reading {path}", read_this_ranks_part)
+        _initialize_missing(model, sharded, loaded, comm)
     finally:
-        for reader in readers:
-            reader.close()
-    _initialize_missing(model, sharded, loaded)
+        comm.close()
     model._adjust_missing_and_unexpected_keys(plan.info)
     report_logger = logging.getLogger("transformers.modeling_utils") if rank == 0 else _SILENT
     from transformers.utils.loading_report import log_state_dict_report
@@ -143,17 +170,21 @@ _SILENT.propagate = False
 
 
 # ---- building ------------------------------------------------------------------------------------------------------
-def _check_engine_config(config) -> None:
-    """Only the ZeRO stage matters here ("auto" values need the model, so the config is not resolved here)."""
+def _check_engine_config(config) -> ZeroEngineSection:
+    """Only the ZeRO stage and the collective timeouts matter here ("auto" values need the model, so the config is
+    not resolved here); returns the config's ``zero_engine`` section (the defaults without a config)."""
     if config is None:
-        return
-    from ..config.loader import read_config_source
+        return ZeroEngineSection()
+    from ..config.loader import read_config_source, validate_section
 
-    stage = (read_config_source(config).get("zero_optimization") or {}).get("stage", 0)
+    source = read_config_source(config)
+    stage = (source.get("zero_optimization") or {}).get("stage", 0)
+    section = validate_section(ZeroEngineSection, source.get("zero_engine") or {})
     if stage == 0:
         raise ValueError("zero_engine.hf.from_pretrained: zero_optimization.stage is 0 in the config: stage 0 keeps "
                          "every parameter whole on every rank, so there is nothing to partition; load with "
                          "transformers' own from_pretrained, or use stage 1, 2 or 3")
+    return section
 
 
 def _concrete_class(model_class, hf_config):
@@ -319,10 +350,10 @@ def _is_parameter(model: nn.Module, key: str) -> bool:
     return leaf in model.get_submodule(module_name)._parameters
 
 
-def _initialize_missing(model, sharded: dict[int, ShardedParam], loaded: set[int]) -> None:
+def _initialize_missing(model, sharded: dict[int, ShardedParam], loaded: set[int], comm: Communicator) -> None:
     """transformers' initialize_weights() over the not-loaded tensors, gathered; rank 0's values kept."""
     missing = [sp for key, sp in sharded.items() if key not in loaded]
-    with GatheredParameters([sp.param for sp in missing], modifier_rank=0):
+    with GatheredParameters([sp.param for sp in missing], modifier_rank=0, _comm=comm):
         model.initialize_weights()
     for sp in missing:
         if sp.master_init is not None:
@@ -330,7 +361,7 @@ def _initialize_missing(model, sharded: dict[int, ShardedParam], loaded: set[int
     if dist.get_world_size() > 1:  # buffers were computed on every rank; keep rank 0's, as for the parameters
         for name, buffer in model.named_buffers():
             if id(buffer) not in loaded and buffer.numel():
-                dist.broadcast(buffer, src=0)
+                comm.broadcast(buffer, src=0, name=f"from_pretrained buffer {name}")
 
 
 def _load_generation_config(model, path: str, transformers) -> None:

@@ -14,9 +14,20 @@ padded to 4096 bytes; the logical size is kept beside. Where ``O_DIRECT`` cannot
 file systems) the store says so once and uses buffered I/O. The threads release the GIL inside the system calls,
 so I/O overlaps the optimizer's update (CPUAdam releases it too).
 
+[Note: swap checksums]
+With ``checksum`` (``aio.checksum``, on by default) every chunk gets a CRC-32 (``zlib.crc32``) as it is written,
+kept in memory beside the logical size, and each chunk read back is checked against it: a swap file changed after
+it was written (another process, a failing disk, a bit flip in the page cache) raises ``NvmeError`` naming the file
+and the byte range, instead of feeding garbage into the next step. The CRC runs on the I/O threads, chunk by chunk,
+with the GIL released (zlib does for buffers over 5 KiB), so it overlaps the other chunks' I/O and the optimizer.
+Why zlib's CRC-32: it is in the standard library (no new dependency) and runs at several GB/s per thread; CRC32C
+would need a package, and a sum or xor of words would miss swapped or shifted blocks. Its cost on a training step
+is measured in docs/benchmarks.md ("NVMe swap checksums").
+
 Safety. Directories are named ``zero_engine-<job>-<pid>-rank<r>`` (``<job>``: torchrun's run id, else a random
 tag), so two jobs or two ranks sharing ``nvme_path`` never touch each other's files; the directory is removed by
-``close()`` and at normal interpreter exit. A key whose write failed is marked bad and reading it raises: a
+``close()``, at normal interpreter exit and on SIGTERM, and a later run reclaims it after a crash (see [Note: swap
+after a crash] in swap_cleanup.py). A key whose write failed is marked bad and reading it raises: a
 partially written state is never read back. Errors name the path and say what to do (missing directory, no write
 permission, out of space with the bytes needed and free).
 """
@@ -32,9 +43,13 @@ import shutil
 import threading
 import uuid
 import weakref
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from .._owned_dirs import OWNER_FILE, write_owner
+from .swap_cleanup import forget_run_dir, reclaim_abandoned, remember_run_dir
 
 __all__ = ["ALIGNMENT", "IoHandle", "NvmeError", "NvmeStore", "store_options"]
 
@@ -87,14 +102,17 @@ class NvmeStore:
     """Per-run, per-rank directory of tensor files under ``nvme_path``; async reads and writes on a thread pool."""
 
     def __init__(self, nvme_path: str, *, rank: int, purpose: str, block_size: int = 1 << 20, queue_depth: int = 8,
-                 thread_count: int = 1, use_direct: bool = True):
+                 thread_count: int = 1, use_direct: bool = True, checksum: bool = True):
         self.nvme_path = os.path.abspath(os.path.expanduser(str(nvme_path)))
         _check_directory(self.nvme_path)
         job = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:8]
         self.run_dir = os.path.join(self.nvme_path, f"zero_engine-{job}-{os.getpid()}-rank{rank}")
         self.directory = os.path.join(self.run_dir, purpose)
+        reclaim_abandoned(self.nvme_path)
         try:
             os.makedirs(self.directory, exist_ok=False)
+            if not os.path.exists(os.path.join(self.run_dir, OWNER_FILE)):  # a second store of this process shares it
+                write_owner(self.run_dir)
         except OSError as e:
             raise NvmeError(e.errno, f"offload nvme_path: cannot create {self.directory}: {e.strerror}; give a "
                             "directory this process can write") from None
@@ -105,11 +123,14 @@ class NvmeStore:
         self._pool = ThreadPoolExecutor(self.thread_count, thread_name_prefix=f"zero_engine-nvme-{purpose}")
         self._bounce = threading.local()  # one aligned bounce buffer per I/O thread
         self._sizes: dict[str, int] = {}  # key -> logical bytes of what was written
+        self.checksum = bool(checksum)
+        self._crcs: dict[str, list[int]] = {}  # key -> CRC-32 of each block_size chunk ([Note: swap checksums])
         self._bad: set[str] = set()  # keys whose last write failed: never read back
         self._in_flight: set[IoHandle] = set()
         self._closed = False
         # weakref: the store can be garbage-collected before exit; close() then already ran or runs from __del__
         atexit.register(_close_at_exit, weakref.ref(self))
+        remember_run_dir(self.run_dir)  # removed on SIGTERM while this store is open
 
     # ---- buffers -----------------------------------------------------------------------------------------------
     @staticmethod
@@ -130,18 +151,24 @@ class NvmeStore:
         path = self._path(key)
         self._bad.add(key)  # until this write is complete
         self._sizes.pop(key, None)
+        self._crcs.pop(key, None)
+        starts = range(0, nbytes, self.block_size)
+        crcs = [0] * len(starts) if self.checksum else None
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if self.direct else 0), 0o600)
         except OSError as e:
             raise self._error("create", path, e) from None
         self._preallocate(fd, path, _round_up(nbytes, ALIGNMENT))
-        futures = [self._pool.submit(self._write_chunk, fd, tensor, start, min(self.block_size, nbytes - start))
-                   for start in range(0, nbytes, self.block_size)]
+        futures = [self._pool.submit(self._write_chunk, fd, path, tensor, start,
+                                     min(self.block_size, nbytes - start), crcs, i)
+                   for i, start in enumerate(starts)]
 
         def done(error):
             os.close(fd)
             if error is None:
                 self._sizes[key] = nbytes
+                if crcs is not None:
+                    self._crcs[key] = crcs
                 self._bad.discard(key)
 
         return self._track(IoHandle(futures, tensor, done))
@@ -161,8 +188,10 @@ class NvmeStore:
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         except OSError as e:
             raise self._error("open", path, e) from None
-        futures = [self._pool.submit(self._read_chunk, fd, out, start, min(self.block_size, nbytes - start))
-                   for start in range(0, nbytes, self.block_size)]
+        crcs = self._crcs.get(key) if self.checksum else None
+        futures = [self._pool.submit(self._read_chunk, fd, path, out, start, min(self.block_size, nbytes - start),
+                                     crcs[i] if crcs is not None else None)
+                   for i, start in enumerate(range(0, nbytes, self.block_size))]
         return self._track(IoHandle(futures, out, lambda error: os.close(fd)))
 
     def nbytes(self) -> int:
@@ -184,7 +213,13 @@ class NvmeStore:
             except OSError:
                 pass  # the files are removed below; nothing will read them
         self._pool.shutdown(wait=True)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        try:
+            if set(os.listdir(self.run_dir)) <= {OWNER_FILE}:  # the other store of this process is closed too
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+        except OSError:
+            pass
+        forget_run_dir(self.run_dir)
 
     def __del__(self):
         if not getattr(self, "_closed", True):
@@ -240,7 +275,8 @@ class NvmeStore:
         padded = _round_up(length, ALIGNMENT)
         return address % ALIGNMENT == 0 and address + padded <= storage_end
 
-    def _write_chunk(self, fd: int, tensor: torch.Tensor, start: int, length: int) -> None:
+    def _write_chunk(self, fd: int, path: str, tensor: torch.Tensor, start: int, length: int,
+                     crcs: list[int] | None, index: int) -> None:
         padded = _round_up(length, ALIGNMENT) if self.direct else length
         if self._aligned(tensor, start, length):
             view = _buffer(tensor, start, padded)
@@ -248,27 +284,39 @@ class NvmeStore:
             bounce = self._bounce_buffer()
             view = _buffer(bounce, 0, padded)
             view[:length] = _buffer(tensor, start, length)
-        self._io(os.pwritev, fd, view, start, "write")
+        if crcs is not None:
+            crcs[index] = zlib.crc32(view[:length])
+        self._io(os.pwritev, fd, path, view, start, "write")
 
-    def _read_chunk(self, fd: int, out: torch.Tensor, start: int, length: int) -> None:
+    def _read_chunk(self, fd: int, path: str, out: torch.Tensor, start: int, length: int,
+                    expected_crc: int | None) -> None:
         padded = _round_up(length, ALIGNMENT) if self.direct else length
         if self._aligned(out, start, length):
-            self._io(os.preadv, fd, _buffer(out, start, padded), start, "read")
+            view = _buffer(out, start, padded)
+            self._io(os.preadv, fd, path, view, start, "read")
         else:
             view = _buffer(self._bounce_buffer(), 0, padded)
-            self._io(os.preadv, fd, view, start, "read")
+            self._io(os.preadv, fd, path, view, start, "read")
             _buffer(out, start, length)[:] = view[:length]
+        if expected_crc is not None:
+            crc = zlib.crc32(view[:length])
+            if crc != expected_crc:
+                raise NvmeError(errno.EIO, f"offload: {path} is corrupt: bytes [{start}, {start + length}) read back "
+                                f"with CRC-32 {crc:08x}, written with {expected_crc:08x}. The swap file was changed "
+                                "after this process wrote it (another process writing under nvme_path, or a failing "
+                                "disk); the read raised before its data could be used. Restart from the last "
+                                "checkpoint")
 
-    def _io(self, call, fd: int, view: memoryview, offset: int, what: str) -> None:
+    def _io(self, call, fd: int, path: str, view: memoryview, offset: int, what: str) -> None:
         done = 0
         while done < len(view):  # a short transfer (signal, end of a buffered page) continues where it stopped
             try:
                 n = call(fd, [view[done:]], offset + done)
             except OSError as e:
-                raise self._error(what, self.directory, e, len(view)) from None
+                raise self._error(what, path, e, len(view)) from None
             if n <= 0:
-                raise NvmeError(errno.EIO, f"offload: {what} of {len(view)} bytes at offset {offset} in "
-                                f"{self.directory} stopped after {done} bytes (file shorter than expected)")
+                raise NvmeError(errno.EIO, f"offload: {what} of {len(view)} bytes at offset {offset} in {path} "
+                                f"stopped after {done} bytes (file shorter than expected)")
             done += n
 
     def _error(self, what: str, path: str, e: OSError, needed: int = 0) -> NvmeError:
@@ -323,4 +371,4 @@ def _close_at_exit(ref) -> None:
 
 def store_options(aio) -> dict:
     """``NvmeStore`` keyword arguments from the config's ``aio`` section (``AioConfig``)."""
-    return {"block_size": aio.block_size, "thread_count": aio.thread_count}
+    return {"block_size": aio.block_size, "thread_count": aio.thread_count, "checksum": aio.checksum}

@@ -172,9 +172,11 @@ class OptimizerSwapper:
             self._trim()  # buffers borrowed beyond the pool go back to the allocator
 
     def close(self) -> None:
-        self._wait_writes()
-        self._free.clear()
-        self.store.close()
+        try:
+            self._wait_writes()
+        finally:
+            self._free.clear()
+            self.store.close()
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property

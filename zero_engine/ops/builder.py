@@ -1,4 +1,7 @@
-"""Builds the C++/CUDA ops in ``csrc/`` on first use, and says clearly why when it cannot.
+"""Builds the C++/CUDA ops in ``zero_engine/csrc/`` on first use, and says clearly why when it cannot.
+
+The sources ship inside the package (package data) and are found through ``importlib.resources``, so an
+installed wheel builds from its own copy.
 
 Each op is compiled just in time by ``torch.utils.cpp_extension.load`` (ninja) into torch's extensions
 directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<python>_<cuda>/``), then
@@ -9,9 +12,9 @@ object whose attributes are the op's functions.
 ninja recompiles an object when its command line or any file it includes changed (torch writes
 depfiles), and torch's versioner rebuilds under a new name when the sources or flags changed within a
 process. To make both notice a change to a header too, the flags carry a hash of the op's sources
-and of every header in ``csrc/includes`` (``-DZE_SOURCES_HASH=...``). A second process finds the cached library and only loads it
-(well under a second); a cold build of ``cpu_adam`` takes about 10 s, since the binding includes
-only ``<torch/library.h>`` rather than ``<torch/extension.h>``.
+and of every header in ``zero_engine/csrc/includes`` (``-DZE_SOURCES_HASH=...``). A second process
+finds the cached library and only loads it (well under a second); a cold build of ``cpu_adam`` takes
+about 10 s, since the binding includes only ``<torch/library.h>`` rather than ``<torch/extension.h>``.
 
 [Note: instruction set chosen from the CPU's flags, not -march=native]
 The CPU kernel is compiled for AVX-512, AVX2 or plain scalar code according to ``/proc/cpuinfo``,
@@ -30,6 +33,7 @@ Environment:
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import logging
 import os
 import re
@@ -50,7 +54,8 @@ DISABLE_ENV = "ZERO_ENGINE_DISABLE_OPS"
 SIMD_ENV = "ZERO_ENGINE_CPU_ADAM_SIMD"
 OP_NAMES = ("cpu_adam", "fused_adam")
 
-CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+# A real directory: the compiler needs paths (a package imported from a zip has none, and its ops cannot build).
+CSRC_DIR = Path(str(importlib.resources.files("zero_engine") / "csrc"))
 INCLUDE_DIR = CSRC_DIR / "includes"
 
 _ERROR_TAIL_CHARS = 3000
@@ -151,8 +156,8 @@ def _sources_hash(sources: tuple[Path, ...]) -> str:
 def _require_sources(op_name: str, sources: tuple[Path, ...]) -> None:
     missing = [str(path) for path in sources if not path.is_file()]
     if missing:
-        raise OpBuildError(op_name, f"source files not found: {missing} (is zero_engine installed from a checkout "
-                                    "with csrc/ next to the package?)")
+        raise OpBuildError(op_name, f"source files not found: {missing} (zero_engine ships them as package "
+                                    "data in zero_engine/csrc/: reinstall it, from a wheel or with pip install -e)")
 
 
 def _require_host_toolchain(op_name: str) -> None:

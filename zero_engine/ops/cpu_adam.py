@@ -1,4 +1,5 @@
-"""CPUAdam: Adam/AdamW over fp32 CPU parameters, one vectorized OpenMP pass per step (csrc/adam/cpu_adam.cpp).
+"""CPUAdam: Adam/AdamW over fp32 CPU parameters, one vectorized OpenMP pass per step
+(zero_engine/csrc/adam/cpu_adam.cpp).
 
 This is the optimizer for ZeRO's CPU offload: fp32 master shards, moments and the update live in host
 memory, where the step is bound by memory bandwidth. The kernel reads each element once and writes it

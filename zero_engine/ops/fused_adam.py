@@ -1,4 +1,4 @@
-"""FusedAdam: Adam/AdamW on CUDA, one multi-tensor launch per ~36 tensors (csrc/adam/fused_adam.cu).
+"""FusedAdam: Adam/AdamW on CUDA, one multi-tensor launch per ~36 tensors (zero_engine/csrc/adam/fused_adam.cu).
 
 Parameters may be fp32, fp16 or bf16; the moments are kept in the parameter's dtype, as
 torch.optim.AdamW keeps them, and the arithmetic is fp32. Gradients may differ in dtype from their

@@ -35,8 +35,9 @@ def op_report(build: bool = False) -> list[OpStatus]:
     return [_status(op_name, build) for op_name in OP_NAMES]
 
 
-def op_report_text(build: bool = False) -> str:
-    rows = op_report(build)
+def op_report_text(build: bool = False, rows: list[OpStatus] | None = None) -> str:
+    """The table ``zero-engine ops`` prints, of ``rows`` when given (from op_report) or of a fresh report."""
+    rows = op_report(build) if rows is None else rows
     nvcc = find_nvcc()
     toolkit = f"{nvcc_version(nvcc)} ({nvcc})" if nvcc else "not found"
     lines = [

@@ -54,7 +54,8 @@ def _take_edits_into_shard(sp: ShardedParam) -> None:
 
 
 class GatheredParameters:
-    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True, *,
+                 _comm: Communicator | None = None):
         if fwd_module is not None:
             raise NotImplementedError("GatheredParameters(fwd_module=...): registering gathered parameters as "
                                       "external parameters of a module is not supported by zero_engine; gather them "
@@ -63,6 +64,7 @@ class GatheredParameters:
             params = [params]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
+        self._comm = _comm  # the caller's Communicator (from_pretrained's, watched); default: a plain one
         self.sharded: list[ShardedParam] = []
         if enabled:
             for p in params:
@@ -77,7 +79,7 @@ class GatheredParameters:
             return self
         if not dist.is_initialized():
             init_distributed()
-        self.comm = Communicator()
+        self.comm = self._comm if self._comm is not None else Communicator()
         if self.modifier_rank is not None and not 0 <= self.modifier_rank < self.comm.world_size:
             raise ValueError(f"GatheredParameters: modifier_rank={self.modifier_rank} is not a rank of this "
                              f"world (0..{self.comm.world_size - 1})")

@@ -313,13 +313,15 @@ class ZeroOptimizer(_OptimizerWrapper):
             yield
 
     def close(self) -> None:
-        """Remove the NVMe files of this run (engine.destroy())."""
-        if self.param_swapper is not None:
-            self.param_swapper.close()
-            self.param_swapper = None
-        if self.swapper is not None:
-            self.swapper.close()
-            self.swapper = None
+        """Remove the NVMe files of this run (engine.destroy()), both stores' even when the first one raises."""
+        param_swapper, self.param_swapper = self.param_swapper, None
+        swapper, self.swapper = self.swapper, None
+        try:
+            if param_swapper is not None:
+                param_swapper.close()
+        finally:
+            if swapper is not None:
+                swapper.close()
 
 
 # [Note: the host-to-device shard copy]

@@ -1,0 +1,287 @@
+"""Run by tests/test_hf_trainer.py under torchrun (2 CPU ranks): ZeroTrainer against the plain (DDP) Trainer.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hf_trainer_worker.py SUITE WORKDIR
+
+Each suite trains the same tiny Llama on the same data with the same seed twice, once with transformers' Trainer
+(Accelerate wraps it in DDP) and once with ZeroTrainer, and checks the logged losses, grad norms, learning rates and
+eval losses step by step; any mismatch raises, so the process exits non-zero with the values in the message.
+Tolerances: fp32 losses agree to 1e-4 relative (in practice ~1e-7: the same math, gradients averaged in another
+order); resuming is bitwise; bf16 is compared with 3e-2, since the engine computes with bf16 weights while the plain
+Trainer autocasts with fp32 weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import Trainer, TrainingArguments
+
+from zero_engine.hf import ZeroTrainer, ZeroTrainerMixin
+from zero_engine.zero.partition import sharded_param_of
+
+STAGE3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+VOCAB, SEQ = 97, 16
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, seed=1):
+        self.ids = torch.randint(3, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long)}
+
+
+def training_args(out, **overrides):
+    # 22 samples, 2 per rank and micro-batch, 2 ranks: 6 micro-batches per rank and epoch; accumulation 4 leaves a
+    # window of 2 at the end of each epoch. Clipping at 0.5 acts (the norms are ~0.5-0.9); warm-up then linear.
+    base = dict(output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+                gradient_accumulation_steps=4, num_train_epochs=2, learning_rate=1e-2, warmup_steps=1,
+                max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no",
+                disable_tqdm=True, dataloader_num_workers=0)
+    base.update(overrides)
+    return TrainingArguments(**base)
+
+
+def history(trainer, keys=("loss", "grad_norm", "learning_rate", "eval_loss")):
+    return [{k: h[k] for k in keys if k in h} for h in trainer.state.log_history
+            if any(k in h for k in ("loss", "eval_loss"))]
+
+
+def close(a, b, rtol, what):
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            raise AssertionError(f"{what}: keys {sorted(a)} != {sorted(b)}")
+        for k in a:
+            close(a[k], b[k], rtol, f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            raise AssertionError(f"{what}: {len(a)} entries != {len(b)}\n{a}\n{b}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            close(x, y, rtol, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        if not torch.allclose(a.float(), b.float(), rtol=rtol, atol=rtol * b.float().abs().max().item()):
+            raise AssertionError(f"{what}: max diff {(a.float() - b.float()).abs().max().item()} (rtol {rtol})")
+    elif not math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12):
+        raise AssertionError(f"{what}: {a} != {b} (rtol {rtol})")
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def plain_and_zero(work, name, zero_config, model_fn=tiny_llama, plain_cls=Trainer, zero_cls=ZeroTrainer,
+                   n_train=22, **overrides):
+    common = dict(train_dataset=Tokens(n_train), eval_dataset=Tokens(8, seed=2))
+    plain = plain_cls(model=model_fn(), args=training_args(f"{work}/{name}-plain", **overrides), **common)
+    plain.train()
+    zero = zero_cls(model=model_fn(), args=training_args(f"{work}/{name}-zero", **overrides), zero_config=zero_config,
+                    **common)
+    return plain, zero
+
+
+# ---- suites --------------------------------------------------------------------------------------------------------
+def suite_stage3(work):
+    """Stage 3: eval before train, GA with an epoch remainder, clipping, schedule, eval and checkpoints every 2
+    steps, predict, generate with ranks finishing at different lengths, save_model -> from_pretrained, resume."""
+    every2 = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
+    plain, zero = plain_and_zero(work, "s3", STAGE3, **every2)
+    rank = dist.get_rank()
+    fresh = Trainer(model=tiny_llama(), args=training_args(f"{work}/s3-eval"), eval_dataset=Tokens(8, seed=2))
+    close(zero.evaluate()["eval_loss"], fresh.evaluate()["eval_loss"], 1e-5, "eval before train")
+    sp = sharded_param_of(zero.model.model.layers[0].mlp.up_proj.weight)
+    check(sp is not None and sp.shard.numel() < sp.numel and not sp.is_available, "stage 3: not partitioned")
+    zero.train()
+    close(history(zero), history(plain), 1e-4, "stage 3 log history")
+    check(len([h for h in history(zero) if "loss" in h]) == 4, f"expected 4 steps: {history(zero)}")
+    check(zero.state.total_flos == plain.state.total_flos > 0, f"total_flos {zero.state.total_flos} != "
+          f"{plain.state.total_flos}")
+
+    ckpt = f"{work}/s3-zero/checkpoint-2"
+    check(os.path.isdir(f"{ckpt}/zero_engine") and os.path.isfile(f"{ckpt}/model.safetensors"),
+          f"checkpoint layout: {sorted(os.listdir(ckpt))}")
+
+    pz, pp = zero.predict(Tokens(6, seed=3)), plain.predict(Tokens(6, seed=3))
+    close(torch.as_tensor(pz.predictions), torch.as_tensor(pp.predictions), 1e-4, "predict logits")
+    close(pz.metrics["test_loss"], pp.metrics["test_loss"], 1e-4, "predict loss")
+
+    prompt = Tokens(1, seed=4).ids[:, :5]
+    new = 2 if rank == 0 else 5  # rank 0 finishes first: without synced_gpus its peers would wait in a gather
+    zero.model.eval()
+    out_zero = zero.model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    out_plain = plain.model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    check(torch.equal(out_zero, out_plain), f"generate: {out_zero} != {out_plain}")
+
+    zero.save_model(f"{work}/s3-saved")
+    if rank == 0:
+        reloaded = transformers.LlamaForCausalLM.from_pretrained(f"{work}/s3-saved")
+        x = Tokens(2, seed=5).ids
+        with torch.no_grad():
+            close(reloaded(x).logits, plain.model(x).logits, 1e-4, "save_model -> from_pretrained logits")
+    dist.barrier()
+
+    resumed = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/s3-resumed", **every2),
+                          train_dataset=Tokens(22), eval_dataset=Tokens(8, seed=2), zero_config=STAGE3)
+    resumed.train(resume_from_checkpoint=ckpt)
+    after = [h for h in history(resumed)]
+    full = history(zero)
+    check(after == full[-len(after):] and len(after) >= 3, f"resume not bitwise:\n{after}\n{full}")
+
+
+def suite_stages12(work):
+    """Stages 1 and 2 (parameters whole, gradients reduced at the boundary / in every backward); then the config's
+    own optimizer and scheduler blocks with "auto" values, filled from the arguments and stepped by the engine."""
+    plain, zero = plain_and_zero(work, "s1", {"zero_optimization": {"stage": 1}}, max_steps=3)
+    zero.train()
+    close(history(zero), history(plain), 1e-4, "stage 1 log history")
+    zero = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/s2", max_steps=3), train_dataset=Tokens(22),
+                       zero_config={"zero_optimization": {"stage": 2}})
+    zero.train()
+    close(history(zero), history(plain), 1e-4, "stage 2 log history")
+
+    from zero_engine.schedulers import build_scheduler
+
+    auto = "auto"
+    schedule = {"warmup_min_lr": auto, "warmup_max_lr": auto, "warmup_num_steps": auto, "total_num_steps": auto,
+                "warmup_type": "linear"}
+    config = {"zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": auto, "betas": auto, "weight_decay": auto}},
+              "scheduler": {"type": "WarmupDecayLR", "params": schedule}}
+    zero = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/blocks", max_steps=4, warmup_steps=2,
+                                                              adam_beta2=0.95, weight_decay=0.01),
+                       train_dataset=Tokens(22), zero_config=config)
+    zero.train()
+    group = zero.engine.optimizer.param_groups[0]
+    check(tuple(group["betas"]) == (0.9, 0.95) and group["weight_decay"] == 0.01, f"optimizer block: {group}")
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    reference = build_scheduler("WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2,
+                                                  "total_num_steps": 4, "warmup_type": "linear"}, probe)
+    expected = []
+    for _ in range(4):
+        expected.append(probe.param_groups[0]["lr"])
+        reference.step()
+    lrs = [h["learning_rate"] for h in history(zero) if "loss" in h]
+    close(lrs, expected, 1e-9, "scheduler block: learning rates")
+
+
+def suite_precision(work):
+    """bf16 against the plain Trainer's bf16 autocast; fp16 with a forced overflow: the schedule does not step."""
+    plain, zero = plain_and_zero(work, "bf16", STAGE3, bf16=True, max_steps=3)
+    zero.train()
+    check(zero.engine.compute_dtype == torch.bfloat16, f"bf16: engine computes in {zero.engine.compute_dtype}")
+    close(history(zero, ("loss", "learning_rate")), history(plain, ("loss", "learning_rate")), 3e-2, "bf16")
+
+    fp16 = {**STAGE3, "fp16": {"enabled": True, "initial_scale_power": 21, "hysteresis": 1}}
+    zero = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/fp16", max_steps=5, warmup_steps=0,
+                                                              gradient_accumulation_steps=1),
+                       train_dataset=Tokens(22), zero_config=fp16)
+    zero.train()
+    engine, schedule = zero.engine, zero.lr_scheduler.scheduler
+    check(1 <= engine.skipped_steps < engine.global_steps == 5, f"fp16: {engine.skipped_steps} skipped of "
+          f"{engine.global_steps}: the initial scale 2**21 overflows here, 2**18 does not")
+    applied = engine.global_steps - engine.skipped_steps
+    check(schedule.last_epoch == applied, f"fp16: scheduler stepped {schedule.last_epoch} times, {applied} "
+          "steps applied")
+    lrs = [h["learning_rate"] for h in history(zero) if "loss" in h]
+    check(lrs[0] == lrs[engine.skipped_steps] == 1e-2, f"fp16: the LR moved during skipped steps: {lrs}")
+
+
+def suite_best(work):
+    """load_best_model_at_end (here the eval loss rises: the best is the first step's, not the last)."""
+    best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, max_steps=3,
+                load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False)
+    zero = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/best", **best), train_dataset=Tokens(22),
+                       eval_dataset=Tokens(8, seed=2), zero_config=STAGE3)
+    zero.train()
+    evals = [h["eval_loss"] for h in zero.state.log_history if "eval_loss" in h]
+    check(zero.state.best_metric == min(evals) and min(evals) != evals[-1], f"best: {zero.state.best_metric}, "
+          f"evals {evals}")
+    close(zero.evaluate()["eval_loss"], zero.state.best_metric, 1e-6, "load_best_model_at_end")
+
+
+def suite_peft(work):
+    """PEFT LoRA: frozen base weights partitioned, adapters trained as under DDP; the adapter saved and reloaded."""
+    import peft
+
+    def lora():
+        model = tiny_llama()
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          lora_dropout=0.0))
+
+    plain, zero = plain_and_zero(work, "lora", STAGE3, model_fn=lora, max_steps=3, activation_checkpointing=True,
+                                 activation_checkpointing_kwargs={"use_reentrant": True},
+                                 ddp_find_unused_parameters=False)
+    base = zero.model.get_base_model().model.layers[0].mlp.up_proj.weight
+    check(not base.requires_grad and sharded_param_of(base) is not None
+          and sharded_param_of(base).shard.numel() < sharded_param_of(base).numel, "LoRA: base weight not partitioned")
+    zero.train()
+    close(history(zero), history(plain), 1e-4, "LoRA log history")
+    zero.save_model(f"{work}/lora-saved")
+    if dist.get_rank() == 0:
+        check(os.path.isfile(f"{work}/lora-saved/adapter_model.safetensors"), "LoRA: no adapter file")
+        reloaded = peft.PeftModel.from_pretrained(tiny_llama(), f"{work}/lora-saved")
+        x = Tokens(2, seed=5).ids
+        with torch.no_grad():
+            close(reloaded(x).logits, plain.model(x).logits, 1e-4, "LoRA adapter reloaded")
+    dist.barrier()
+
+
+def suite_sft(work):
+    """TRL's SFTTrainer through the mixin against plain SFTTrainer (pre-tokenized data, TRL's default fused LM
+    head and activation checkpointing), at each stage in SFT_STAGES; prints "OK sft-stageN" after each."""
+    import datasets
+    import trl
+
+    class ZeroSFTTrainer(ZeroTrainerMixin, trl.SFTTrainer):
+        pass
+
+    train = datasets.Dataset.from_dict({"input_ids": Tokens(22).ids.tolist()})
+    for stage in (int(s) for s in os.environ.get("SFT_STAGES", "2,3").split(",")):
+        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        runs = {}
+        for name, cls, kwargs in (("plain", trl.SFTTrainer, {}), ("zero", ZeroSFTTrainer, {"zero_config": config})):
+            args = trl.SFTConfig(output_dir=f"{work}/sft{stage}-{name}", per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                                 report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
+                                 max_grad_norm=0.5, dataset_num_proc=None, max_length=None,
+                                 bf16=False)  # SFTConfig turns bf16 on by default; fp32 compares to 1e-4
+            trainer = cls(model=tiny_llama(), args=args, train_dataset=train, processing_class=tokenizer(), **kwargs)
+            trainer.train()
+            runs[name] = history(trainer, ("loss", "grad_norm", "learning_rate", "mean_token_accuracy"))
+        close(runs["zero"], runs["plain"], 1e-4, f"SFTTrainer stage {stage}")
+        if dist.get_rank() == 0:
+            print(f"OK sft-stage{stage}", flush=True)
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+                                               pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+    return tok
+
+
+if __name__ == "__main__":
+    suite, work = sys.argv[1], sys.argv[2]
+    for name in suite.split(","):
+        globals()[f"suite_{name}"](work)
+        if dist.get_rank() == 0:
+            print(f"OK {name}", flush=True)

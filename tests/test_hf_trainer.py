@@ -1,0 +1,138 @@
+"""zero_engine.hf.ZeroTrainer against transformers' plain (DDP) Trainer, and TRL's SFTTrainer through the mixin.
+
+The parity runs are torchrun jobs of tests/hf_trainer_worker.py (2 CPU ranks; Accelerate needs its launcher's
+environment for DDP), a few suites per job to pay the start-up once; the worker raises with the values on any
+mismatch, and its docstring states the tolerances. The rest runs in this process: what is refused, and how the
+zero_config is completed from TrainingArguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="zero_engine.hf.ZeroTrainer needs transformers")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "hf_trainer_worker.py")
+
+
+def _torchrun(suites: str, tmp_path, timeout: int = 240, **env) -> str:
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          WORKER, suites, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **env))
+    return run.returncode, run.stdout + run.stderr
+
+
+def _assert_ok(suites: str, tmp_path, **env) -> str:
+    code, out = _torchrun(suites, tmp_path, **env)
+    errors = [line for line in out.splitlines() if "Error" in line and "[rank1]" not in line]
+    assert code == 0, "\n".join(errors[-12:]) + "\n" + out[-4000:]
+    for suite in suites.split(","):
+        assert f"OK {suite}" in out, out[-3000:]
+    return out
+
+
+# ---- parity with the plain Trainer (torchrun, 2 ranks) --------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_stage3_matches_ddp_trainer_eval_predict_generate_save_resume(tmp_path):
+    """Stage 3 (persistence 0): eval before train, GA 4 with an epoch remainder, clipping, warm-up + linear, eval and
+    checkpoints every 2 steps, predict, generate with ranks stopping at different lengths (synced_gpus),
+    save_model -> from_pretrained, and a bitwise resume from checkpoint-2."""
+    _assert_ok("stage3", tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_stages_1_2_bf16_fp16_overflow_best_model_lora(tmp_path):
+    """Stages 1 and 2; bf16 against the Trainer's bf16 autocast; fp16 whose first steps overflow (the schedule
+    stays put); load_best_model_at_end; PEFT LoRA (base weights partitioned and frozen, reentrant activation
+    checkpointing) with the adapter saved and reloaded by PEFT."""
+    suites = "stages12,precision,best"
+    if importlib.util.find_spec("peft") is not None:
+        suites += ",peft"
+    _assert_ok(suites, tmp_path)
+    if "peft" not in suites:
+        pytest.skip("peft is not installed: the LoRA part did not run (pip install peft)")
+
+
+@pytest.mark.timeout(300)
+def test_trl_sft_trainer_through_the_mixin_matches_plain_sft(tmp_path):
+    pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
+    pytest.importorskip("datasets", reason="TRL's SFTTrainer needs datasets")
+    code, out = _torchrun("sft", tmp_path, SFT_STAGES="2,3")
+    assert "OK sft-stage2" in out, out[-4000:]
+    if "OK sft-stage3" not in out:
+        # TRL's fused LM head reads lm_head.weight outside lm_head.forward; at stage 3 that read sees the empty
+        # shard until the engine gathers such reads (issue 21, item 2's core fix).
+        assert "invalid for input of size 0" in out or "outside" in out, out[-4000:]
+        pytest.xfail("SFTTrainer at stage 3: TRL's fused LM head reads lm_head.weight outside lm_head.forward")
+    assert code == 0, out[-4000:]
+
+
+# ---- in this process: refusals and the config ------------------------------------------------------------------------
+def _args(tmp_path, **kw):
+    return transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+
+def _tiny():
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_refusals_name_the_argument(tmp_path, monkeypatch):
+    from zero_engine.hf import ZeroTrainer
+
+    config = {"zero_optimization": {"stage": 3}}
+    args = _args(tmp_path)
+    args.deepspeed = "ds_config.json"  # TrainingArguments itself would import deepspeed to set it
+    with pytest.raises(ValueError, match=r"TrainingArguments.deepspeed='ds_config.json'.*zero_config"):
+        ZeroTrainer(model=_tiny(), args=args, zero_config=config)
+    with pytest.raises(NotImplementedError, match="TrainingArguments.auto_find_batch_size"):
+        ZeroTrainer(model=_tiny(), args=_args(tmp_path, auto_find_batch_size=True), zero_config=config)
+    with pytest.raises(NotImplementedError, match="lr_scheduler_type='reduce_lr_on_plateau'"):
+        ZeroTrainer(model=_tiny(), args=_args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau",
+                                                   eval_strategy="steps"),
+                    zero_config=config)
+    with pytest.raises(NotImplementedError, match="model_init"):
+        ZeroTrainer(model_init=_tiny, args=_args(tmp_path), zero_config=config)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")  # the module the check imports
+    with pytest.raises(ImportError, match=r"tested with transformers>=5.24,<5.25; found 5.99.0"):
+        ZeroTrainer(model=_tiny(), args=_args(tmp_path), zero_config=config)
+
+
+def test_zero_config_completed_from_training_arguments(tmp_path):
+    from zero_engine.hf._trainer_config import config_for_trainer, scheduler_params_for
+
+    args = _args(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=2, max_grad_norm=0.7,
+                 learning_rate=3e-4, weight_decay=0.1, warmup_steps=5)
+    config, scheduler = config_for_trainer(
+        {"train_batch_size": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3},
+         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
+         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}},
+        args, world_size=2)
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_accumulation_steps"] == 2
+    assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 0.7
+    assert config["bf16"] == {"enabled": False} and "fp16" not in config and "scheduler" not in config
+    assert config["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.999], "weight_decay": 0.1}
+    assert scheduler_params_for(scheduler, args, 40) == ("WarmupDecayLR",
+                                                         {"warmup_num_steps": 5, "total_num_steps": 40})
+    with pytest.raises(ValueError, match=r"gradient_clipping=1.0 but TrainingArguments gives 0.7 \(max_grad_norm\)"):
+        config_for_trainer({"gradient_clipping": 1.0}, args, world_size=2)
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=4 but .* \(per_device_train_batch_size\)"):
+        config_for_trainer({"train_micro_batch_size_per_gpu": 4}, args, world_size=2)
+    with pytest.raises(ValueError, match=r"bf16.enabled=false but TrainingArguments\(bf16=True\)"):
+        config_for_trainer({"bf16": {"enabled": False}}, _args(tmp_path, bf16=True), world_size=1)
+    with pytest.raises(ValueError, match="zero_config: required"):
+        config_for_trainer(None, args, world_size=1)
+
+
+def test_importing_zero_engine_hf_does_not_import_transformers():
+    code = "import sys, zero_engine.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
+                   env=dict(os.environ, PYTHONPATH=REPO))
