@@ -172,8 +172,11 @@ def warn_backward_without_step(engine) -> None:
     it the gradients simply accumulate: the next update applies the sum of every backward() since the last update,
     each divided by gradient_accumulation_steps, at every stage. DeepSpeed 0.19 does the same at stages 0 and 3, and
     silently keeps only the last backward's gradient at stages 1 and 2; a warning says which it is here.
+    A loop that set the boundary itself (``set_gradient_accumulation_boundary``: the Trainer and Lightning
+    integrations, which call step() once per window) is not warned.
     """
-    if not engine._awaiting_step or getattr(engine, "_warned_backward_without_step", False):
+    if (not engine._awaiting_step or engine._boundary_override is not None
+            or getattr(engine, "_warned_backward_without_step", False)):
         return
     engine._warned_backward_without_step = True
     log.warning("rank %d: backward() called again at step %d without a step() after the previous backward(): the "
