@@ -76,11 +76,13 @@ DEEPSPEED_DEFAULTS = {
         "convert_grad_on_cpu": True, "cpuadam_cores_perc": 0.8,
     },
     "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-            "overlap_events": True},
+            "overlap_events": True,
+            "checksum": True},  # ours, not DeepSpeed's: a CRC-32 per NVMe swap block (aio.checksum)
     "activation_checkpointing": {
         "partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,
         "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False,
     },
+    "checkpoint": {"tag_validation": "WARN"},
     # Ours, not DeepSpeed's: the values the brief fixes.
     "zero_engine": {"debug_collectives": False, "collective_timeout_s": None, "memory_limit": None,
                     "max_consecutive_skipped_steps": 10, "stall_timeout_s": 20.0, "step_fingerprint": True},
@@ -126,7 +128,7 @@ def test_defaults_table_covers_every_field():
         fields = set(model.file_fields()) - {"train_batch_size", "train_micro_batch_size_per_gpu",
                                              "gradient_accumulation_steps", "fp16", "bf16", "zero_optimization",
                                              "activation_checkpointing", "zero_engine", "memory_timeline", "aio",
-                                             "leaf_module"}
+                                             "leaf_module", "checkpoint"}
         assert fields == covered[path], f"{path}: add DeepSpeed's default of each new field to the table"
 
 
@@ -543,7 +545,7 @@ def test_several_bad_values_are_reported_together():
     ({"eigenvalue": {"enabled": True}}, 'eigenvalue: {"enabled": true} is not supported yet'),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, 'data_types: {"grad_accum_dtype": "fp32"} is not supported yet'),
     ({"seq_parallel_communication_data_type": "bf16"}, 'seq_parallel_communication_data_type: "bf16" is not'),
-    ({"checkpoint": {"load_universal": True}}, 'checkpoint: {"load_universal": true} is not supported yet'),
+    ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal: true is not supported yet"),
     ({"fp16": {"fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads: true is not"),
     ({"bf16": {"bf16_master_weights_and_grads": True}}, "bf16.bf16_master_weights_and_grads: true is not"),
     ({"optimizer": {"type": "Lamb"}}, 'optimizer.type: "Lamb" is not supported yet; supported: Adam, AdamW, SGD'),

@@ -6,17 +6,24 @@
 A DeepSpeed script runs with one changed import, ``import zero_engine as deepspeed`` (see docs/deepspeed_compat.md).
 """
 
-from . import comm, zero
+from . import _version, comm, zero
 from .comm import init_distributed
-from .errors import ConfigError, DistributedError, RankDivergenceError, RankFailedError, RankLostError
+from .errors import (ArgumentError, ConfigError, DistributedError, RankDivergenceError, RankFailedError,
+                     RankLostError, UsageError)
 from .initialize import add_config_arguments, initialize
 from .memory import estimate_zero3_model_states_mem_needs_all_live
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "utils", "config", "checkpoint",
-           "ConfigError", "DistributedError", "RankDivergenceError", "RankFailedError", "RankLostError",
+           "ConfigError", "DeepSpeedConfigError", "DistributedError", "RankDivergenceError", "RankFailedError",
+           "RankLostError", "UsageError", "ArgumentError",
            "estimate_zero3_model_states_mem_needs_all_live"]
 
-__version__ = "0.1.0"
+DeepSpeedConfigError = ConfigError  # DeepSpeed's name (deepspeed.DeepSpeedConfigError) for the same errors
+
+# DeepSpeed's version names; see _version.py for where each comes from.
+__version__ = _version.installed_version()
+__version_major__, __version_minor__, __version_patch__ = _version.parse_version(__version__)
+__git_hash__, __git_branch__ = _version.git_info()
 
 
 def __getattr__(name):

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .errors import UsageError
+
 __all__ = ["DeepSpeedEngineAPI"]
 
 
@@ -101,11 +103,11 @@ class DeepSpeedEngineAPI:
         reduction in every backward, exactly as DeepSpeed refuses. step() inside the block is an error, and the
         micro-batches inside do not count towards gradient_accumulation_steps."""
         if self.zero_optimization_partition_gradients():
-            raise RuntimeError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
-                               f"{self.stage} (as in DeepSpeed): gradients are reduce-scattered in every backward. "
-                               "Use zero_optimization.stage 0 or 1, or drop no_sync()")
+            raise UsageError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
+                             f"{self.stage} (as in DeepSpeed): gradients are reduce-scattered in every backward. "
+                             "Use zero_optimization.stage 0 or 1, or drop no_sync()")
         if self._inside_no_sync:
-            raise RuntimeError("no_sync() cannot be nested (as in DeepSpeed)")
+            raise UsageError("no_sync() cannot be nested (as in DeepSpeed)")
         self._inside_no_sync = True
         try:
             yield

@@ -33,6 +33,7 @@ from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, cla
                      refuse_after_destroy, warn_backward_without_step)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
+from .errors import ArgumentError, UsageError
 from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
@@ -292,7 +293,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         multiplied by the fp16 loss scale); returns the loss as divided, like DeepSpeed."""
         refuse_after_destroy(self, "backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
+            raise ArgumentError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
         warn_backward_without_step(self)
         self._last_loss = loss.detach()
         self.nonfinite.note_loss(loss)
@@ -338,8 +339,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         ``lr_kwargs`` are passed to the LR scheduler's ``step()``."""
         refuse_after_destroy(self, "step()")
         if self._inside_no_sync:
-            raise RuntimeError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
-                               "run the last micro-batch's backward, then call step()")
+            raise UsageError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
+                             "run the last micro-batch's backward, then call step()")
         at_boundary = self.is_gradient_accumulation_boundary()
         self._awaiting_step = False
         self._step_applied = False

@@ -5,12 +5,24 @@
       RankDivergenceError  ranks issued different collectives, or ran different work in one step
       RankLostError        a rank stopped (killed, crashed, exited, unreachable) while the others waited for it
         RankFailedError    ... because of an error on that rank, which the message names (type and message)
+    UsageError             a call in the wrong order or state where DeepSpeed asserts (no_sync() at stage 2-3,
+                           nested no_sync(), step() inside no_sync()): a RuntimeError and an AssertionError
+    ArgumentError          a bad argument where DeepSpeed asserts (initialize(model=None), different checkpoint
+                           tags under tag_validation "Fail"): a ValueError and an AssertionError
+
+[Note: errors that are also AssertionError]
+DeepSpeed answers some misuse with ``assert``, so code and tests written for it catch AssertionError. Our rule is
+ValueError for a bad argument and RuntimeError for a wrong call order, with a message that says what to do.
+UsageError and ArgumentError are both: ``except RuntimeError`` / ``except ValueError`` and ``except
+AssertionError`` all catch them. They are used exactly where DeepSpeed asserts for the same misuse (listed in
+docs/deepspeed_compat.md); everywhere else the plain types stay. Unlike a bare assert, they are raised under
+``python -O`` too.
 """
 
 
 class ConfigError(ValueError):
     """Every problem with a ds_config: the message names the full key path, the bad value, what is allowed,
-    and for an unknown key the closest known key."""
+    and for an unknown key the closest known key. ``zero_engine.DeepSpeedConfigError`` is the same class."""
 
 
 class DistributedError(RuntimeError):
@@ -29,3 +41,11 @@ class RankLostError(DistributedError):
 class RankFailedError(RankLostError):
     """A rank stopped taking part because it raised: the message names that rank's exception (type and message) as
     it posted it (see [Note: failure notes] in comm/liveness.py). Its traceback is in that rank's own log."""
+
+
+class UsageError(RuntimeError, AssertionError):
+    """A call in the wrong order or state where DeepSpeed asserts; see [Note: errors that are also AssertionError]."""
+
+
+class ArgumentError(ValueError, AssertionError):
+    """A bad argument where DeepSpeed asserts; see [Note: errors that are also AssertionError]."""

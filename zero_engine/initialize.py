@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .engine import ZeroEngine
+from .errors import ArgumentError
 
 __all__ = ["initialize", "add_config_arguments"]
 
@@ -40,7 +41,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if isinstance(args, nn.Module) and model is None:
         args, model = None, args
     if model is None:
-        raise ValueError("initialize: model is required")
+        raise ArgumentError("initialize: model is required (model= your torch.nn.Module)")
     if mpu is not None:
         raise NotImplementedError("initialize(mpu=...): model parallelism is not supported by zero_engine (data "
                                   "parallel ZeRO only); pass mpu=None")

@@ -21,9 +21,18 @@ path). A save must never remove a staging directory another job is still writing
 after its job (``.<tag>.tmp-<host>-<pid>-<nonce>``, rank 0's process) and holds ``.owner.json`` (host, pid, the
 process's start time, nonce). A save removes another staging directory only when it is provably abandoned (see
 [Note: provably abandoned] in zero_engine/_owned_dirs.py, shared with NVMe swap directories): its owner ran on this
-host and that process is gone; or its owner ran elsewhere and nothing in it was modified for ``STALE_STAGING_S``. Before the rename, rank 0 checks that every file the ranks reported is in the staging directory
-with the size they wrote, so a directory emptied by anything else is never published (the SHA-256 of each file is
-in metadata.json and checked at load). ``latest`` is replaced through a job-private temporary file.
+host and that process is gone; or its owner ran elsewhere and nothing in it was modified for ``STALE_STAGING_S``.
+Before the rename, rank 0 checks that every file the ranks reported is in the staging directory with the size they
+wrote, so a directory emptied by anything else is never published (the SHA-256 of each file is in metadata.json and
+checked at load). ``latest`` is replaced through a job-private temporary file.
+
+[Note: several writers, one file]
+``latest`` and the offline converter's output are single files that several processes may write at once: two jobs
+sharing a save_dir, or every rank of a job calling convert_zero_checkpoint_to_fp32_state_dict as DeepSpeed's own
+tests do. Each writer writes ``<file>.tmp-<host>-<pid>-<nonce>`` (its own), fsyncs it and renames it over the file
+(``private_temporary``). A reader sees the old file or one writer's complete file, never a mix, and concurrent
+converters write identical bytes, so whichever rename lands last leaves the same file. A temporary left by a
+writer that was killed is removed by the next writer on the same host once that process is gone.
 """
 
 from __future__ import annotations
@@ -34,17 +43,20 @@ import re
 import shutil
 import socket
 import uuid
+from contextlib import contextmanager
+from typing import Iterator
 
-from .._owned_dirs import OWNER_FILE, STALE_S, abandoned_because, write_owner
+from .._owned_dirs import OWNER_FILE, STALE_S, abandoned_because, process_start_time, write_owner
 from ._errors import CheckpointError
 from ._metadata import LATEST_FILE, METADATA_FILE
 
 log = logging.getLogger("zero_engine.checkpoint")
 
-__all__ = ["check_tag", "create_staging", "remove_stale_staging", "publish", "write_latest", "resolve_checkpoint",
-           "fsync_dir", "STALE_STAGING_S"]
+__all__ = ["check_tag", "check_dir_argument", "create_staging", "remove_stale_staging", "publish", "write_latest",
+           "private_temporary", "resolve_checkpoint", "fsync_dir", "STALE_STAGING_S"]
 
 _STAGING = re.compile(r"^\..+\.tmp-.+$")
+_HOST_IN_NAME = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())  # in the names of staging dirs, temporaries
 # A staging directory of another host (or without an owner file) untouched this long is taken as abandoned.
 STALE_STAGING_S = STALE_S
 
@@ -58,14 +70,25 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+def check_dir_argument(call: str, name: str, value) -> str:
+    """``value`` as a path string; ValueError for None or an empty path (DeepSpeed's ValueError for save_dir): an
+    empty path would mean the current directory, which nobody means."""
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        path = None
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{call}: {name} must be a non-empty path (a str or os.PathLike), got {value!r}")
+    return path
+
+
 def create_staging(save_dir: str, tag: str, nonce: str | None = None, owner_pid: int | None = None) -> str:
     """Create ``<save_dir>/.<tag>.tmp-<host>-<pid>-<nonce>`` owned by process ``owner_pid`` (default: this one).
 
     See [Note: several jobs, one save_dir]."""
     pid = os.getpid() if owner_pid is None else owner_pid
     nonce = nonce or uuid.uuid4().hex[:16]
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
-    path = os.path.join(save_dir, f".{tag}.tmp-{host}-{pid}-{nonce}")
+    path = os.path.join(save_dir, f".{tag}.tmp-{_HOST_IN_NAME}-{pid}-{nonce}")
     os.mkdir(path)
     write_owner(path, pid, nonce=nonce)
     return path
@@ -143,15 +166,47 @@ def publish(save_dir: str, staging: str, tag: str, expected_files: dict[str, int
     return final
 
 
+@contextmanager
+def private_temporary(path: str) -> Iterator[str]:
+    """Yield a temporary path of this writer's own; when the block has written (and fsynced) it, rename it over
+    ``path``. On an exception the temporary is removed and ``path`` is untouched. See [Note: several writers, one
+    file]."""
+    _remove_abandoned_temporaries(path)
+    tmp = f"{path}.tmp-{_HOST_IN_NAME}-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def _remove_abandoned_temporaries(path: str) -> None:
+    directory, name = os.path.split(path)
+    pattern = re.compile(re.escape(name) + r"\.tmp-(.+)-(\d+)-[0-9a-f]+$")
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.match(entry)
+        if match and match.group(1) == _HOST_IN_NAME and process_start_time(int(match.group(2))) is None:
+            try:
+                os.remove(os.path.join(directory, entry))
+            except OSError:
+                pass  # another writer removed it first
+
+
 def write_latest(save_dir: str, tag: str) -> None:
-    path = os.path.join(save_dir, LATEST_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # job-private: two jobs never share a temporary
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(save_dir)
+    with private_temporary(os.path.join(save_dir, LATEST_FILE)) as tmp:
+        with open(tmp, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _tags_in(directory: str) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn as nn
 
-from ._atomic import resolve_checkpoint
+from ._atomic import private_temporary, resolve_checkpoint
 from ._errors import CheckpointError
 from ._metadata import CheckpointMeta, read_metadata
 from ._reader import CheckpointReader, verify_files
@@ -120,17 +120,16 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output: str, tag:
     ``fmt``: "torch" or "safetensors"; default from the suffix (``.safetensors`` or not). Safetensors output is
     written by zero_engine itself (the package is not needed) one parameter at a time; it cannot hold two names
     for one tensor, so tied names are listed in its metadata (``zero_engine.aliases``) and left out of the tensors.
-    The file appears under its name only when complete (written to ``<output>.tmp``, fsynced, renamed).
+    The file appears under its name only when complete (written to a temporary of this writer's own, fsynced,
+    renamed), so several processes may convert into the same ``output`` at once (every rank, as DeepSpeed's scripts
+    do): each writes the same bytes and the file is always whole.
     """
     fmt = fmt or ("safetensors" if str(output).endswith(".safetensors") else "torch")
     if fmt not in ("torch", "safetensors"):
         raise ValueError(f"fmt={fmt!r}: use 'torch' or 'safetensors'")
     path = _locate(checkpoint_dir, tag)
     output = os.path.abspath(os.fspath(output))
-    tmp = output + ".tmp"
-    if os.path.exists(tmp):
-        os.remove(tmp)
-    with CheckpointReader(path) as reader:
+    with CheckpointReader(path) as reader, private_temporary(output) as tmp:
         if verify:
             verify_files(path, reader.meta)
         entries = list(_entries(reader))
@@ -145,7 +144,6 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output: str, tag:
                     writer.add(name, _read(reader, name, source, dtype))
             except BaseException:
                 writer.abort()
-                os.remove(tmp)
                 raise
             writer.close()
         else:
@@ -154,6 +152,5 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output: str, tag:
                 torch.save({key: tensors[name] for key, _, name in reader.meta.state_dict_keys}, f)
                 f.flush()
                 os.fsync(f.fileno())
-    os.replace(tmp, output)
     log.info("wrote %s (%s, %d tensors, %.1f MiB of fp32 weights)", output, fmt, len(entries), nbytes / 2**20)
     return ConversionResult(output, fmt, len(entries), nbytes)

@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from ._atomic import resolve_checkpoint
+from ._atomic import check_dir_argument, resolve_checkpoint
 from ._collective import agree
 from ._errors import CheckpointError
 from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, GRADS_LOCAL, GRADS_NONE, GRADS_SHARDED,
@@ -51,10 +51,19 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     for fine-tuning: optimizer, scheduler, counters and RNG keep this engine's values, and the stage and dtype may
     differ from the saved ones. ``load_optimizer_states=False``: weights, scheduler and counters, fresh optimizer.
     Raises CheckpointError on every rank, naming the file or parameter, when the checkpoint is missing, corrupt or
-    does not fit this engine; the engine is then unchanged.
+    does not fit this engine, or when ranks would load different checkpoints (different tags, or a ``latest`` that
+    differs between nodes); the engine is then unchanged. ``load_dir`` None or empty is a ValueError.
     """
     comm = engine.comm
-    located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(load_dir, tag, missing_ok))
+    located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(
+        check_dir_argument("load_checkpoint", "load_dir", load_dir), tag, missing_ok), share=True)
+    tags = {rank: found[1] if found is not None else None for rank, found in enumerate(located)}
+    if len(set(tags.values())) > 1:  # mixing shards of different checkpoints would load garbage
+        found = ", ".join(f"rank {rank}: {t!r}" for rank, t in list(tags.items())[:8])
+        raise CheckpointError(f"load_checkpoint on rank {comm.rank}: ranks would load different checkpoints ({found}"
+                              f"{', ...' if len(tags) > 8 else ''}; None: nothing to load); pass the same load_dir and "
+                              "tag on every rank, on a filesystem every rank sees")
+    located = located[comm.rank]
     if located is None:
         if comm.rank == 0:
             log.warning("load_checkpoint: no 'latest' file in %s: nothing loaded (pass tag= to name a checkpoint)",

@@ -1,11 +1,22 @@
 """engine.save_checkpoint: every rank writes its shards; the checkpoint appears at once when all are durable.
 
 Phases (each agreed across ranks, see [Note: why every phase is agreed]):
-1. ranks agree on the tag, the directory and a staging name; rank 0 creates the staging directory;
+1. ranks agree on the tag (see [Note: tags that differ across ranks]), the directory and a staging name; rank 0
+   creates the staging directory;
 2. every rank writes ``rank_<r>.safetensors`` (rank 0 also ``engine_state.pt`` and ``client_state.pt``), fsyncs
    it and reports its size and SHA-256;
 3. rank 0 writes ``metadata.json``, renames the staging directory into place and updates ``latest``
    (see [Note: crash consistency] in _atomic.py).
+
+[Note: tags that differ across ranks]
+A checkpoint is one directory written by all ranks together, so it has one tag. DeepSpeed's
+``checkpoint.tag_validation`` says what happens when ranks pass different tags: "Fail" raises (DeepSpeed asserts;
+we raise ArgumentError, an AssertionError too) on every rank before anything is written. Under "Warn" (the default)
+and "Ignore", DeepSpeed goes on and each rank writes its own files under its own tag, so no tag holds a complete
+checkpoint and ``latest`` (rank 0's tag) names one that cannot be loaded. We save one complete checkpoint under rank
+0's tag instead, the one ``latest`` names in DeepSpeed too; "Warn" logs the differing tags on every rank, "Ignore"
+says nothing. Each rank's return value is that checkpoint's directory. A different save_dir is always an error: it
+would be a different checkpoint, not a different name for the same one.
 """
 
 from __future__ import annotations
@@ -21,7 +32,8 @@ import uuid
 
 import torch
 
-from ._atomic import check_tag, create_staging, publish, remove_stale_staging, write_latest
+from ..errors import ArgumentError
+from ._atomic import check_dir_argument, check_tag, create_staging, publish, remove_stale_staging, write_latest
 from ._collective import agree
 from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, FORMAT, GRADS_LOCAL, GRADS_NONE, GRADS_SHARDED,
                         CheckpointMeta, rank_file_name, state_dict_layout, write_metadata)
@@ -40,6 +52,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         save_dir: the directory holding checkpoints (one subdirectory per tag, and ``latest``); every rank must see
             the same directory (a shared filesystem across nodes).
         tag: the subdirectory name; default ``global_step<N>``. Saving an existing tag replaces it atomically.
+            The same on every rank; see [Note: tags that differ across ranks] for checkpoint.tag_validation.
         client_state: a dict of your own (data-loader position, epoch...), returned by load_checkpoint. Saved by
             rank 0 with torch.save (pickle), so it may hold any picklable object.
         save_latest: point ``latest`` at this checkpoint once it is complete.
@@ -48,18 +61,17 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     shards, plus 4 for the fp32 master (not separate in fp32 training) and the optimizer's state (8 for Adam).
     """
     comm = engine.comm
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    save_dir = os.path.abspath(os.fspath(save_dir))
     started = time.perf_counter()
-    proposals = comm.all_gather_object((tag, save_dir, uuid.uuid4().hex[:16]))
-    for rank, (other_tag, other_dir, _) in enumerate(proposals):
-        if (other_tag, other_dir) != (tag, save_dir):
-            raise ValueError(f"save_checkpoint: rank {rank} saves tag {other_tag!r} in {other_dir} but rank "
-                             f"{comm.rank} saves {tag!r} in {save_dir}; every rank must pass the same save_dir and "
-                             "tag (it is one checkpoint written by all ranks together)")
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    try:
+        save_dir, problem = os.path.abspath(check_dir_argument("save_checkpoint", "save_dir", save_dir)), None
+    except ValueError as error:  # raised below on every rank, so none is left waiting for the others
+        problem = str(error)
+    proposals = comm.all_gather_object((problem, tag, save_dir, uuid.uuid4().hex[:16]))
+    tag = _agree_on_target(comm.rank, proposals, engine.config.checkpoint.tag_validation)
     check_tag(tag)  # after the agreement: every rank raises or none does
     staging = agree(comm, "creating the checkpoint directory",
-                    lambda: _prepare(save_dir, tag, proposals[0][2]) if comm.rank == 0 else None, share=True)[0]
+                    lambda: _prepare(save_dir, tag, proposals[0][3]) if comm.rank == 0 else None, share=True)[0]
     try:
         with states_in_memory(engine):  # NVMe offload: masters and moments read in for the save (views see them)
             views = param_views(engine)
@@ -77,6 +89,39 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         log.info("saved checkpoint %s: %.1f MiB in %d files, %.2fs", final, written / 2**20,
                  sum(len(d) for d, _ in reports) + 1, time.perf_counter() - started)
     return final
+
+
+def _agree_on_target(rank: int, proposals: list[tuple], tag_validation: str) -> str:
+    """The tag every rank saves under (rank 0's), or the same error on every rank; see [Note: tags that differ across
+    ranks]. ``proposals``: (problem with save_dir, tag, save_dir, nonce) of each rank."""
+    for other, (problem, _, _, _) in enumerate(proposals):
+        if problem is not None:
+            raise ValueError(problem if other == rank else f"rank {other}: {problem}")
+    dirs = {other: d for other, (_, _, d, _) in enumerate(proposals)}
+    if len(set(dirs.values())) > 1:
+        raise ValueError(f"save_checkpoint: ranks pass different save_dirs ({_by_rank(dirs)}); every rank must pass "
+                         "the same save_dir (it is one checkpoint written by all ranks together)")
+    tags = {other: t for other, (_, t, _, _) in enumerate(proposals)}
+    if len(set(tags.values())) > 1:
+        if tag_validation == "FAIL":
+            raise ArgumentError(f"save_checkpoint on rank {rank}: ranks pass different tags ({_by_rank(tags)}) and "
+                                'checkpoint.tag_validation is "Fail"; pass the same tag on every rank (one '
+                                "checkpoint is written by all ranks together)")
+        if tag_validation == "WARN":
+            log.warning("save_checkpoint on rank %d: ranks pass different tags (%s); saving one checkpoint under rank "
+                        "0's tag %r (checkpoint.tag_validation \"Warn\"; \"Ignore\" silences this, \"Fail\" "
+                        "raises). Pass the same tag on every rank", rank, _by_rank(tags), tags[0])
+    return tags[0]
+
+
+def _by_rank(values: dict[int, str], shown: int = 4) -> str:
+    """``'a' on ranks 0, 2, 'b' on rank 1``: the first ``shown`` distinct values, each with its ranks."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in values.items():
+        ranks.setdefault(value, []).append(rank)
+    parts = [f"{value!r} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r[:8]))}{'...' if len(r) > 8 else ''}"
+             for value, r in list(ranks.items())[:shown]]
+    return "; ".join(parts) + (f"; and {len(ranks) - shown} more" if len(ranks) > shown else "")
 
 
 def _prepare(save_dir: str, tag: str, nonce: str) -> str:

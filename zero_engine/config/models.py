@@ -22,7 +22,8 @@ from zero_engine.config.fields import (
     value_error,
 )
 from zero_engine.config.optim_models import OptimizerConfig, SchedulerConfig
-from zero_engine.config.unsupported import HARMLESS_SECTIONS, TOP_LEVEL_NOT_SUPPORTED
+from zero_engine.config.unsupported import (HARMLESS_SECTIONS, TOP_LEVEL_NOT_SUPPORTED, _absent_or_empty,
+                                            _all_switches_false)
 from zero_engine.config.zero_models import ZeroConfig
 
 _ENABLED_AUTO = Auto("false (Hugging Face's Trainer default when no --fp16/--bf16 flag)")
@@ -90,6 +91,41 @@ class ActivationCheckpointingConfig(Section):
                        "(use_reentrant=False) in the model" for name in (
                            "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
                            "number_checkpoints", "synchronize_checkpoint_boundary", "profile")}
+
+
+_TAG_VALIDATION_MODES = ("WARN", "IGNORE", "FAIL")
+
+
+class CheckpointConfig(Section):
+    """DeepSpeed's checkpoint section. Checkpoints are zero_engine's own sharded format (zero_engine.checkpoint), so
+    DeepSpeed's universal, node-local and pipeline-parallel switches and its checkpoint writers are accepted off."""
+
+    tag_validation: Literal["WARN", "IGNORE", "FAIL"] = Field(
+        "WARN", description='What save_checkpoint does when ranks pass different tags ("Warn", "Ignore" or "Fail", '
+        "any case, as DeepSpeed): Fail raises ArgumentError (an AssertionError too) on every rank and saves nothing; "
+        "Warn and Ignore save one complete checkpoint under rank 0's tag (Warn logs each differing tag). DeepSpeed "
+        "would write each rank's files under its own tag, leaving every tag incomplete. Costs nothing extra: the "
+        "tags travel in the all-gather that already agrees the save directory.",
+    )
+
+    not_supported = {
+        "load_universal": NotSupported(False, "universal checkpoints"),
+        "use_node_local_storage": NotSupported(False, "node-local checkpoint storage"),
+        "parallel_write": NotSupported(None, "pipeline-parallel checkpoint writes", is_off=_all_switches_false,
+                                       accepted="absent, or every switch false"),
+        "writer": NotSupported(None, "DeepSpeed's checkpoint writers (fast, decoupled)", is_off=_absent_or_empty,
+                               accepted="absent or null"),
+    }
+    ignored_keys = {"checkpoint_serialization": "it chooses torch.save's file layout; zero_engine writes its own "
+                                                "format (see zero_engine.checkpoint)"}
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _upper_mode(cls, value: Any) -> Any:
+        # DeepSpeed upper-cases the value, so "Warn", "warn" and "WARN" are the same mode.
+        if not isinstance(value, str) or value.upper() not in _TAG_VALIDATION_MODES:
+            raise value_error('expected "Warn", "Ignore" or "Fail" (any case)')
+        return value.upper()
 
 
 class MemoryTimelineConfig(Section):
@@ -230,6 +266,9 @@ class EngineConfig(Section):
         default_factory=ActivationCheckpointingConfig, description="Accepted; not acted on."
     )
     aio: AioConfig = Field(default_factory=AioConfig, description="Asynchronous I/O for NVMe offload.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoint tag validation (see its section)."
+    )
     zero_engine: ZeroEngineSection = Field(
         default_factory=ZeroEngineSection, description="zero_engine's own settings (DeepSpeed ignores them)."
     )

@@ -24,6 +24,7 @@ from zero_engine.config.models import (
     ActivationCheckpointingConfig,
     AioConfig,
     Bf16Config,
+    CheckpointConfig,
     EngineConfig,
     Fp16Config,
     MemoryTimelineConfig,
@@ -59,6 +60,7 @@ SECTIONS: list[tuple[str, type[Section]]] = [
     ("scheduler.params for WarmupCosineLR", WarmupCosineLRParams),
     ("aio", AioConfig),
     ("activation_checkpointing", ActivationCheckpointingConfig),
+    ("checkpoint", CheckpointConfig),
     ("zero_engine", ZeroEngineSection),
     ("zero_engine.memory_timeline", MemoryTimelineConfig),
 ]
@@ -135,7 +137,8 @@ def _allow_auto(prop: dict[str, Any], rule: str) -> dict[str, Any]:
 
 def _file_shapes(defs: dict[str, Any]) -> None:
     """Where the file's shape differs from the model's: optimizer.params and scheduler.params depend on `type`
-    (offer each type's params model), the optimizer type is case-insensitive, and offload may be `false`."""
+    (offer each type's params model), the optimizer type and checkpoint.tag_validation are case-insensitive, and
+    offload may be `false`."""
     optimizer = defs["OptimizerConfig"]["properties"]
     optimizer["type"] = {
         "type": "string",
@@ -145,6 +148,12 @@ def _file_shapes(defs: dict[str, Any]) -> None:
     optimizer["params"] = {
         "anyOf": [{"$ref": "#/$defs/AdamParams"}, {"$ref": "#/$defs/SgdParams"}],
         "description": "Keyword arguments of the optimizer; which keys depends on type.",
+    }
+    checkpoint = defs["CheckpointConfig"]["properties"]
+    checkpoint["tag_validation"] = {
+        "type": "string",
+        "pattern": "^([Ww][Aa][Rr][Nn]|[Ii][Gg][Nn][Oo][Rr][Ee]|[Ff][Aa][Ii][Ll])$",
+        **{key: checkpoint["tag_validation"][key] for key in ("default", "description")},
     }
     zero = defs["ZeroConfig"]["properties"]
     for offload in ("offload_param", "offload_optimizer"):

@@ -55,19 +55,8 @@ def _fp32_comm(value: Any) -> bool:
     return isinstance(value, str) and value.lower() in ("fp32", "float32")
 
 
-def _checkpoint_defaults(value: Any) -> bool:
-    # tag_validation only decides how loudly mismatched checkpoint tags are reported; the rest changes behaviour.
-    if _absent_or_empty(value):
-        return True
-    if not isinstance(value, dict):
-        return False
-    rest = {key: v for key, v in value.items() if key != "tag_validation"}
-    parallel_write = rest.pop("parallel_write", {}) or {}
-    return (
-        all(v is False for v in rest.values())
-        and isinstance(parallel_write, dict)
-        and all(v is False for v in parallel_write.values())
-    )
+def _all_switches_false(value: Any) -> bool:
+    return _absent_or_empty(value) or (isinstance(value, dict) and all(v is False for v in value.values()))
 
 
 _OFF = "absent, or a section with enabled false"
@@ -99,10 +88,6 @@ TOP_LEVEL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "pipeline": NotSupported(None, "pipeline parallelism", is_off=_absent_or_empty, accepted="absent"),
     "data_types": NotSupported(
         None, "choosing the gradient accumulation dtype", is_off=_all_values_null, accepted="absent or nulls"
-    ),
-    "checkpoint": NotSupported(
-        None, "universal / node-local / parallel-write checkpoints", is_off=_checkpoint_defaults,
-        accepted="tag_validation only, other switches false",
     ),
     "seq_parallel_communication_data_type": NotSupported(
         "fp32", "sequence parallelism", is_off=_fp32_comm, accepted='"fp32"'
