@@ -7,8 +7,9 @@ although the process is healthy and will go on. A silent heartbeat alone is ther
 lost. Each rank posts its process identity (host, machine, pid and the process's start time) and:
 
 * a rank on this machine (same boot id and pid namespace) is lost exactly when that process has ended (or is a
-  zombie, or its pid now names a newer process); while it lives it is waited for, however long its heartbeat is
-  silent (up to ``collective_timeout_s``, like any slow rank);
+  zombie, or its pid now names a newer process: the rule of [Note: provably abandoned] in _owned_dirs.py); while it
+  lives it is waited for, however long its heartbeat is silent (up to ``collective_timeout_s``, like any slow
+  rank);
 * a rank on another machine, whose process cannot be looked at, is lost when its heartbeat is silent for
   ``heartbeat_timeout_s`` and the backend reported a broken connection (a killed process's sockets are closed by its
   kernel, so its peers' collectives fail at once), or when its heartbeat is silent for ``UNREACHABLE_FACTOR`` times
@@ -43,6 +44,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from zero_engine._owned_dirs import process_start_time
+
 __all__ = ["post_failure", "failure_of", "clear_failure", "mark_read", "was_read", "posted_failure",
            "install_excepthook", "process_identity",
            "process_state", "describe_process", "ALIVE", "GONE", "UNKNOWN", "UNREACHABLE_FACTOR"]
@@ -72,16 +75,6 @@ def _read(path: str) -> str:
         return ""
 
 
-def _start_time(pid: int) -> Optional[str]:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None when it has ended or is
-    a zombie."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 def _machine() -> str:
     """Which kernel and pid namespace this process sees: two processes with the same value can check each other's
     pid; "-" where /proc cannot tell (another OS)."""
@@ -96,7 +89,7 @@ def _machine() -> str:
 def process_identity() -> str:
     """"<host> <pid> <start time> <machine>" of this process, for ``process_state`` on another rank."""
     pid = os.getpid()
-    return f"{socket.gethostname()} {pid} {_start_time(pid) or '-'} {_machine()}"
+    return f"{socket.gethostname()} {pid} {process_start_time(pid)!r} {_machine()}"
 
 
 def describe_process(identity: str) -> str:
@@ -109,8 +102,8 @@ def process_state(identity: str) -> str:
     parts = identity.split(" ")
     if len(parts) != 4 or parts[3] == "-" or parts[3] != _machine() or not parts[1].isdigit():
         return UNKNOWN
-    started = _start_time(int(parts[1]))
-    return ALIVE if started is not None and started == parts[2] else GONE
+    started = process_start_time(int(parts[1]))  # None: ended or a zombie; -1.0: exists, start time unreadable
+    return ALIVE if started is not None and (started == -1.0 or repr(started) == parts[2]) else GONE
 
 
 # ---- heartbeat ----------------------------------------------------------------------------------------------------
