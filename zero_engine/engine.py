@@ -29,9 +29,9 @@ from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
-from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward,
-                     refuse_after_destroy, refuse_partitioned_at_stage0, release_model,
-                     warn_backward_without_step)
+from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, client_optimizer_restorer,
+                     discard_failed_backward, refuse_after_destroy, refuse_partitioned_at_stage0, tear_down,
+                     undo_failed_initialize, warn_backward_without_step)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .errors import ArgumentError, UsageError
@@ -60,6 +60,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     _destroyed = False
     _grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
+    # Parts an engine may lack (by its config, or construction failed before them): destroy() reads these defaults.
+    coordinator = reducer = hooks = optimizer = None
+    param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
+    host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
 
     def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None):
         if not isinstance(model, nn.Module):
@@ -95,7 +99,17 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
                                  collective_timeout_s=ze.collective_timeout_s)
         self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
-        claim_model(model, self)
+        self._restore_client_optimizer = client_optimizer_restorer(optimizer)
+        try:
+            claim_model(model, self)
+            self._build(model, optimizer, model_parameters)
+        except BaseException:
+            undo_failed_initialize(self)  # a corrected initialize() can take the model again (guards.py)
+            raise
+
+    def _build(self, model: nn.Module, optimizer, model_parameters) -> None:
+        """Everything after the model is claimed, in order; if a step raises, __init__ undoes what came before."""
+        zc = self.config.zero_optimization
         broadcast_initial_state(model, self.comm)
         self._snapshot = ModelSnapshot(model)
         self.accounting = MemoryAccounting()
@@ -126,10 +140,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
         # No optimizer anywhere: forward and backward only (evaluation, inference, gradient inspection), as
         # DeepSpeed; no fp32 masters or optimizer states are made, and step() raises.
         trains = optimizer is not None or self.config.optimizer is not None
-        self.coordinator = None
-        self.reducer = None
-        self.param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
-        self.host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
         self._backward_end = BackwardEndCallback(self._on_backward_end)
         if self.stage == 0:
             self.sharded = []
@@ -412,26 +422,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         hang, and so does this rank. After a DistributedError the group is unusable and only the local part runs.
         See [Note: clean shutdown] in comm/watchdog.py.
         """
-        if self._destroyed:
-            return
-        self._destroyed = True
-        self.progress.phase = "destroy"
-        watchdog = self.comm.watchdog
-        try:
-            if watchdog is None or not watchdog.failed:
-                if self.coordinator is not None:
-                    self.coordinator.release_all()  # waits for stray prefetches; reductions complete in step()
-            if self.coordinator is not None:
-                self.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
-            for handle in self._grad_hooks:
-                handle.remove()
-        finally:
-            release_model(self.module)  # a new engine may adopt the model (and its partitioned parameters)
-            try:
-                if hasattr(self.optimizer, "close"):
-                    self.optimizer.close()  # NVMe offload: this run's files are removed
-            finally:
-                self.comm.close()
+        if not self._destroyed:
+            self._destroyed = True
+            self.progress.phase = "destroy"
+            tear_down(self)
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

@@ -5,6 +5,8 @@ nothing stale. engine.py calls each in one line; README's "Reliability" section 
   same), whatever each rank's seed; without it stage 3 would train a patchwork of per-rank initialisations.
 - ``claim_model`` / ``ModelSnapshot``: one engine per model; parameters added, or requires_grad flipped, after
   initialize are errors naming the parameter instead of being silently trained wrong or not at all.
+- ``undo_failed_initialize``: an initialize() that raises leaves the model as a second one can take it (released,
+  unhooked, NVMe files removed, a client optimizer's groups back on the parameters); ``tear_down`` is destroy().
 - ``NonFiniteSteps``: a non-finite gradient norm (inf/nan on any rank) skips the step on every rank, names the ranks
   whose loss was non-finite, and raises after too many skips in a row.
 - ``discard_failed_backward``: an exception inside backward drops the accumulation window it happened in (queued
@@ -28,8 +30,8 @@ from .zero.partition import sharded_param_of
 log = logging.getLogger("zero_engine.engine")
 
 __all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_partitioned_at_stage0",
-           "ModelSnapshot", "NonFiniteSteps", "discard_failed_backward", "warn_backward_without_step",
-           "refuse_after_destroy"]
+           "tear_down", "client_optimizer_restorer", "undo_failed_initialize", "ModelSnapshot", "NonFiniteSteps",
+           "discard_failed_backward", "warn_backward_without_step", "refuse_after_destroy"]
 
 
 # ---- rank 0's initial state -------------------------------------------------------------------------------------
@@ -69,9 +71,12 @@ def claim_model(model: nn.Module, engine) -> None:
     _ENGINE_OF[model] = weakref.ref(engine)
 
 
-def release_model(model: nn.Module) -> None:
-    """Forget the engine of ``model`` (engine.destroy() calls this once the engine let go of the model)."""
-    _ENGINE_OF.pop(model, None)
+def release_model(model: nn.Module, engine) -> None:
+    """Forget ``engine`` as the one wrapping ``model`` (engine.destroy() calls this once the engine let go of the
+    model); a claim by another engine stays (a second initialize() refused as "already wrapped" undoes itself)."""
+    previous = _ENGINE_OF.get(model)
+    if previous is not None and previous() in (engine, None):
+        del _ENGINE_OF[model]
 
 
 def refuse_partitioned_at_stage0(model: nn.Module) -> None:
@@ -103,6 +108,66 @@ class ModelSnapshot:
                     f"{name}: requires_grad changed from {known} to {p.requires_grad} after initialize; the engine "
                     "decided at initialize which parameters get gradient buckets and optimizer states. Freeze or "
                     "unfreeze parameters before initialize (or initialize a new engine)")
+
+
+# ---- tearing an engine down: destroy(), and a failed initialize ----------------------------------------------------
+def tear_down(engine, wait: bool = True) -> None:
+    """What ``engine.destroy()`` does (its docstring says what and why), on an engine built whole or in part: the
+    parts it lacks are None (class defaults of ZeroEngine). ``wait=False``: leave the process group at once, telling
+    the other ranks nothing (see Communicator.close)."""
+    watchdog = engine.comm.watchdog
+    try:
+        if engine.coordinator is not None and (watchdog is None or not watchdog.failed):
+            engine.coordinator.release_all()  # waits for stray prefetches; reductions complete in step()
+        if engine.hooks is not None:
+            engine.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
+        for handle in engine._grad_hooks:
+            handle.remove()
+    finally:
+        release_model(engine.module, engine)  # a new engine may adopt the model (and its partitioned parameters)
+        try:
+            if hasattr(engine.optimizer, "close"):
+                engine.optimizer.close()  # NVMe offload: this run's files are removed
+        finally:
+            try:
+                if engine.param_swapper is not None:
+                    engine.param_swapper.close()  # no optimizer, or it failed before taking the swapper: files too
+            finally:
+                engine.comm.close(wait=wait)
+
+
+def client_optimizer_restorer(optimizer):
+    """A function that points a client torch optimizer's param groups back at the parameters they hold now.
+
+    The engine re-points them in place at its fp32 masters; after a failed initialize() the user may pass the same
+    optimizer again, which must then find the model's parameters, not a dead engine's masters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return lambda: None
+    params = [list(group["params"]) for group in optimizer.param_groups]
+
+    def restore():
+        for group, group_params in zip(optimizer.param_groups, params):
+            group["params"] = group_params
+    return restore
+
+
+def undo_failed_initialize(engine) -> None:
+    """initialize() raised after ``engine`` was started (a client optimizer with state, an NVMe path that cannot be
+    written, a scheduler that cannot be built...): undo what it set up, so that a corrected initialize() can take the
+    same model and optimizer. The caller re-raises the original error; this never raises (a second error is logged).
+
+    The model is released and unhooked, its parameters stay as far as they got: whole at stages 0-2, partitioned at
+    stage 3 (the next engine adopts them, fp32 master values included, as after destroy()). NVMe files are removed.
+    The process group is left at once and no failure note is posted: the error either escapes the program (whose
+    excepthook posts one, see comm/liveness.py) or is handled and the process goes on, where a note would be stale.
+    """
+    engine._destroyed = True
+    try:
+        tear_down(engine, wait=False)
+    except Exception:  # noqa: BLE001 -- the original error is the one to report
+        log.warning("rank %d: cleaning up after the failed initialize raised too", engine.comm.rank, exc_info=True)
+    finally:
+        engine._restore_client_optimizer()
 
 
 # ---- non-finite steps -------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from .engine import ZeroEngine
 from .errors import ArgumentError
+from .guards import undo_failed_initialize
 from .zero.optimizer import DataParallelOptimizer
 
 __all__ = ["initialize", "add_config_arguments"]
@@ -60,7 +61,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         engine.lr_scheduler = _make_scheduler(engine, lr_scheduler)
         engine.training_dataloader = _make_dataloader(engine, training_data, collate_fn)
     except BaseException:
-        engine.destroy()  # unhooks and releases the model: initialize may be called on it again
+        undo_failed_initialize(engine)  # as a failure inside ZeroEngine(): initialize may be called on it again
         raise
     return engine, _returned_optimizer(engine), engine.training_dataloader, engine.lr_scheduler
 

@@ -127,19 +127,22 @@ class Communicator:
         rare points where ranks may legitimately or mistakenly take different paths."""
         self._agree_next = self.watchdog is not None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """This rank is done with the group: wait until every rank is (store only with the watchdog, which then
         stops; a barrier without it), so no rank destroys the group while a peer still talks to it. Raises
-        RankDivergenceError when a peer waits in a collective this rank never issued. Safe to call twice."""
+        RankDivergenceError when a peer waits in a collective this rank never issued. Safe to call twice.
+
+        ``wait=False`` (a failed initialize): stop at once and tell the other ranks nothing; they may not be
+        closing, and the ones that failed the same way go on too (a "left" key or a failure note would be stale)."""
         if self._closed:
             return
         try:
             if self.watchdog is not None:
-                if self.watchdog.failed:  # not "left": the others would read a clean finish (a divergence)
+                if self.watchdog.failed or not wait:  # not "left": the others would read a clean finish
                     self.watchdog.stop(mark=None)
                 else:
                     self.watchdog.leave()
-            elif self.world_size > 1 and self.backend != "fake":
+            elif wait and self.world_size > 1 and self.backend != "fake":
                 self.barrier()
         finally:
             self._closed = True

@@ -316,9 +316,13 @@ def make_swapper(zero_optimizer, offload, placement, rank: int, aio=None) -> Opt
         raise ValueError('zero_optimization.offload_optimizer: device "nvme" needs nvme_path, a directory on the '
                          'NVMe drive (e.g. "/local_nvme")')
     store = NvmeStore(offload.nvme_path, rank=rank, purpose="optimizer", **(store_options(aio) if aio is not None else {}))
-    swapper = OptimizerSwapper(zero_optimizer.sub_groups, zero_optimizer.masters, zero_optimizer.optimizer, store,
-                               buffer_count=offload.buffer_count, pipeline_read=offload.pipeline_read,
-                               pipeline_write=offload.pipeline_write, pin_memory=placement.pins)
+    try:
+        swapper = OptimizerSwapper(zero_optimizer.sub_groups, zero_optimizer.masters, zero_optimizer.optimizer,
+                                   store, buffer_count=offload.buffer_count, pipeline_read=offload.pipeline_read,
+                                   pipeline_write=offload.pipeline_write, pin_memory=placement.pins)
+    except BaseException:
+        store.close()  # nobody else holds the store yet: its directory goes now, not at exit
+        raise
     if rank == 0:
         log.info("zero_engine: optimizer states on nvme (%s): %d sub-group(s) of up to %d elements, %d buffer(s), "
                  "pipeline_read=%s, pipeline_write=%s%s", offload.nvme_path, len(swapper.groups),
