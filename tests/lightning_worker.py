@@ -196,6 +196,12 @@ def main(out):
         t2 = trainer(ZeroEngineStrategy(config=config(stage)), root)
         results[f"validate_from_file{stage}"] = t2.validate(Regressor(), dataloaders=loader(shuffle=False),
                                                             ckpt_path=exported, verbose=False)[0]["val_loss"]
+        saved = os.path.join(out, f"evaluated{stage}.ckpt")  # a full save from evaluation: the weights in one file
+        t2.save_checkpoint(saved)
+        results[f"eval_engine{stage}"] = (t2.strategy.engine.optimizer is None,
+                                          t2.strategy.engine.memory_stats()["master_params"],
+                                          torch.load(saved, weights_only=False)["state_dict"]
+                                          if dist.get_rank() == 0 else None)
     # 6. What is refused.
     results["err_precision"] = error_of(lambda: trainer(ZeroEngineStrategy(), root, precision="64-true"))
     results["err_clip_value"] = error_of(lambda: fit(ZeroEngineStrategy(config=config(1)), root,

@@ -17,7 +17,8 @@ import torch.nn as nn
 import zero_engine as deepspeed
 from zero_engine.engine import ZeroEngine
 from zero_engine.testing import run_ranks
-from zero_engine.utils import safe_get_full_fp32_param, safe_get_full_grad
+from zero_engine.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_local_fp32_param,
+                               safe_set_full_fp32_param)
 from zero_engine.zero.partition import sharded_param_of
 
 TIMEOUT = 120
@@ -146,6 +147,30 @@ def test_without_optimizer_zero_init_masters_are_dropped_weights_load_and_the_re
                                                                      timeout=TIMEOUT):
         assert kept_by_init == 4 and after == 0 and finite
         assert len(errors) == 2 and loaded
+
+
+def _no_optimizer_safe_set_body():
+    out = {}
+    for stage, precision in ((1, "fp32"), (3, "fp32"), (3, "bf16")):
+        torch.manual_seed(0)
+        model = Small()
+        engine, *_ = deepspeed.initialize(model=model, config=config(stage, False, precision))
+        value = torch.randn(10, 6, generator=torch.Generator().manual_seed(7))  # the same on both ranks
+        safe_set_full_fp32_param(model.a.weight, value)  # no master: the compute shard takes the value
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        expected = value.to(dtype).float()
+        shard = sharded_param_of(model.a.weight).shard_numel
+        local = expected.reshape(-1)[dist.get_rank() * shard:][:shard]
+        out[stage, precision] = (torch.equal(safe_get_full_fp32_param(model.a.weight), expected),
+                                 torch.equal(safe_get_local_fp32_param(model.a.weight)[:local.numel()], local))
+        engine.destroy()
+    return out
+
+
+def test_without_optimizer_safe_set_and_get_fp32_param_use_the_compute_shard():
+    """What evaluation loaders (Lightning's validate(ckpt_path=file)) use to write whole weights into the shards."""
+    for out in run_ranks(_no_optimizer_safe_set_body, 2, timeout=TIMEOUT):
+        assert all(all(checks) for checks in out.values()), out
 
 
 # ---- item 9: the optimizer initialize() returns ------------------------------------------------------------------

@@ -169,7 +169,8 @@ def test_engine_batch_sizes_and_strategy_collectives(results):
 @pytest.mark.timeout(300)
 def test_validate_predict_and_weights_only_export(results):
     """After fit: validate and predict through the engine; save_checkpoint(weights_only=True) writes one ordinary
-    file with the gathered state dict; a new Trainer validates from that file (loaded into the shards)."""
+    file with the gathered state dict; a new Trainer validates from that file (loaded into the shards) with an
+    engine that has no optimizer, and its save_checkpoint writes the same weights in one file."""
     sys.path.insert(0, str(REPO / "tests"))
     from lightning_worker import Regressor, dataset
 
@@ -183,6 +184,10 @@ def test_validate_predict_and_weights_only_export(results):
         expected = model(x)
     torch.testing.assert_close(torch.tensor(results["validate"]), F.mse_loss(expected, y), rtol=1e-6, atol=0)
     assert results["validate_from_file3"] == results["validate_from_file1"] == results["validate"]
+    for stage in (1, 3):  # evaluation only: an engine without optimizer (no fp32 masters); a save writes the weights
+        no_optimizer, master_bytes, saved = results[f"eval_engine{stage}"]
+        assert no_optimizer and master_bytes == 0, (stage, no_optimizer, master_bytes)
+        assert_state_equal(saved, exported)
     for rank, predictions in enumerate(results["predict"]):  # DistributedSampler: rank r gets samples r, r+2, ...
         torch.testing.assert_close(predictions, expected[rank::2], rtol=1e-6, atol=1e-7)
 

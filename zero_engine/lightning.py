@@ -23,7 +23,8 @@ collectives), with the engine in place of the DDP wrapper. How Lightning's piece
 * checkpoints: a directory written by ``engine.save_checkpoint`` (every rank its shards; Lightning's own state as
   client state), resumed with ``Trainer.fit(ckpt_path=dir)``. ``save_weights_only`` checkpoints are one ordinary
   ``.ckpt`` file with the full state dict, gathered onto rank 0 (``lightning_module_state_dict``).
-* validation, test and predict run through the engine's forward (stage 3 gathers the weights layer by layer).
+* validation, test and predict run through the engine's forward (stage 3 gathers the weights layer by layer); without
+  a fit first, the engine has no optimizer (``initialize(optimizer=None)``: no fp32 masters or optimizer states).
 """
 
 from __future__ import annotations
@@ -174,10 +175,7 @@ class ZeroEngineStrategy(DDPStrategy):
                 raise NotImplementedError("ZeroEngineStrategy: LBFGS re-evaluates the closure inside step(), which "
                                           "the engine's accumulate-then-step cycle does not support")
         else:
-            # Evaluation only: the engine runs forwards and loads weights, never steps. SGD without momentum holds
-            # no state; its fp32 masters are the shards themselves in fp32 runs.
-            def optimizer(groups):
-                return torch.optim.SGD(groups, lr=0.0)
+            optimizer = None  # evaluation only: an engine for forward passes, without fp32 masters or states
         self.engine, engine_optimizer, _, _ = initialize(model=self.lightning_module, optimizer=optimizer,
                                                          config=config, dist_init_required=False)
         self.engine.set_gradient_accumulation_boundary(False)  # only optimizer_step() opens a boundary
@@ -232,16 +230,18 @@ class ZeroEngineStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
         """A directory ``filepath`` written by every rank (``engine.save_checkpoint``; Lightning's trainer state as
-        its client state); with ``weights_only`` (no optimizer states in ``checkpoint``), one ordinary file written
-        by rank 0 from the gathered state dict. Lightning builds ``checkpoint`` with lightning_module_state_dict()
-        before every save, so a directory checkpoint also costs that gather (the whole fp32 model in rank 0's host
-        memory for the moment, as FSDPStrategy's default full state dict); the directory does not keep it, since the
-        shards hold the weights."""
+        its client state); with ``weights_only`` (no optimizer states in ``checkpoint``), or from an evaluation-only
+        engine (validate/test/predict without fit: no optimizer), one ordinary file written by rank 0 from the
+        gathered state dict. Lightning builds ``checkpoint`` with lightning_module_state_dict() before every save, so
+        a directory checkpoint also costs that gather (the whole fp32 model in rank 0's host memory for the moment,
+        as FSDPStrategy's default full state dict); the directory does not keep it, since the shards hold the
+        weights."""
         if storage_options is not None:
             raise TypeError("ZeroEngineStrategy.save_checkpoint(storage_options=...): the engine writes the "
                             "checkpoint itself, without Lightning's CheckpointIO; pass storage_options=None")
         filepath = self.broadcast(os.fspath(filepath))  # one path for all ranks
-        if "optimizer_states" not in checkpoint:  # Trainer.save_checkpoint(weights_only=True)
+        # Trainer.save_checkpoint(weights_only=True), or after validate/test/predict only: the weights are all there is
+        if "optimizer_states" not in checkpoint or self.engine.optimizer is None:
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return

@@ -200,7 +200,7 @@ def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     if _trained(param) is None:
         return None
     _, sp = _require_partitioned(param, "safe_get_local_fp32_param")
-    return sp.master.detach().clone()
+    return (sp.master if sp.master is not None else sp.shard).detach().float().clone()
 
 
 @_with_states_in_memory
@@ -214,7 +214,8 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def _write_master(sp: ShardedParam, part: torch.Tensor) -> None:
     with torch.no_grad():
-        sp.master.copy_(part)
+        if sp.master is not None:  # without an optimizer there is no master: the compute shard is the value
+            sp.master.copy_(part)
         if not sp.master_is_shard:
             sp.shard.copy_(part)
 
