@@ -10,6 +10,16 @@ Not every module's post-backward fires: a module whose inputs need no gradient (
 a root whose inputs are data) never gets the input-side function run. So the first backward hook of a pass queues
 one callback on autograd's execution engine; it runs when the whole backward is done and flushes the last
 gradient buckets and releases whatever is still gathered.
+
+[Note: frozen parameters in recomputation]
+Non-reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``) runs the forward of a
+checkpointed region again inside backward, and keeps what that recomputation saves for the backward ops. It keeps a
+tensor that requires grad as a ``detach()``ed alias (its own shape, sharing the storage our gather fills again before
+the module's backward), but a tensor that does not (a frozen weight: PEFT's base model) as the Parameter itself. Our
+post-forward release swaps that Parameter's data for an empty tensor, so torch's check of the recomputed tensors
+(run when backward first unpacks one) sees shape [0] and raises CheckpointError; the backward op would read nothing.
+So a post-forward inside backward keeps the module's frozen parameters gathered; its post-backward releases them
+(or, if its inputs need no gradient, the end of backward does). Trainable parameters are released as before.
 """
 
 from __future__ import annotations
@@ -101,7 +111,8 @@ class ModuleHooks:
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, module: nn.Module, args, output):
-        self.coordinator.release(module)
+        recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1  # a forward run by backward
+        self.coordinator.release(module, keep_frozen=recomputing)  # see [Note: frozen parameters in recomputation]
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
             if tensors:
