@@ -20,10 +20,19 @@ post-forward release swaps that Parameter's data for an empty tensor, so torch's
 (run when backward first unpacks one) sees shape [0] and raises CheckpointError; the backward op would read nothing.
 So a post-forward inside backward keeps the module's frozen parameters gathered; its post-backward releases them
 (or, if its inputs need no gradient, the end of backward does). Trainable parameters are released as before.
+
+[Note: recomputation stopped early]
+torch stops a recomputation as soon as it has recomputed the last tensor it needs (``_StopRecomputationError``,
+raised from inside the op that saves it), so the modules then running (often the block's last Linear; a whole leaf
+block) never get their post-forward hook: the gather of that recomputed forward would stay counted in
+``active_users`` and keep their parameters gathered to the end of backward (with leaf blocks: every block). So the
+hooks count the recomputed forwards begun and not ended per module, and its post-backward, which comes after the
+backward ops that needed the recomputation, releases those too.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -72,6 +81,11 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _recomputing() -> bool:
+    """A forward that backward runs: activation checkpointing's recomputation."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
 def _grad_tensors(obj) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(obj)
     found = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -87,6 +101,7 @@ class ModuleHooks:
         self.coordinator = coordinator
         self.backward_end = backward_end
         self._handles = []
+        self._recompute_open: Counter[nn.Module] = Counter()  # see [Note: recomputation stopped early]
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward))
@@ -98,6 +113,10 @@ class ModuleHooks:
 
     # ---- forward -------------------------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args, kwargs):
+        if _recomputing():
+            self._recompute_open[module] += 1
+        elif self._recompute_open:
+            self._recompute_open.clear()  # a new forward: the last backward is over, and its end released all
         self.coordinator.fetch(module, "forward")
         if not torch.is_grad_enabled():
             return None
@@ -111,7 +130,9 @@ class ModuleHooks:
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, module: nn.Module, args, output):
-        recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1  # a forward run by backward
+        recomputing = _recomputing()
+        if recomputing:
+            self._recompute_open[module] -= 1
         self.coordinator.release(module, keep_frozen=recomputing)  # see [Note: frozen parameters in recomputation]
         if torch.is_grad_enabled():
             tensors = _grad_tensors(output)
@@ -126,3 +147,5 @@ class ModuleHooks:
 
     def _post_backward(self, module: nn.Module) -> None:
         self.coordinator.release(module)
+        for _ in range(max(0, self._recompute_open.pop(module, 0))):  # see [Note: recomputation stopped early]
+            self.coordinator.release(module)
