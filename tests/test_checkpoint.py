@@ -162,7 +162,7 @@ def _resume_load_body(stage, precision, save_dir):
     return results
 
 
-RESUME_CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("fp32", "bf16", "fp16")] + [(0, "fp32")]
+RESUME_CASES = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16", "fp16")]
 
 
 @pytest.mark.parametrize("stage,precision", RESUME_CASES)

@@ -200,3 +200,39 @@ def test_docs_table_lists_each_file_with_its_outcome():
     for name, expected in EXPECTED.items():
         outcome = "loads" if isinstance(expected, Loads) else expected.kind
         assert rows[name] == outcome, f"docs/config.md says {rows[name]!r} for {name}, tests expect {outcome!r}"
+
+
+# ---- a config without an optimizer: Hugging Face's model-only ZeRO-3 config ------------------------------------------
+MODEL_ONLY = "huggingface__accelerate__tests__deepspeed__ds_config_zero3_model_only.json"
+
+
+def _model_only_body(path):
+    import torch
+    import torch.distributed as dist
+
+    import zero_engine
+    from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    reference = GPT(GPTConfig())
+    reference.load_state_dict(model.state_dict())
+    engine, optimizer, _, _ = zero_engine.initialize(model=model, config=path)
+    engine.eval()
+    x, y = make_batches(model.cfg, 1, dist.get_world_size())[0]
+    with torch.no_grad():
+        loss = engine(x[dist.get_rank():][:1], y[dist.get_rank():][:1]).item()
+        expected = reference(x[dist.get_rank():][:1], y[dist.get_rank():][:1]).item()
+    partitioned = all(sp.shard_numel < sp.numel for sp in engine.sharded if sp.numel > 64)
+    engine.destroy()
+    return optimizer is None, engine.stage, partitioned, abs(loss - expected)
+
+
+@pytest.mark.skipif(not (DSCONFIGS / MODEL_ONLY).is_file(), reason="HF's model-only config not present")
+def test_model_only_config_initializes_without_an_optimizer_and_runs_forward():
+    from zero_engine.testing import run_ranks
+
+    for no_optimizer, stage, partitioned, diff in run_ranks(_model_only_body, 2, str(DSCONFIGS / MODEL_ONLY),
+                                                            timeout=120):
+        assert no_optimizer and stage == 3 and partitioned
+        assert diff <= 1e-6  # the same fp32 sums as one process, up to the order of a few reductions

@@ -347,6 +347,25 @@ def test_save_pretrained_bf16_and_fp32_masters(tmp_path):
         assert torch.equal(param.detach(), masters[name]), name
 
 
+def _stage0_bf16_save_body(out_dir):
+    import zero_engine.hf as zhf
+
+    model = tiny_llama()  # stage 0: built whole (from_pretrained streams shards for stages 1-3)
+    engine, *_ = zero_engine.initialize(model=model, config={**ds_config(bf16=True), "zero_optimization": {"stage": 0}})
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    zhf.save_pretrained(engine, out_dir, dtype=torch.float32)
+    masters = engine.optimizer.masters
+    return {n: masters[id(p)].detach().clone() for n, p in model.named_parameters()}
+
+
+def test_save_pretrained_fp32_at_stage0_bf16_writes_the_fp32_masters(tmp_path):
+    masters = run_ranks(_stage0_bf16_save_body, 2, str(tmp_path / "fp32"), timeout=TIMEOUT)[0]
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))
+    for name, param in fp32.named_parameters():
+        assert torch.equal(param.detach(), masters[name]), name
+
 # ---- the example ---------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_finetune_example_runs_with_torchrun(tmp_path):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_engine
-from zero_engine.testing import RankError, run_ranks
+from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.zero import GatheredParameters, Init
 from zero_engine.zero.partition import sharded_param_of
@@ -44,6 +44,9 @@ def config(stage, precision, gas=2, micro=2, **fp16):
 
 
 def masters_whole(engine) -> dict[str, torch.Tensor]:
+    if engine.stage == 0:  # whole fp32 masters of the trainable parameters, the same on every rank
+        masters = engine.optimizer.masters
+        return {n: masters[id(p)].detach() for n, p in engine.module.named_parameters() if id(p) in masters}
     out = {}
     for sp in engine.sharded:
         src = sp.master if sp.master is not None else sp.shard.float()
@@ -85,39 +88,45 @@ def _mixed_parity_body(stage, precision):
     ours, ref = masters_whole(engine), dict(master.named_parameters())
     diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
     norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
-    shard_dtypes = {sp.shard.dtype for sp in engine.sharded}
-    return worst, (diff / norm).item(), shard_dtypes, engine.memory_stats()
+    shard_dtypes = {sp.shard.dtype for sp in engine.sharded} or {p.dtype for p in engine.module.parameters()}
+    stats = dict(engine.memory_stats(), trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return worst, (diff / norm).item(), shard_dtypes, stats
 
 
-@pytest.mark.parametrize("world,stage,precision", [(2, 1, "bf16"), (2, 2, "fp16"), (2, 3, "bf16"), (2, 3, "fp16"),
-                                                   (3, 3, "bf16"), (3, 2, "bf16"), (3, 1, "fp16")])
+@pytest.mark.parametrize("world,stage,precision", [(2, 0, "bf16"), (2, 0, "fp16"), (2, 1, "bf16"), (2, 2, "fp16"),
+                                                   (2, 3, "bf16"), (2, 3, "fp16"), (3, 3, "bf16"), (3, 2, "bf16"),
+                                                   (3, 1, "fp16")])
 def test_mixed_precision_parity(world, stage, precision):
     loss_tol, param_tol = (2e-2, 1e-2) if precision == "bf16" else (5e-3, 5e-3)
     for loss_err, param_err, dtypes, stats in run_ranks(_mixed_parity_body, world, stage, precision,
                                                         timeout=TIMEOUT):
         assert loss_err < loss_tol and param_err < param_tol, (loss_err, param_err)
         assert dtypes == {DTYPES[precision]}
+        if stage == 0:  # whole 16-bit parameters (2 bytes), fp32 masters (4) and Adam m, v (8) of trainable ones
+            assert stats["master_params"] == 4 * stats["trainable"], stats
+            assert stats["optimizer_states"] == 8 * stats["trainable"], stats
+            continue
         # 16-bit shards (2) + 16-bit grads (2) + fp32 master (4) + Adam m, v (8) = 16 bytes per element.
         states = stats["params_sharded"] + stats["master_params"] + stats["grads"] + stats["optimizer_states"]
         assert states <= 16 * stats["params_sharded"] / 2 * 1.02, stats
 
 
 # ---- loss scaling --------------------------------------------------------------------------------------------------
-def _overflow_body():
+def _overflow_body(stage):
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = GPT(GPTConfig())
-    cfg = config(3, "fp16", gas=1, hysteresis=2, loss_scale_window=2)
+    cfg = config(stage, "fp16", gas=1, hysteresis=2, loss_scale_window=2)
     engine, *_ = zero_engine.initialize(model=model, config=cfg)
     poison = {"on": False}
-    target = engine.sharded[3].param  # only rank 1's gradient goes bad
+    target = list(model.parameters())[3]  # only rank 1's gradient goes bad
     target.register_hook(lambda g: g * float("inf") if poison["on"] and rank == 1 else g)
     batches = make_batches(model.cfg, 8, 2)
     scales, events = [], []
 
     def snapshot():
-        return ([sp.shard.clone() for sp in engine.sharded], [sp.master.clone() for sp in engine.sharded
-                                                               if sp.master is not None],
+        compute = [sp.shard for sp in engine.sharded] if stage else [p.detach() for p in model.parameters()]
+        return ([t.clone() for t in compute], [m.detach().clone() for m in engine.optimizer.masters.values()],
                 [t.clone() for s in engine.optimizer.state.values() for t in s.values()])
 
     def train(x, y):
@@ -139,8 +148,9 @@ def _overflow_body():
     return scales, events, engine.skipped_steps, engine.global_steps
 
 
-def test_overflow_on_one_rank_skips_step_everywhere_and_scale_follows_deepspeed():
-    for scales, untouched, skipped, steps in run_ranks(_overflow_body, 2, timeout=TIMEOUT):
+@pytest.mark.parametrize("stage", [0, 3])
+def test_overflow_on_one_rank_skips_step_everywhere_and_scale_follows_deepspeed(stage):
+    for scales, untouched, skipped, steps in run_ranks(_overflow_body, 2, stage, timeout=TIMEOUT):
         assert untouched == [True, True]  # shards, masters and Adam states bit-identical across a skipped step
         assert skipped == 2 and steps == 7
         # 256 -> (good step: window 2 counts from the start) ... hysteresis 2: first overflow keeps the scale,
@@ -282,11 +292,3 @@ def test_gathered_parameters(precision):
         assert abs(r["loss"] - r["plain_loss"]) <= tolerance * abs(r["plain_loss"]), (r["loss"], r["plain_loss"])
         assert r["moved_from_edit"]
 
-
-def test_fp16_at_stage_0_is_refused_clearly():
-    with pytest.raises(RankError, match="stage 0 is not supported yet"):
-        run_ranks(_stage0_fp16_body, 1, timeout=TIMEOUT)
-
-
-def _stage0_fp16_body():
-    zero_engine.initialize(model=GPT(GPTConfig()), config=config(0, "fp16"))

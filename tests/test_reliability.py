@@ -253,7 +253,7 @@ def _changes_body(stage, change):
 @pytest.mark.parametrize("change,expected", [
     ("freeze", "blocks.1.mlp.fc.weight: requires_grad changed from True to False after initialize"),
     ("add_module", "extra.weight was added to the model after initialize"),
-    ("initialize_again", "already wrapped by a zero_engine engine"),
+    ("initialize_again", "already wrapped by a live zero_engine engine"),
 ])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_changes_after_initialize_are_clear_errors(stage, change, expected):

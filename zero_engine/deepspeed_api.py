@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import UsageError
+from .precision import DTYPES
 
 __all__ = ["DeepSpeedEngineAPI"]
 
@@ -36,6 +37,20 @@ class DeepSpeedEngineAPI:
     _awaiting_step: bool = False
     _step_applied: bool = False
     _inside_no_sync: bool = False
+
+    def __getattr__(self, name: str):
+        """The model's attribute when the engine has none (``engine.generate(...)``, custom methods), as
+        DeepSpeedEngine.__getattr__ does (the engine's own names win: ``engine.config`` is the engine's). Python calls this only after the normal lookup
+        failed; ``module`` is read from ``__dict__`` so that a half-built or unpickled engine (no ``module`` yet)
+        raises instead of recursing, and dunder names (copy/pickle protocol probes) are never forwarded."""
+        module = self.__dict__.get("module")
+        if module is not None and not (name.startswith("__") and name.endswith("__")):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        owner = f" (nor has its module, a {type(module).__name__})" if module is not None else ""
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'{owner}")
 
     # ---- batch sizes and accumulation ------------------------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -176,8 +191,11 @@ class DeepSpeedEngineAPI:
 
     @property
     def communication_data_type(self) -> torch.dtype:
-        """The dtype gradients are reduced in (fp32 unless ``communication_data_type`` says otherwise)."""
-        return self.reducer.reduce_dtype if self.reducer is not None else torch.float32
+        """The dtype gradients are reduced in: fp32 unless ``communication_data_type`` says otherwise (averaging
+        16-bit gradients in 16-bit loses bits at every hop of the reduction; DeepSpeed's default is the model's
+        dtype, see docs/deepspeed_compat.md)."""
+        name = self.config.communication_data_type
+        return DTYPES[name] if name else torch.float32
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
@@ -210,12 +228,14 @@ class DeepSpeedEngineAPI:
 
     def get_mom(self) -> list:
         """Momentum per param group: ``momentum`` for SGD-like optimizers, ``betas`` for Adam-like ones."""
+        if self.optimizer is None:
+            return []
         key = "betas" if "betas" in self.optimizer.param_groups[0] else "momentum"
         return [g.get(key) for g in self.optimizer.param_groups]
 
     def get_type(self) -> list:
         """The ``type`` entry of each param group (DeepSpeed's MoE groups carry one), None where absent."""
-        return [g.get("type") for g in self.optimizer.param_groups]
+        return [g.get("type") for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     # ---- where this rank is ---------------------------------------------------------------------------------------
     @property

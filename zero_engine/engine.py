@@ -29,7 +29,8 @@ from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
-from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward
+from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward,
+                     refuse_partitioned_at_stage0, release_model)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .errors import ArgumentError, UsageError
@@ -37,13 +38,13 @@ from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
 from .offload.placement import HOST, NVME, Placement
-from .precision import DTYPES, compute_dtype_of, make_loss_scaler
+from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .zero.coordinator import ParamCoordinator
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.units import apply_leaf_module_config, gather_units, mark_by_granularity
-from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, bind_optimizer, param_groups_of
+from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
 from .zero.presence import irregular_params
 from .zero.streams import CommStreams
@@ -56,8 +57,10 @@ __all__ = ["ZeroEngine"]
 class ZeroEngine(DeepSpeedEngineAPI):
     """The training engine ``initialize()`` returns; DeepSpeed's accessors come from DeepSpeedEngineAPI."""
 
-    def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, training_data=None,
-                 lr_scheduler=None, collate_fn=None):
+    _destroyed = False
+    _grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
+
+    def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -81,6 +84,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._device = place_module(model, local_device(), lambda p: sharded_param_of(p) is not None)
         self.streams = CommStreams(self._device)  # side streams on CUDA, no-ops elsewhere (zero/streams.py)
         self.placement = Placement.from_config(zc, self._device)  # where each state lives (offload/placement.py)
+        if self.stage == 0:
+            refuse_partitioned_at_stage0(model)
         if self.stage == 0 and self.placement.offloads_optimizer:
             raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1 (the offloaded "
                              "optimizer steps over partitioned fp32 masters); set stage 1, or remove offload_optimizer")
@@ -93,9 +98,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._snapshot = ModelSnapshot(model)
         self.accounting = MemoryAccounting()
         self.compute_dtype = compute_dtype_of(self.config)
-        if self.stage == 0 and self.compute_dtype != torch.float32:
-            raise NotImplementedError("fp16/bf16 at zero_optimization.stage 0 is not supported yet; use stage 1, "
-                                      "which keeps fp32 master weights sharded")
         self.loss_scaler = make_loss_scaler(self.config.fp16)
         self.nonfinite = NonFiniteSteps(self.comm, self.config.zero_engine.max_consecutive_skipped_steps,
                                         loss_scaled=self.loss_scaler is not None,
@@ -119,6 +121,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.timeline = MemoryTimeline(timeline.path or "memory_timeline", self.comm.rank) if timeline.enabled \
             else None
         groups = param_groups_of(model, model_parameters)
+        # No optimizer anywhere: forward and backward only (evaluation, inference, gradient inspection), as
+        # DeepSpeed; no fp32 masters or optimizer states are made, and step() raises.
+        trains = optimizer is not None or self.config.optimizer is not None
         self.coordinator = None
         self.reducer = None
         self.param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
@@ -128,18 +133,21 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.sharded = []
             trainable = [p for p in model.parameters() if p.requires_grad]
             self.optimizer = DataParallelOptimizer(
-                trainable, self.comm, self.config.gradient_clipping, zc.reduce_bucket_size,
-                bind_optimizer(optimizer, self.config.optimizer, groups, {id(p): p for p in trainable}))
+                trainable, self.comm, self.config.gradient_clipping, zc.reduce_bucket_size, optimizer,
+                self.config.optimizer, groups, self.compute_dtype, self.communication_data_type) if trains else None
+            if self.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
+                cast_floating_(model, self.compute_dtype)  # after the fp32 masters were taken
         else:
-            self._partition(model, zc)
+            self._partition(model, zc, fp32_masters=trains)
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
                                            optimizer, self.config.optimizer, groups, zc.sub_group_size,
-                                           self.placement, zc.offload_optimizer, self.config.aio)
+                                           self.placement, zc.offload_optimizer, self.config.aio) if trains else None
             if self.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
-                self.optimizer.param_swapper = self.param_swapper
+                if self.optimizer is not None:
+                    self.optimizer.param_swapper = self.param_swapper
                 self.param_swapper.start()
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self.training_dataloader = self._make_dataloader(training_data, collate_fn)
+        self.lr_scheduler = None  # initialize() sets these two: see initialize.py
+        self.training_dataloader = None
         from .utils import register_engine
 
         register_engine(self)  # zero_engine.utils.safe_get_* find the engine from a parameter
@@ -152,11 +160,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.placement.log_once(self.comm.rank)
 
     # ---- construction ------------------------------------------------------------------------------------------
-    def _partition(self, model: nn.Module, zc) -> None:
-        self.sharded = [self._sharded_param(p, name, i) for i, (name, p) in enumerate(model.named_parameters())]
-        for buffer in model.buffers():
-            if buffer.is_floating_point():
-                buffer.data = buffer.data.to(self.compute_dtype)
+    def _partition(self, model: nn.Module, zc, fp32_masters: bool) -> None:
+        self.sharded = [self._sharded_param(p, name, i, fp32_masters)
+                        for i, (name, p) in enumerate(model.named_parameters())]
+        cast_floating_(model, self.compute_dtype, params=False)
         by_param = {id(sp.param): sp for sp in self.sharded}
         # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
         bucket = max(1, int(zc.prefetch_bucket_size if self.stage == 3 else zc.allgather_bucket_size)
@@ -165,17 +172,14 @@ class ZeroEngine(DeepSpeedEngineAPI):
             bucket = min(bucket, max(1, int(zc.offload_param.buffer_size)))
         self.shard_buckets = flatten_shards(self.sharded, bucket)
         trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
-        comm_dtype = self.config.communication_data_type
         self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
-                                   # fp32 unless communication_data_type says otherwise: averaging 16-bit
-                                   # gradients in 16-bit loses bits at every hop of the reduction
-                                   reduce_dtype=DTYPES[comm_dtype] if comm_dtype else torch.float32,
+                                   reduce_dtype=self.communication_data_type,
                                    grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
                                    accounting=self.accounting, streams=self.streams,
                                    grad_device=self.placement.optimizer_device, pin_memory=self.placement.pins)
         if self.stage >= 2:
-            for sp in trainable:
-                sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
+            self._grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
+                                for sp in trainable]
         if self.stage < 3:
             for sp in self.sharded:
                 sp.is_persistent = True
@@ -222,7 +226,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
                                             on_event=self._record_timeline if self.timeline else None)
         self.coordinator.shard_swapper = self.param_swapper
-        self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end)
+        self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end, model)
 
     def _choose_gather_per_bucket(self) -> None:
         """See [Note: auto gather strategy] in zero/gather.py."""
@@ -234,38 +238,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.sequential_buckets = choose_sequential_buckets(self.shard_buckets, budget.headroom, states_to_come,
                                                             self.comm, budget.source)
 
-    def _sharded_param(self, param: nn.Parameter, name: str, index: int) -> ShardedParam:
-        """A new ShardedParam, or the one zero.Init made when the model was built (adopted, cast, named)."""
+    def _sharded_param(self, param: nn.Parameter, name: str, index: int, fp32_master: bool) -> ShardedParam:
+        """A new ShardedParam, or the one zero.Init (or a destroyed engine) made before: adopted, cast, named."""
         dtype = self.compute_dtype if param.is_floating_point() else param.dtype
         sp = sharded_param_of(param)
         if sp is None:
-            return ShardedParam(param, name, index, self.comm.rank, self.comm.world_size, dtype=dtype)
+            return ShardedParam(param, name, index, self.comm.rank, self.comm.world_size, dtype=dtype,
+                                fp32_master=fp32_master)
         if sp.world_size != self.comm.world_size:
             raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine runs on "
                              f"{self.comm.world_size}")
-        sp.fqn, sp.index = name, index
-        sp.cast_(dtype)
+        sp.adopt(name, index, dtype, fp32_master)
         return sp
-
-    def _make_scheduler(self, lr_scheduler):
-        if lr_scheduler is not None:
-            return lr_scheduler(self.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
-                lr_scheduler, "step") else lr_scheduler
-        if self.config.scheduler is None:
-            return None
-        from .schedulers import build_scheduler
-
-        return build_scheduler(self.config.scheduler.type, self.config.scheduler.resolved_params(),
-                               self.optimizer.optimizer)
-
-    def _make_dataloader(self, training_data, collate_fn):
-        if training_data is None:
-            return None
-        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=self.comm.world_size,
-                                                      rank=self.comm.rank)
-        return torch.utils.data.DataLoader(training_data, batch_size=self.config.train_micro_batch_size_per_gpu,
-                                           sampler=sampler, collate_fn=collate_fn,
-                                           drop_last=self.config.dataloader_drop_last)
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -332,6 +316,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does).
 
         ``lr_kwargs`` are passed to the LR scheduler's ``step()``."""
+        if self.optimizer is None:  # DeepSpeed asserts here too: a UsageError is also an AssertionError
+            raise UsageError("step(): this engine has no optimizer (initialize() got no optimizer= and the config "
+                               "has no \"optimizer\" block): it runs forward and backward only. Pass an optimizer "
+                               "to initialize() to train")
         if self._inside_no_sync:
             raise UsageError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
                              "run the last micro-batch's backward, then call step()")
@@ -418,7 +406,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         hang, and so does this rank. After a DistributedError the group is unusable and only the local part runs.
         See [Note: clean shutdown] in comm/watchdog.py.
         """
-        if getattr(self, "_destroyed", False):
+        if self._destroyed:
             return
         self._destroyed = True
         self.progress.phase = "destroy"
@@ -429,7 +417,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
                     self.coordinator.release_all()  # waits for stray prefetches; reductions complete in step()
             if self.coordinator is not None:
                 self.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
+            for handle in self._grad_hooks:
+                handle.remove()
         finally:
+            release_model(self.module)  # a new engine may adopt the model (and its partitioned parameters)
             try:
                 if hasattr(self.optimizer, "close"):
                     self.optimizer.close()  # NVMe offload: this run's files are removed
@@ -438,10 +429,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.global_grad_norm
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
     def comm_stats(self) -> dict:
         return self.comm.stats()
@@ -472,10 +463,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
             "params_sharded": sharded,
             "params_gathered": gathered,
             "params_gathered_peak": peak,
-            "master_params": self.optimizer.master_bytes,
+            "master_params": self.optimizer.master_bytes if self.optimizer is not None else 0,
             "grads": grads,
             "grads_peak": grads_peak,
-            "optimizer_states": self.optimizer.state_bytes,
+            "optimizer_states": self.optimizer.state_bytes if self.optimizer is not None else 0,
             "comm_buffers_peak": self.accounting.peak["comm_buffers"],
             "rss": rss_bytes(),
             "rss_peak": rss_peak_bytes(),
@@ -524,7 +515,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return self.module.named_parameters(*args, **kwargs)
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+            return
+        if self.reducer is not None:
+            self.reducer.zero_grad()
+        for p in self.module.parameters():
+            p.grad = None
 
     # ---- checkpoints (zero_engine/checkpoint/ does the work) --------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
@@ -532,6 +529,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Collective: every rank calls it. Atomic; see zero_engine.checkpoint."""
         from .checkpoint import save_checkpoint
 
+        _refuse_if(self.optimizer is None, "save_checkpoint() of an engine without an optimizer",
+                   "a checkpoint holds optimizer states; use save_16bit_model() for the weights")
         _refuse_if(exclude_frozen_parameters, "save_checkpoint(exclude_frozen_parameters=True)",
                    "frozen parameters are always saved (they are small next to optimizer states)")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
@@ -542,6 +541,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         A missing ``load_dir`` is an error unless ``missing_ok=True`` (then ``(None, None)``, as DeepSpeed)."""
         from .checkpoint import load_checkpoint
 
+        _refuse_if(self.optimizer is None and not load_module_only, "load_checkpoint() into an engine without an "
+                   "optimizer", "pass load_module_only=True to load the weights, or initialize with an optimizer")
         _refuse_if(not load_module_strict, "load_checkpoint(load_module_strict=False)",
                    "a checkpoint must match the model's parameters exactly")
         _refuse_if(custom_load_fn is not None, "load_checkpoint(custom_load_fn=...)",

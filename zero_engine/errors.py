@@ -5,7 +5,8 @@
       RankDivergenceError  ranks issued different collectives, or ran different work in one step
       RankLostError        a rank stopped (killed, crashed, unreachable) while the others waited for it
     UsageError             a call in the wrong order or state where DeepSpeed asserts (no_sync() at stage 2-3,
-                           nested no_sync(), step() inside no_sync()): a RuntimeError and an AssertionError
+                           nested no_sync(), step() inside no_sync(), step() of an engine without an optimizer):
+                           a RuntimeError and an AssertionError
     ArgumentError          a bad argument where DeepSpeed asserts (initialize(model=None), different checkpoint
                            tags under tag_validation "Fail"): a ValueError and an AssertionError
 

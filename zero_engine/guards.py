@@ -25,7 +25,7 @@ from .zero.partition import sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
 
-__all__ = ["broadcast_initial_state", "claim_model", "release_model", "ModelSnapshot", "NonFiniteSteps",
+__all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_partitioned_at_stage0", "ModelSnapshot", "NonFiniteSteps",
            "discard_failed_backward"]
 
 
@@ -59,15 +59,27 @@ def claim_model(model: nn.Module, engine) -> None:
     previous = _ENGINE_OF.get(model)
     if previous is not None and previous() is not None:
         raise RuntimeError(
-            f"initialize: this {type(model).__name__} is already wrapped by a zero_engine engine (its parameters "
-            "are partitioned and hooked by it). Keep using that engine, call its destroy() first, or build a new "
-            "model")
+            f"initialize: this {type(model).__name__} is already wrapped by a live zero_engine engine (its "
+            "parameters are partitioned and hooked by it: two engines would both gather and reduce them). Call that "
+            "engine's destroy() on every rank first (the new engine then adopts the model as it is, partitioned "
+            "parameters included), keep using it, or build a new model")
     _ENGINE_OF[model] = weakref.ref(engine)
 
 
 def release_model(model: nn.Module) -> None:
     """Forget the engine of ``model`` (engine.destroy() calls this once the engine let go of the model)."""
     _ENGINE_OF.pop(model, None)
+
+
+def refuse_partitioned_at_stage0(model: nn.Module) -> None:
+    """Stage 0 trains plain whole parameters; ones partitioned before (zero.Init, or a destroyed engine of stage 1-3)
+    belong to partition state that stage 0 would leave stale."""
+    name = next((n for n, p in model.named_parameters() if sharded_param_of(p) is not None), None)
+    if name is not None:
+        raise NotImplementedError(
+            f"zero_optimization.stage 0 on a model whose parameters are partitioned ({name}: built under zero.Init, "
+            "or wrapped by a ZeRO stage 1-3 engine before) is not supported yet; use stage 1 or higher, or build the "
+            "model without zero.Init")
 
 
 class ModelSnapshot:
@@ -150,7 +162,7 @@ def discard_failed_backward(engine) -> None:
         engine.coordinator.release_all()
     for p in engine.module.parameters():
         p.grad = None
-    engine.optimizer.zero_grad()
+    engine.zero_grad()
     engine.nonfinite.reset_window()
     dropped = engine.micro_steps % engine.gradient_accumulation_steps()
     engine._backwards_since_update = 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .engine import ZeroEngine
 from .errors import ArgumentError
+from .zero.optimizer import DataParallelOptimizer
 
 __all__ = ["initialize", "add_config_arguments"]
 
@@ -19,10 +21,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                mesh_param=None, config_params=None):
     """Wrap ``model`` for training with partitioned model states.
 
-    Returns ``(engine, optimizer, dataloader, lr_scheduler)``: the optimizer is the partitioned one (its
-    ``param_groups`` are the user-visible hyper-parameters), the dataloader is None unless ``training_data`` was
-    given (then it is a DataLoader with a DistributedSampler and the micro-batch size), the scheduler is the one
-    passed in (an instance, or a callable taking the optimizer) or the one the config's ``scheduler`` block builds.
+    Returns ``(engine, optimizer, dataloader, lr_scheduler)``, as DeepSpeed: the optimizer is the partitioned one
+    (its ``param_groups`` are the user-visible hyper-parameters); at stage 0 without fp16/bf16 it is the torch
+    optimizer itself (the one passed in, or built from the config); None when there is no optimizer at all (no
+    ``optimizer=`` and no ``optimizer`` block: the engine then runs forward and backward only). The dataloader is
+    None unless ``training_data`` was given (then it is a DataLoader with a DistributedSampler and the micro-batch
+    size), the scheduler is the one passed in (an instance, or a callable taking the optimizer) or the one the
+    config's ``scheduler`` block builds.
 
     DeepSpeed's arguments, as DeepSpeed reads them:
 
@@ -50,9 +55,50 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   "zero_engine; pass mesh_param=None")
     config = _config_from(args, config, config_params)
     _init_distributed_if_needed(dist_init_required, distributed_port)
-    engine = ZeroEngine(model, config, optimizer=optimizer, model_parameters=model_parameters,
-                        training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn)
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    engine = ZeroEngine(model, config, optimizer=optimizer, model_parameters=model_parameters)
+    try:
+        engine.lr_scheduler = _make_scheduler(engine, lr_scheduler)
+        engine.training_dataloader = _make_dataloader(engine, training_data, collate_fn)
+    except BaseException:
+        engine.destroy()  # unhooks and releases the model: initialize may be called on it again
+        raise
+    return engine, _returned_optimizer(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def _returned_optimizer(engine):
+    """What DeepSpeed returns as the optimizer: at stage 0 without fp16/bf16 the torch optimizer itself (the
+    client's object when one was passed); otherwise the engine's wrapper (None without an optimizer). At stage 0
+    ``engine.optimizer`` stays the wrapper that averages gradients (docs/deepspeed_compat.md)."""
+    if isinstance(engine.optimizer, DataParallelOptimizer) and not engine.optimizer.masters:
+        return engine.optimizer.optimizer
+    return engine.optimizer
+
+
+def _make_scheduler(engine, lr_scheduler):
+    """The scheduler passed in (an instance, or a callable taking the torch optimizer), or the config's."""
+    if engine.optimizer is None and (lr_scheduler is not None or engine.config.scheduler is not None):
+        raise ValueError("initialize: an LR scheduler (lr_scheduler= or the config's \"scheduler\" block) needs an "
+                         "optimizer: pass optimizer= or add an \"optimizer\" block, or drop the scheduler")
+    if lr_scheduler is not None:
+        return lr_scheduler(engine.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
+            lr_scheduler, "step") else lr_scheduler
+    if engine.config.scheduler is None:
+        return None
+    from .schedulers import build_scheduler
+
+    return build_scheduler(engine.config.scheduler.type, engine.config.scheduler.resolved_params(),
+                           engine.optimizer.optimizer)
+
+
+def _make_dataloader(engine, training_data, collate_fn):
+    """DeepSpeed's training dataloader: this rank's part of ``training_data`` in micro-batches."""
+    if training_data is None:
+        return None
+    sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=engine.comm.world_size,
+                                                  rank=engine.comm.rank)
+    return torch.utils.data.DataLoader(training_data, batch_size=engine.config.train_micro_batch_size_per_gpu,
+                                       sampler=sampler, collate_fn=collate_fn,
+                                       drop_last=engine.config.dataloader_drop_last)
 
 
 def _config_from(args, config, config_params):

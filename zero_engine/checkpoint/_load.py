@@ -213,6 +213,8 @@ def _load_weights(engine, views: list[ParamView], reader: CheckpointReader, meta
             reader.read_range("param" if same_dtype else precise, name, 0, v.info.numel, target)
             if target.data_ptr() != data.data_ptr():
                 data.copy_(target.view(data.shape))
+            if v.master is not None:  # fp16/bf16: the whole fp32 master, a view of its data
+                reader.read_range(precise, name, 0, v.info.numel, v.master)
             continue
         if v.master is not None:
             v.master.zero_()
@@ -240,7 +242,7 @@ def _refresh_whole_params(engine) -> None:
 
 def _reset_gradients(engine, views: list[ParamView]) -> None:
     """Gradients of whatever ran before the load must not leak into the restored accumulation window."""
-    engine.optimizer.zero_grad()
+    engine.zero_grad()
     for v in views:
         v.param.grad = None
 

@@ -38,15 +38,19 @@ class ParamView:
 def param_views(engine) -> list[ParamView]:
     """One view per parameter, in the engine's fixed order (``model.named_parameters()``, tied ones once)."""
     views = []
+    optimizer = engine.optimizer  # None for an engine without one (forward/backward only; loads weights only)
+    masters = optimizer.masters if optimizer is not None else {}  # stage 0: whole fp32 masters under fp16/bf16
     if engine.stage == 0:
-        trainable = {id(p) for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
+        stepped = {id(p) for g in optimizer.optimizer.param_groups for p in g["params"]} if optimizer else set()
         for name, p in engine.module.named_parameters():
             info = ParamInfo(name, tuple(p.shape), p.numel(), max(1, p.numel()), dtype_name(p.dtype),
                              p.requires_grad)
+            master = masters.get(id(p))
+            opt_param = master if master is not None else p
             views.append(ParamView(info, 0, p.numel(), p, p.detach().reshape(-1) if engine.comm.rank == 0 else None,
-                                   None, p if id(p) in trainable else None))
+                                   master.detach().view(-1) if master is not None else None,
+                                   opt_param if id(opt_param) in stepped else None))
         return views
-    masters = engine.optimizer.masters
     for sp in engine.sharded:
         info = ParamInfo(sp.fqn, tuple(sp.shape), sp.numel, sp.shard_numel, dtype_name(sp.dtype),
                          sp.param.requires_grad)

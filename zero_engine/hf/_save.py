@@ -118,6 +118,10 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
     # Every value comes back in host memory (the writer reads it through numpy); the gather itself runs on the
     # shards' device, which NCCL requires, one parameter at a time.
     if sp is None:  # a buffer, or a parameter at stage 0: whole on every rank; rank 0's copy is saved
+        masters = getattr(engine.optimizer, "masters", {}) if engine.stage == 0 else {}
+        master = masters.get(id(tensor))  # fp16/bf16 at stage 0: the fp32 master, the most precise value
+        if master is not None and out_dtype != tensor.dtype:
+            tensor = master
         return tensor.detach().to(device="cpu", dtype=out_dtype, copy=True) if comm.rank == 0 else None
     from ..utils import shards_in_memory_of
 

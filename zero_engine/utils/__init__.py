@@ -148,7 +148,9 @@ def _grads_valid(engine) -> bool:
 
 
 def _state_tensor(engine, param, key: str, what: str) -> torch.Tensor:
-    master = engine.optimizer.masters[id(param)] if engine.stage > 0 else param
+    if engine.optimizer is None:
+        raise ValueError(f"{what}: this engine has no optimizer (initialize() without one), so no optimizer states")
+    master = engine.optimizer.masters.get(id(param), param)  # stage 0 in fp32: the parameter itself
     state = engine.optimizer.optimizer.state.get(master, {})
     if key not in state:
         known = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -156,6 +158,12 @@ def _state_tensor(engine, param, key: str, what: str) -> torch.Tensor:
                          + (f"; it has {', '.join(known)}" if known else
                             " yet (optimizer states are created by the first applied step)"))
     return state[key]
+
+
+def _whole_master(engine, param) -> torch.Tensor:
+    """Stage 0: the fp32 master of ``param`` (fp16/bf16 training), else the parameter itself."""
+    masters = engine.optimizer.masters if engine.optimizer is not None else {}
+    return masters.get(id(param), param)
 
 
 # ---- fp32 parameters ----------------------------------------------------------------------------------------------
@@ -167,8 +175,9 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
         return None
     engine, sp = found
     if sp is None:
-        return param.detach().float().clone()
-    return _gather(engine, sp, sp.master, "safe_get_full_fp32_param")
+        return _whole_master(engine, param).detach().float().clone()
+    # without an optimizer there is no master: the compute shard is the value (exact in fp32 training)
+    return _gather(engine, sp, sp.master if sp.master is not None else sp.shard, "safe_get_full_fp32_param")
 
 
 @_with_states_in_memory
@@ -178,6 +187,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     if sp is None:
         with torch.no_grad():
             param.copy_(value.reshape(param.shape))
+            _whole_master(engine, param).copy_(value.reshape(param.shape))
         return
     _write_master(sp, _local_part(sp, value, "safe_set_full_fp32_param"))
     if sp.is_available:  # whole parameters (stages 1-2, persistent ones at stage 3) are refreshed too

@@ -3,25 +3,13 @@
 Public here: ``Init`` (partition while building a model) and ``GatheredParameters`` (full parameters for a block).
 """
 
+from .external import register_external_parameter, unregister_external_parameter
 from .gathered import GatheredParameters
 from .init import Init
 from .partition import ParamStatus, ShardedParam, ZeroParameter
 
 __all__ = ["Init", "GatheredParameters", "ParamStatus", "ShardedParam", "ZeroParameter",
            "register_external_parameter", "unregister_external_parameter"]
-
-
-def register_external_parameter(module, parameter):
-    """DeepSpeed's manual external-parameter registration: refused (the hooks gather a module's own parameters)."""
-    raise NotImplementedError(
-        "zero.register_external_parameter: not supported by zero_engine. A parameter used outside its own module's "
-        "forward must be read inside `with zero_engine.zero.GatheredParameters(param):` (tied weights shared by two "
-        "modules need nothing: each module gathers its own)")
-
-
-def unregister_external_parameter(module, parameter):
-    """Refused, as register_external_parameter."""
-    register_external_parameter(module, parameter)
 
 
 _REFUSED = {

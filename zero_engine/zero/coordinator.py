@@ -14,18 +14,23 @@ modules and used again later in the same pass (see [Note: shared parameters stay
 If a step runs a different order than the trace (data-dependent control flow, the same on every rank), the
 coordinator notices at the first differing fetch, stops prefetching for the rest of that step (on-demand gathers
 are always correct), logs it once, and uses the newly recorded order from then on.
+
+A parameter a forward reads without owning it joins the reader's unit, and one held for the rest of the step has
+one more user until the step ends: see external.py.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from ..errors import RankDivergenceError
+from . import external
 from .gather import GatherWork
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
@@ -79,6 +84,8 @@ class _Trace:
 
 
 class ParamCoordinator:
+    live: "weakref.WeakSet[ParamCoordinator]" = weakref.WeakSet()  # for register_external_parameter after initialize
+
     def __init__(self, module_params: dict[nn.Module, list[ShardedParam]], module_names: dict[nn.Module, str],
                  gatherer, comm, zero_config, on_event=None):
         self.module_params = module_params
@@ -99,6 +106,11 @@ class ParamCoordinator:
         self._kept: dict[int, ShardedParam] = {}  # released by their modules but kept for a near reuse
         self._warned_deviation = False
         unique = {id(p): p for params in module_params.values() for p in params}
+        self._sharded_of = {id(p.param): p for p in unique.values()}  # nn.Parameter -> its state, this model only
+        self._unit_ids = {m: {id(p) for p in params} for m, params in module_params.items()}
+        self._externals: dict[nn.Module, set[int]] = {}  # ids a unit gathers without owning them (external.py)
+        self._held: dict[int, ShardedParam] = {}  # one more user until the end of the step (external.py)
+        ParamCoordinator.live.add(self)
         self.live_numel = self.peak_live_numel = 0
         for p in unique.values():
             if p.status is not ParamStatus.NOT_AVAILABLE:
@@ -113,6 +125,7 @@ class ParamCoordinator:
         if self._in_step:  # a training forward without a backward: drop what it recorded
             self.end_step(adopt_trace=False)
             self.comm.agree_before_next_collective()  # another rank may be in its backward: no mismatched gather
+        self._release_held()  # held by a forward that no backward followed
         self._in_step = True
         self._recording = []
         self._pos = 0
@@ -122,6 +135,7 @@ class ParamCoordinator:
         """End of backward: wait for stray prefetches, release everything not persistent, settle the trace."""
         for work in list(self._inflight.values()):
             self._wait(work)
+        self._held.clear()
         for params in self.module_params.values():
             for p in params:
                 p.active_users = 0
@@ -154,18 +168,7 @@ class ParamCoordinator:
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
         with profile_range(f"zero3::fetch {event.module}"):
-            for p in params:
-                self._kept.pop(id(p), None)
-            missing = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE]
-            self._make_room(sum(p.padded_numel for p in missing))
-            if missing:
-                self._wait(self._issue(missing, event.module))
-            for p in params:
-                if p.status is ParamStatus.INFLIGHT:
-                    self._wait(self._inflight[id(p)])
-                if p.live_owner is None:  # gathered outside the coordinator (GatheredParameters): count it now
-                    self._count_live(p)
-                p.active_users += 1
+            self._acquire(params, event.module)
             self.fetch_count += 1
             if self.shard_swapper is not None:
                 trace = self.trace.params if self._following else []
@@ -201,11 +204,92 @@ class ParamCoordinator:
         if self.on_event is not None:
             self.on_event(f"release {self.module_names[module]}")
 
+    # ---- parameters used outside their own unit (external.py) ---------------------------------------------------
+    def on_read(self, param: nn.Parameter, reader: nn.Module | None) -> None:
+        """A forward read ``param`` (``module.weight``); ``reader``: the innermost unit in forward, None for the
+        model's forward outside every unit."""
+        p = self._sharded_of.get(id(param))
+        if p is None or p.is_persistent:
+            return
+        if reader is not None and id(p) in self._unit_ids[reader]:
+            return  # the unit's own parameter: the common case
+        if any(id(p) in self._unit_ids[m] for m in external.units_in_forward(self)):
+            return  # an enclosing unit gathers it, and holds it longer than the reader runs
+        if reader is None:
+            self.hold_for_step(p)
+        else:
+            self.add_external(reader, param, gather_now=True)
+
+    def add_external(self, module: nn.Module, param: nn.Parameter, gather_now: bool) -> None:
+        """Make ``param`` part of ``module``'s unit from now on (gathered now too, if the module is running).
+
+        The unit's list grows in place: a trace being recorded holds that list, so later steps prefetch it."""
+        p = self._sharded_of.get(id(param))
+        params = self.module_params.get(module)
+        if p is None or params is None or id(p) in self._unit_ids[module]:
+            return  # not this model's, not a unit (reads inside it join its innermost unit), or already there
+        params.append(p)
+        self._unit_ids[module].add(id(p))
+        self._externals.setdefault(module, set()).add(id(p))
+        log.info("rank %d: %s is used in the forward of %s, which does not own it: gathered with %s from now on",
+                 self.comm.rank, p.fqn, self.module_names[module], self.module_names[module])
+        if gather_now:
+            self._acquire([p], f"{self.module_names[module]} reads {p.fqn}")
+
+    def remove_external(self, module: nn.Module, param: nn.Parameter) -> None:
+        p = self._sharded_of.get(id(param))
+        if p is not None and id(p) in self._externals.get(module, ()):
+            self._externals[module].discard(id(p))
+            self._unit_ids[module].discard(id(p))
+            self.module_params[module].remove(p)
+
+    def hold_for_step(self, p: ShardedParam) -> None:
+        """Keep ``p`` gathered (gather it if needed) until the end of the step: one more user, until end_step (or,
+        without gradients, the end of the model's forward: ``release_held``)."""
+        if p.is_persistent or id(p) in self._held:
+            return
+        self._held[id(p)] = p
+        self._acquire([p], f"hold {p.fqn}")
+
+    def hold_returned(self, param: nn.Parameter) -> None:
+        """A module returned ``param``: its caller computes with it after the module ends (DeepSpeed keeps such
+        parameters available until its end-of-step release)."""
+        p = self._sharded_of.get(id(param))
+        if p is not None and p.is_available:
+            self.hold_for_step(p)
+
+    def _release_held(self) -> None:
+        held, self._held = list(self._held.values()), {}
+        for p in held:
+            p.active_users = max(0, p.active_users - 1)
+            if not p.active_users and p.is_available and not p.held_by_user:
+                self._release(p)
+
+    def end_model_forward(self) -> None:
+        """The model's forward returned: without gradients no backward will use what it held."""
+        if not torch.is_grad_enabled():
+            self._release_held()
+
     def release_all(self) -> None:
         """Release every gathered non-persistent parameter (after an eval forward, before a checkpoint...)."""
         self.end_step(adopt_trace=False)
 
     # ---- internals -----------------------------------------------------------------------------------------------
+    def _acquire(self, params: list[ShardedParam], name: str) -> None:
+        """Gather what is missing of ``params``, wait for what is in flight, and count one more user of each."""
+        for p in params:
+            self._kept.pop(id(p), None)
+        missing = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE]
+        self._make_room(sum(p.padded_numel for p in missing))
+        if missing:
+            self._wait(self._issue(missing, name))
+        for p in params:
+            if p.status is ParamStatus.INFLIGHT:
+                self._wait(self._inflight[id(p)])
+            if p.live_owner is None:  # gathered outside the coordinator (GatheredParameters): count it now
+                self._count_live(p)
+            p.active_users += 1
+
     def _issue(self, params: list[ShardedParam], name: str) -> GatherWork:
         work = self.gatherer.issue(params, name=name)
         for p in params:

@@ -12,6 +12,8 @@ With ``modifier_rank``, the modifier's full values are broadcast on exit and eac
 shard; only the elements that changed (compared with the shard, which holds the values from before the block)
 are written, so the fp32 master of everything not edited keeps its bits instead of being rounded to 16 bits.
 
+``fwd_module=module`` registers the parameters as external parameters of ``module`` (external.py), as DeepSpeed does.
+
 Engine calls inside the block (a forward, an eval loop) work: the parameters stay gathered for the block (the
 engine's coordinator does not release what a block holds), and the block's exit hands each one back to the
 coordinator that counted it, so its live-parameter budget stays right.
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator, init_distributed
+from .external import register_external_parameter
 from .gather import SequentialGather
 from .partition import ParamStatus, ShardedParam, sharded_param_of
 
@@ -56,10 +59,8 @@ def _take_edits_into_shard(sp: ShardedParam) -> None:
 class GatheredParameters:
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True, *,
                  _comm: Communicator | None = None):
-        if fwd_module is not None:
-            raise NotImplementedError("GatheredParameters(fwd_module=...): registering gathered parameters as "
-                                      "external parameters of a module is not supported by zero_engine; gather them "
-                                      "inside that module's forward instead, or leave fwd_module unset")
+        """``fwd_module``: as in DeepSpeed, also register the parameters as external parameters of that module
+        (``register_external_parameter``), so its forward gathers them from then on."""
         if isinstance(params, torch.Tensor):
             params = [params]
         self.modifier_rank = modifier_rank
@@ -71,6 +72,8 @@ class GatheredParameters:
                 sp = sharded_param_of(p)
                 if sp is not None and sp not in self.sharded:
                     self.sharded.append(sp)
+                    if fwd_module is not None:
+                        register_external_parameter(fwd_module, p)
         self._gathered: list[ShardedParam] = []
         self._fingerprints: list[torch.Tensor] = []
 

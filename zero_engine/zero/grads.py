@@ -123,6 +123,12 @@ class GradReducer:
             bucket.irregular = sum(id(p) in irregular for p in bucket.params)
 
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
+        if grad.numel() != p.numel:  # the last line of defence: see external.py for how reads are gathered
+            raise RuntimeError(
+                f"{p.fqn}: gradient of {grad.numel()} elements on rank {self.comm.rank}, expected {p.numel} "
+                f"{tuple(p.shape)}: the forward computed with the parameter while it was partitioned (a read outside "
+                "every module's forward that only looked at its shape, e.g. in a custom autograd Function). Read it "
+                "inside the model's forward, or inside `with zero_engine.zero.GatheredParameters(param):`.")
         if id(p) in self._irregular:
             held = self._held.get(id(p))
             self._held[id(p)] = grad.detach() if held is None else held + grad.detach()
@@ -306,25 +312,30 @@ class GradReducer:
             self.accounting.add(category, nbytes)
 
 
-def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int) -> None:
+def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int,
+                     into: list[torch.Tensor] | None = None, reduce_dtype: torch.dtype | None = None) -> None:
     """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time.
 
     Every parameter takes part, in the fixed order of ``params``: one that got no gradient on this rank (a branch
-    not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do)."""
+    not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do).
+    ``into``: one tensor per parameter that receives the average instead of ``param.grad`` (fp16/bf16 training:
+    the fp32 master's gradient). ``reduce_dtype``: the dtype the buckets are averaged in (communication_data_type;
+    default the destination's dtype: 16-bit gradients are averaged in fp32, as at the other stages)."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
+    outs = grads if into is None else into
     start = 0
     while start < len(grads):
         end, size = start, 0
         while end < len(grads) and (end == start or size + grads[end].numel() <= bucket_numel):
             size += grads[end].numel()
             end += 1
-        flat = torch.cat([g.reshape(-1) for g in grads[start:end]])
+        flat = torch.cat([g.reshape(-1).to(reduce_dtype or outs[start].dtype) for g in grads[start:end]])
         comm.all_reduce(flat, op="avg", name="grads")
         offset = 0
-        for g in grads[start:end]:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for out in outs[start:end]:
+            out.copy_(flat[offset: offset + out.numel()].view_as(out))
+            offset += out.numel()
         start = end

@@ -28,6 +28,10 @@ block) never get their post-forward hook: the gather of that recomputed forward 
 ``active_users`` and keep their parameters gathered to the end of backward (with leaf blocks: every block). So the
 hooks count the recomputed forwards begun and not ended per module, and its post-backward, which comes after the
 backward ops that needed the recomputation, releases those too.
+
+Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
+external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
+as a scope even when it has no parameters of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import external
 from .coordinator import ParamCoordinator
+from .partition import ZeroParameter
 
 __all__ = ["ModuleHooks", "BackwardEndCallback"]
 
@@ -86,30 +92,44 @@ def _recomputing() -> bool:
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
-def _grad_tensors(obj) -> list[torch.Tensor]:
+def _tensors(obj) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(obj)
-    found = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    found = [x for x in leaves if isinstance(x, torch.Tensor)]
     if not found and hasattr(obj, "__dataclass_fields__"):  # plain dataclasses are not pytree nodes
-        found = _grad_tensors(list(vars(obj).values()))
+        found = _tensors(list(vars(obj).values()))
     return found
 
 
 class ModuleHooks:
     """Installs and owns the hooks of every module that has parameters of its own."""
 
-    def __init__(self, modules: list[nn.Module], coordinator: ParamCoordinator, backward_end: BackwardEndCallback):
+    def __init__(self, modules: list[nn.Module], coordinator: ParamCoordinator, backward_end: BackwardEndCallback,
+                 root: nn.Module):
         self.coordinator = coordinator
         self.backward_end = backward_end
-        self._handles = []
+        self.root = root
         self._recompute_open: Counter[nn.Module] = Counter()  # see [Note: recomputation stopped early]
+        # The root's scope opens before its own unit's hooks run and closes after them, even if its forward raises.
+        self._handles = [root.register_forward_pre_hook(self._enter_model, prepend=True)]
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward))
+        self._handles.append(root.register_forward_hook(self._leave_model, always_call=True))
+        external.watch_parameter_reads(root)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        external.unwatch_parameter_reads(self.root)
+
+    # ---- the model's forward (the root's scope, see external.py) -------------------------------------------------
+    def _enter_model(self, module: nn.Module, args) -> None:
+        external.enter_forward(self.coordinator, module, is_unit=False)
+
+    def _leave_model(self, module: nn.Module, args, output) -> None:
+        external.leave_forward(module, is_unit=False)
+        self.coordinator.end_model_forward()
 
     # ---- forward -------------------------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args, kwargs):
@@ -118,6 +138,7 @@ class ModuleHooks:
         elif self._recompute_open:
             self._recompute_open.clear()  # a new forward: the last backward is over, and its end released all
         self.coordinator.fetch(module, "forward")
+        external.enter_forward(self.coordinator, module, is_unit=True)
         if not torch.is_grad_enabled():
             return None
         leaves, spec = tree_flatten((args, kwargs))
@@ -130,12 +151,17 @@ class ModuleHooks:
         return tree_unflatten(leaves, spec)
 
     def _post_forward(self, module: nn.Module, args, output):
+        external.leave_forward(module, is_unit=True)
+        outputs = _tensors(output)
+        for x in outputs:
+            if isinstance(x, ZeroParameter):  # returned to the caller, who uses it after this module ends
+                self.coordinator.hold_returned(x)
         recomputing = _recomputing()
         if recomputing:
             self._recompute_open[module] -= 1
         self.coordinator.release(module, keep_frozen=recomputing)  # see [Note: frozen parameters in recomputation]
         if torch.is_grad_enabled():
-            tensors = _grad_tensors(output)
+            tensors = [x for x in outputs if x.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, lambda _grad: self._pre_backward(module), mode="any")
         return None

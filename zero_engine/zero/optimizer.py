@@ -354,29 +354,66 @@ def _sub_groups(sharded: list[ShardedParam], sub_group_size: int) -> list[list[S
 
 
 class DataParallelOptimizer(_OptimizerWrapper):
-    """Stage 0: every rank holds everything; gradients are averaged across ranks, then a plain optimizer step."""
+    """Stage 0: every rank holds everything; gradients are averaged across ranks, then a plain optimizer step.
+
+    fp32 training: the optimizer steps the parameters themselves (it is the client's optimizer object, as in
+    DeepSpeed). fp16/bf16 training (DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer at stage 0): the parameters
+    are in the 16-bit compute dtype and each trainable one gets a whole fp32 master, made from its value when this
+    is built (before the engine casts the model); the 16-bit gradients are averaged straight into the masters'
+    fp32 gradients, unscaled, clipped, the optimizer steps the masters, and the parameters are refreshed from them.
+    """
 
     def __init__(self, params: list[nn.Parameter], comm, gradient_clipping: float, bucket_numel: int,
-                 optimizer: torch.optim.Optimizer):
+                 optimizer, opt_config, groups: list[dict], compute_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype | None = None):
         self.params = params
+        self.reduce_dtype = reduce_dtype  # communication_data_type; None: fp32
         self.comm = comm
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.bucket_numel = int(bucket_numel)
-        self.optimizer = optimizer
+        # id(param) -> its fp32 master (16-bit training only; the exact value, not its 16-bit rounding)
+        self.masters: dict[int, nn.Parameter] = {}
+        if compute_dtype != torch.float32:
+            self.masters = {id(p): nn.Parameter(p.detach().float().clone()) for p in params
+                            if p.is_floating_point()}
+        self.optimizer = bind_optimizer(optimizer, opt_config, groups,
+                                        {id(p): self.masters.get(id(p), p) for p in params})
         self.global_grad_norm: float | None = None
-        self.master_bytes = 0
+
+    @property
+    def master_bytes(self) -> int:
+        return sum(m.numel() * 4 for m in self.masters.values())
 
     def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
-        """fp32 only (the engine refuses 16-bit at stage 0), so ``loss_scale`` is always 1."""
-        all_reduce_grads(self.params, self.comm, self.bucket_numel)
+        """Average, unscale (fp16), clip by the global norm, update, refresh 16-bit parameters from the masters."""
+        targets = [self.masters.get(id(p), p) for p in self.params]  # what the optimizer steps
+        if self.masters:
+            for master in targets:
+                master.grad = torch.empty_like(master)
+            all_reduce_grads(self.params, self.comm, self.bucket_numel, into=[m.grad for m in targets],
+                             reduce_dtype=self.reduce_dtype)
+            for p in self.params:
+                p.grad = None  # the 16-bit gradients are in the masters now
+            if loss_scale != 1.0:
+                torch._foreach_mul_([m.grad for m in targets], 1.0 / loss_scale)
+        else:
+            all_reduce_grads(self.params, self.comm, self.bucket_numel, reduce_dtype=self.reduce_dtype)
         # Gradients are identical on every rank now, so the local norm is the global one.
         norm = float(torch.nn.utils.clip_grad_norm_(
-            self.params, self.gradient_clipping if self.gradient_clipping > 0 else float("inf")))
+            targets, self.gradient_clipping if self.gradient_clipping > 0 else float("inf")))
         self.global_grad_norm = norm
         if skip_if_nonfinite and not math.isfinite(norm):
             return StepResult(norm, True)
         self.optimizer.step()
+        with torch.no_grad():
+            for p in self.params:
+                master = self.masters.get(id(p))
+                if master is not None:
+                    p.copy_(master)
         return StepResult(norm, not math.isfinite(norm))
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        for master in self.masters.values():
+            master.grad = None

@@ -81,16 +81,17 @@ class ZeroParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
-            if getattr(func, "__name__", "") not in _ALWAYS_ALLOWED:
-                for arg in args:
-                    if type(arg) is ZeroParameter and arg.numel() == 0:
-                        sp = _REGISTRY.get(arg)
-                        if sp is not None and sp.status is not ParamStatus.AVAILABLE:
-                            raise RuntimeError(
-                                f"{sp.fqn or 'parameter'} is partitioned (ZeRO-3): this rank holds only its shard, "
-                                f"so {getattr(func, '__name__', func)}() on it would see no data. Read or edit it "
-                                "inside `with zero_engine.zero.GatheredParameters(param):` (pass modifier_rank= to "
-                                "keep edits).")
+            name = getattr(func, "__name__", "")
+            if name == "__get__":  # an attribute: metadata (.shape, .grad, .data...) is fine, a view of data is not
+                name = getattr(getattr(func, "__self__", None), "__name__", "")
+                checked = name in _DATA_VIEWS
+            else:
+                checked = name not in _ALWAYS_ALLOWED
+            if checked:
+                # kwargs and lists too: F.linear(x, weight=w), torch.cat([w, ...])
+                for arg in itertools.chain(args, (kwargs or {}).values()):
+                    for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+                        _refuse_if_released(tensor, name)
             return func(*args, **(kwargs or {}))
 
     # [Note: ds_* properties] DeepSpeed hangs ds_numel, ds_shape, ds_id, ds_tensor, ds_status and ds_persist on
@@ -127,6 +128,17 @@ class ZeroParameter(nn.Parameter):
         return _state_of(self).is_persistent
 
 
+def _refuse_if_released(tensor, func_name: str) -> None:
+    if type(tensor) is ZeroParameter and tensor.numel() == 0:
+        sp = _REGISTRY.get(tensor)
+        if sp is not None and sp.status is not ParamStatus.AVAILABLE:
+            raise RuntimeError(
+                f"{sp.fqn or 'parameter'} is partitioned (ZeRO-3): this rank holds only its shard, so {func_name}() "
+                "on it would see no data. Inside the model's forward it is gathered for the module that reads it; "
+                "outside, read or edit it inside `with zero_engine.zero.GatheredParameters(param):` (pass "
+                "modifier_rank= to keep edits), or move the computation into a module's forward.")
+
+
 def _state_of(param) -> "ShardedParam":
     sp = _REGISTRY.get(param)
     if sp is None:
@@ -141,6 +153,8 @@ class GatheredZeroParameter(ZeroParameter):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
 
+# Attributes that are views of the data (``w.T``): refused on a released parameter like any other read.
+_DATA_VIEWS = {"T", "mT", "H", "mH", "real", "imag"}
 _ALWAYS_ALLOWED = {"__get__", "__set__", "__delete__", "__repr__", "__format__", "numel", "dim", "size",
                    "element_size", "is_floating_point", "is_complex", "requires_grad_", "register_hook",
                    "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "__reduce_ex__",
@@ -165,8 +179,9 @@ class ShardedParam:
     """
 
     def __init__(self, param: nn.Parameter, fqn: str, index: int, rank: int, world_size: int,
-                 dtype: torch.dtype | None = None):
-        """Shard ``param`` (its current full data) for ``rank``; ``dtype``: the compute dtype to cast to."""
+                 dtype: torch.dtype | None = None, fp32_master: bool = True):
+        """Shard ``param`` (its current full data) for ``rank``; ``dtype``: the compute dtype to cast to;
+        ``fp32_master``: keep the exact fp32 value for a master (16-bit training with an optimizer)."""
         self.param = param
         self.fqn = fqn
         self.index = index  # position in the fixed parameter order: gradient buckets are built from it
@@ -195,7 +210,8 @@ class ShardedParam:
         local = self.local_slice()
         exact[: local.stop - local.start].copy_(flat[local])
         # The master starts from the full-precision value, not from its 16-bit rounding.
-        needs_master = param.requires_grad and param.is_floating_point() and self.dtype != torch.float32
+        needs_master = (fp32_master and param.requires_grad and param.is_floating_point()
+                        and self.dtype != torch.float32)
         self.master_init = exact.float() if needs_master else None  # frozen params: no master, no copy
         self.shard = exact.to(self.dtype)
         # The full buffer starts with the parameter's own data; `release()` frees it.
@@ -279,13 +295,26 @@ class ShardedParam:
                 target.zero_()
                 target[: local.stop - local.start].copy_(self.full[local])
 
-    def cast_(self, dtype: torch.dtype) -> None:
+    def adopt(self, fqn: str, index: int, dtype: torch.dtype, fp32_master: bool = True) -> None:
+        """Become a new engine's: the state zero.Init made, or that of an engine destroyed since (its master,
+        if separate, seeds the new one: a 16-bit model goes on from the exact fp32 values)."""
+        if fp32_master and self.master_init is None and self.master is not None and not self.master_is_shard:
+            self.master_init = self.master
+        self.master, self.master_is_shard = None, False
+        self.fqn, self.index = fqn, index
+        self.gather_sequential = False
+        self.cast_(dtype, fp32_master)
+        if not fp32_master:
+            self.master_init = None  # no optimizer: no master (zero.Init made one for 16-bit parameters)
+
+    def cast_(self, dtype: torch.dtype, fp32_master: bool = True) -> None:
         """Change the compute dtype of a released parameter (zero.Init builds in fp32; the engine casts)."""
         if dtype == self.dtype:
             return
         if self.status is not ParamStatus.NOT_AVAILABLE:
             raise AssertionError(f"{self.fqn}: cast while {self.status.name}")
-        self.master_init = self.shard.float() if dtype != torch.float32 and self.param.requires_grad else None
+        self.master_init = (self.shard.float() if fp32_master and dtype != torch.float32 and self.param.requires_grad
+                            else None)
         self.shard = self.shard.to(dtype)
         self.dtype = dtype
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)

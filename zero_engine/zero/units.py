@@ -24,6 +24,7 @@ A module is a leaf when ``module._z3_leaf`` is true (the attribute DeepSpeed use
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from typing import Callable, Iterable, Iterator
@@ -32,6 +33,7 @@ import torch.nn as nn
 
 from ..config.zero_models import DEFAULT_LEAF_CLASSES
 from ..errors import ConfigError
+from .external import registered_external_parameters
 
 log = logging.getLogger("zero_engine.units")
 
@@ -185,8 +187,19 @@ def mark_by_granularity(model: nn.Module, threshold: int, numel_of: Callable[[nn
 def gather_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Parameter]]]:
     """(name, module, parameters it gathers) for every unit, in ``named_modules()`` order: a leaf module with its
     whole subtree's parameters (no unit below it), any other module with its own parameters (and those of its
-    ParameterList / ParameterDict children, which are never called). Modules that gather nothing are left out;
-    each list is free of duplicates (a weight tied inside a leaf is gathered once)."""
+    ParameterList / ParameterDict children, which are never called), each with the parameters registered as its
+    external ones (external.py). Modules that gather nothing are left out; each list is free of duplicates (a weight
+    tied inside a leaf is gathered once)."""
+    in_model = {id(p) for p in model.parameters()}
+
+    def registered(module: nn.Module, name: str) -> list[nn.Parameter]:
+        params = registered_external_parameters(module)
+        for p in params:
+            if id(p) not in in_model:
+                raise ValueError(f"register_external_parameter({name or '<root>'}, ...): the parameter (shape "
+                                 f"{tuple(p.shape)}) is not a parameter of the model given to initialize")
+        return params
+
     def own(module: nn.Module) -> Iterator[nn.Parameter]:
         yield from module.parameters(recurse=False)
         for child in module.children():
@@ -204,11 +217,12 @@ def gather_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Par
                 raise ValueError(f"{name or '<root>'}: a {type(module).__name__} is marked as a ZeRO-3 leaf module, "
                                  "but its forward never runs, so its parameters would never be gathered; mark the "
                                  "modules it holds instead (e.g. leaf_module.classes: [\"Block\"])")
-            params = list({id(p): p for p in module.parameters()}.values())
+            externals = (p for sub_name, sub in module.named_modules(prefix=name) for p in registered(sub, sub_name))
+            params = list({id(p): p for p in itertools.chain(module.parameters(), externals)}.values())
             if params:
                 yield name, module, params
             return
-        params = list({id(p): p for p in own(module)}.values())
+        params = list({id(p): p for p in itertools.chain(own(module), registered(module, name))}.values())
         if params:
             yield name, module, params
         for child_name, child in module.named_children():

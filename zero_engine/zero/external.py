@@ -1,0 +1,133 @@
+"""Parameters used outside their own module's forward (DeepSpeed's "external parameters").
+
+The hooks (hooks.py) gather a *unit's* parameters around its forward and backward (units.py: a module's own
+parameters, or a leaf module's subtree). A forward can also use a parameter it does not own:
+
+* **It reads one through an attribute**: ``self.other.weight`` (a sibling's or a shared weight), or the model's
+  forward computing ``hidden @ self.lm_head.weight.T`` without calling ``lm_head`` (TRL's fused LM head). While a
+  forward runs, every module's ``_parameters`` dict tells the coordinator about each parameter read from it (the
+  lookup ``module.weight`` goes through); a read of a parameter that is not the reader's own gathers it at once and
+  makes it part of the *reader's* unit: the innermost unit in forward. From then on it is gathered with that unit in
+  forward and backward (prefetched from the trace like the unit's own parameters) and released when the unit ends, as
+  DeepSpeed's automatic external-parameter detection does. A read in the model's forward outside every unit (the
+  root has no parameters of its own) has no unit to join: the parameter is held to the end of the step.
+* **It returns one** (``return out, self.bias``): the caller computes with it after the module ended, so it is held
+  gathered to the end of the step (DeepSpeed keeps such "dangling" parameters until its end-of-step release).
+* **``register_external_parameter(module, param)``** declares a read ahead: ``module`` gathers ``param`` with its own
+  parameters (before ``initialize``, a module without parameters of its own becomes a unit for it).
+
+Outside every forward nothing is gathered: a gather is a collective, and code that reads a parameter on one rank only
+(logging on rank 0) would hang. There, using a released parameter's data raises (``ZeroParameter`` in partition.py)
+and says to use ``GatheredParameters``.
+
+"Held to the end of the step" means: until the end of the backward that follows, or, for a forward without
+gradients (evaluation), until the model's forward returns.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["register_external_parameter", "unregister_external_parameter", "registered_external_parameters",
+           "watch_parameter_reads", "unwatch_parameter_reads", "enter_forward", "leave_forward", "innermost",
+           "units_in_forward"]
+
+# module -> {id(param): param} declared by register_external_parameter (weak: a dropped model frees its entries)
+_REGISTERED = WeakIdKeyDictionary()
+
+# The forwards running now, outermost first: (coordinator, module, is_unit). The model's root is entered as a scope
+# (is_unit False) even when it has no parameters, so a read anywhere in the model's forward has a place to go.
+_IN_FORWARD: list[tuple[object, nn.Module, bool]] = []
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter``, which another module owns: ``module`` then gathers it
+    with its own parameters in forward and backward (ZeRO-3; stages 0-2 keep parameters whole, nothing to do).
+
+    Reads through an attribute in a forward are found on their own; this declares them ahead, before the first step
+    (e.g. when the reader gets the parameter as an argument rather than through an attribute). Register before
+    ``initialize`` for a module without parameters of its own (it has no hooks afterwards).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError("register_external_parameter: parameter must be an nn.Parameter, got "
+                        f"{type(parameter).__name__}")
+    _REGISTERED.setdefault(module, {})[id(parameter)] = parameter
+    for coordinator in _live_coordinators():
+        coordinator.add_external(module, parameter, gather_now=_is_running(module))
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo ``register_external_parameter`` (call outside forward and backward)."""
+    if id(parameter) not in _REGISTERED.get(module, {}):
+        raise ValueError(f"unregister_external_parameter: this parameter is not registered as external for the "
+                         f"{type(module).__name__} given; register_external_parameter(module, parameter) first")
+    del _REGISTERED[module][id(parameter)]
+    for coordinator in _live_coordinators():
+        coordinator.remove_external(module, parameter)
+
+
+def registered_external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list(_REGISTERED.get(module, {}).values())
+
+
+# ---- reads during forward ----------------------------------------------------------------------------------------
+class _WatchedParameters(dict):
+    """A module's ``_parameters``: ``module.weight`` looks the parameter up here (nn.Module.__getattr__), so a lookup
+    during a forward is the read of a parameter by the forward running. Holds nothing else: copies and pickles of the
+    module stay plain."""
+
+    def __getitem__(self, key):
+        param = dict.__getitem__(self, key)
+        if _IN_FORWARD and param is not None:
+            coordinator, module, is_unit = innermost()
+            coordinator.on_read(param, module if is_unit else None)
+        return param
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+def watch_parameter_reads(root: nn.Module) -> None:
+    for module in root.modules():
+        if type(module._parameters) is dict:
+            module._parameters = _WatchedParameters(module._parameters)
+
+
+def unwatch_parameter_reads(root: nn.Module) -> None:
+    for module in root.modules():
+        if type(module._parameters) is _WatchedParameters:
+            module._parameters = dict(module._parameters)
+
+
+def enter_forward(coordinator, module: nn.Module, is_unit: bool) -> None:
+    _IN_FORWARD.append((coordinator, module, is_unit))
+
+
+def leave_forward(module: nn.Module, is_unit: bool) -> None:
+    """Drop ``module``'s entry and any above it (left there by a forward that raised)."""
+    for i in range(len(_IN_FORWARD) - 1, -1, -1):
+        if _IN_FORWARD[i][1] is module and _IN_FORWARD[i][2] is is_unit:
+            del _IN_FORWARD[i:]
+            return
+
+
+def innermost() -> tuple[object, nn.Module, bool]:
+    return _IN_FORWARD[-1]
+
+
+def units_in_forward(coordinator) -> list[nn.Module]:
+    return [module for c, module, is_unit in _IN_FORWARD if c is coordinator and is_unit]
+
+
+def _is_running(module: nn.Module) -> bool:
+    return any(m is module and is_unit for _, m, is_unit in _IN_FORWARD)
+
+
+def _live_coordinators():
+    from .coordinator import ParamCoordinator
+
+    return list(ParamCoordinator.live)
+
