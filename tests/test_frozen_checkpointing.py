@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 import zero_engine
 from test_zero3 import full_params
 from zero_engine.testing import run_ranks
+from zero_engine.zero import external
 from zero_engine.zero.partition import ParamStatus
 
 TIMEOUT = 120
@@ -115,6 +116,7 @@ def _parity_body(zero: dict):
             loss = engine(x[lo: lo + MICRO], y[lo: lo + MICRO])
             engine.backward(loss)
             after_backward += _still_gathered(engine.sharded)
+            after_backward += [f"forward of {type(m).__name__} left open" for _, m, _ in external._IN_FORWARD]
             engine.step()
             total += loss.detach()
         dist.all_reduce(total)
@@ -130,7 +132,8 @@ def _parity_body(zero: dict):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_frozen_params_with_nonreentrant_checkpointing(name):
     """Parity with single-process torch; every parameter (frozen ones included) released once its block's backward
-    is done (not kept to the end of backward), and none left gathered after backward."""
+    is done (not kept to the end of backward), and none left gathered, nor any forward scope left open, after
+    backward."""
     for loss_err, param_err, frozen_unchanged, in_backward, after_backward in run_ranks(
             _parity_body, 2, CONFIGS[name], timeout=TIMEOUT):
         assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)

@@ -22,12 +22,12 @@ So a post-forward inside backward keeps the module's frozen parameters gathered;
 (or, if its inputs need no gradient, the end of backward does). Trainable parameters are released as before.
 
 [Note: recomputation stopped early]
-torch stops a recomputation as soon as it has recomputed the last tensor it needs (``_StopRecomputationError``,
-raised from inside the op that saves it), so the modules then running (often the block's last Linear; a whole leaf
-block) never get their post-forward hook: the gather of that recomputed forward would stay counted in
-``active_users`` and keep their parameters gathered to the end of backward (with leaf blocks: every block). So the
-hooks count the recomputed forwards begun and not ended per module, and its post-backward, which comes after the
-backward ops that needed the recomputation, releases those too.
+torch stops a recomputation as soon as it has recomputed the last tensor it needs, by raising
+``_StopRecomputationError`` from inside the op that saves it, so the modules then running (often the block's last
+Linear; a whole leaf block) end their forward with an exception. The post-forward hook is therefore registered with
+``always_call=True``: otherwise that recomputation's gather would stay counted in ``active_users`` (its parameters
+gathered to the end of backward; with leaf blocks, every block) and its scope in external.py left open (later reads
+attributed to a module no longer running). A forward that raises for any other reason is closed the same way.
 
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
@@ -36,7 +36,6 @@ as a scope even when it has no parameters of its own.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Callable
 
 import torch
@@ -108,12 +107,12 @@ class ModuleHooks:
         self.coordinator = coordinator
         self.backward_end = backward_end
         self.root = root
-        self._recompute_open: Counter[nn.Module] = Counter()  # see [Note: recomputation stopped early]
         # The root's scope opens before its own unit's hooks run and closes after them, even if its forward raises.
         self._handles = [root.register_forward_pre_hook(self._enter_model, prepend=True)]
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            # always_call: also after a forward that raised; see [Note: recomputation stopped early]
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._leave_model, always_call=True))
         external.watch_parameter_reads(root)
 
@@ -133,10 +132,6 @@ class ModuleHooks:
 
     # ---- forward -------------------------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args, kwargs):
-        if _recomputing():
-            self._recompute_open[module] += 1
-        elif self._recompute_open:
-            self._recompute_open.clear()  # a new forward: the last backward is over, and its end released all
         self.coordinator.fetch(module, "forward")
         external.enter_forward(self.coordinator, module, is_unit=True)
         if not torch.is_grad_enabled():
@@ -156,10 +151,7 @@ class ModuleHooks:
         for x in outputs:
             if isinstance(x, ZeroParameter):  # returned to the caller, who uses it after this module ends
                 self.coordinator.hold_returned(x)
-        recomputing = _recomputing()
-        if recomputing:
-            self._recompute_open[module] -= 1
-        self.coordinator.release(module, keep_frozen=recomputing)  # see [Note: frozen parameters in recomputation]
+        self.coordinator.release(module, keep_frozen=_recomputing())  # see [Note: frozen parameters in recomputation]
         if torch.is_grad_enabled():
             tensors = [x for x in outputs if x.requires_grad]
             if tensors:
@@ -173,5 +165,3 @@ class ModuleHooks:
 
     def _post_backward(self, module: nn.Module) -> None:
         self.coordinator.release(module)
-        for _ in range(max(0, self._recompute_open.pop(module, 0))):  # see [Note: recomputation stopped early]
-            self.coordinator.release(module)
