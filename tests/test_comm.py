@@ -3,6 +3,7 @@
 Functions whose names start with an underscore run on simulated ranks (run_ranks sends them by reference).
 """
 
+import datetime
 import math
 import os
 import socket
@@ -401,3 +402,31 @@ def _restart_group_from_environment(master_port: int) -> dict:
 def test_init_distributed_from_environment_on_two_ranks():
     results = run_ranks(_restart_group_from_environment, 2, _free_port(), timeout=RANK_TIMEOUT_S)
     assert results == [{"rank": 0, "world": 2, "total": 3.0}, {"rank": 1, "world": 2, "total": 3.0}]
+
+
+# -- collective_timeout_s: whose timeout applies (issue 20 item 8) -------------------------------------------------
+
+def _timeout_engine(**zero_engine_section):
+    import zero_engine
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3}, "zero_engine": zero_engine_section}
+    engine, *_ = zero_engine.initialize(model=torch.nn.Linear(2, 2), config=config)
+    engine.destroy()
+    return engine.comm.collective_timeout_s
+
+
+def test_collective_timeout_defaults_to_the_process_groups_own(monkeypatch, no_process_group_after):
+    from zero_engine.comm._init import group_timeout_s
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    # The engine makes the group: 30 minutes, torch's and DeepSpeed's default.
+    assert _timeout_engine() == 1800 and group_timeout_s() == 1800
+    dist.destroy_process_group()
+    # The user made the group with an hour: an hour, unless the config says otherwise (then that, whoever made it).
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(hours=1))
+    assert _timeout_engine() == 3600
+    assert _timeout_engine(collective_timeout_s=7) == 7
+    assert Communicator(group=dist.new_group([0], timeout=datetime.timedelta(seconds=42))).collective_timeout_s == 42

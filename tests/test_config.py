@@ -84,7 +84,7 @@ DEEPSPEED_DEFAULTS = {
     },
     "checkpoint": {"tag_validation": "WARN"},
     # Ours, not DeepSpeed's: the values the brief fixes.
-    "zero_engine": {"debug_collectives": False, "collective_timeout_s": 300.0, "memory_limit": None,
+    "zero_engine": {"debug_collectives": False, "collective_timeout_s": None, "memory_limit": None,
                     "max_consecutive_skipped_steps": 10, "stall_timeout_s": 20.0, "step_fingerprint": True},
     "zero_engine.memory_timeline": {"enabled": False, "path": None},
 }

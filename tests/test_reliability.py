@@ -418,3 +418,75 @@ def test_a_parameter_with_a_gradient_on_one_rank_only_trains_as_the_mean(stage, 
     # The same sums in another order than the reference: fp32 rounding, 1e-6 absolute on values of order 0.1.
     for diffs in run_ranks(_one_rank_branch_body, world, stage, bucket, gas, timeout=TIMEOUT):
         assert max(diffs.values()) < 1e-6, diffs
+
+
+# ---- issue 20 items 6 and 9: the call order ---------------------------------------------------------------------
+def _two_backwards_body(stage: int):
+    """gas 1, three forward/backward passes, then one step: the update applies the sum of both gradients (as
+    DeepSpeed 0.19 does at stages 0 and 3; at stages 1 and 2 it silently keeps the last one only), with one
+    warning."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    batches = torch.randn(3, world * MICRO, 4, generator=torch.Generator().manual_seed(1))
+    with LogCapture() as logs:
+        for batch in batches:
+            engine.backward(engine(batch[rank * MICRO: (rank + 1) * MICRO]).pow(2).mean())
+        engine.step()
+    with zero_engine.zero.GatheredParameters(list(engine.module.parameters())):
+        trained = [p.detach().clone() for p in engine.module.parameters()]
+    engine.destroy()
+    # One process: the mean over ranks of each pass's loss, three passes' gradients summed, one SGD step of lr 1.
+    for batch in batches:
+        sum(reference(batch[r * MICRO: (r + 1) * MICRO]).pow(2).mean() for r in range(world)).div(world).backward()
+    expected = [(p - p.grad).detach() for p in reference.parameters()]
+    error = max(float((a - b).abs().max()) for a, b in zip(trained, expected))
+    # A loop that sets the boundary itself (the Trainer and Lightning integrations) steps once per window: no warning.
+    fresh = copy.deepcopy(reference)
+    fresh.zero_grad(set_to_none=True)
+    looped, *_ = zero_engine.initialize(model=fresh, config=config)
+    with LogCapture() as loop_logs:
+        for i, batch in enumerate(batches):
+            looped.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            looped.backward(looped(batch[rank * MICRO: (rank + 1) * MICRO]).pow(2).mean())
+        looped.step()
+    looped.destroy()
+    return error, [m for m in logs.messages + loop_logs.messages if "without a step()" in m]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_backwards_then_one_step_apply_the_sum_with_one_warning(stage):
+    for error, warnings in run_ranks(_two_backwards_body, 2, stage, timeout=TIMEOUT):
+        # fp32; the same sums in a different order (reduce-scatter vs one process): a few ulps of values near 1
+        assert error < 1e-6, error
+        assert len(warnings) == 1 and "sum of every backward() since the last update" in warnings[0], warnings
+
+
+def _after_destroy_body():
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(GPTConfig()), config=cfg(3))
+    x, y = rank_batch(engine.module.cfg, 0)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    messages = []
+    for call in (lambda: engine(x, y), lambda: engine.backward(loss), engine.step):
+        try:
+            call()
+            messages.append("no error")
+        except RuntimeError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_calling_an_engine_after_destroy_says_it_was_destroyed():
+    for messages in run_ranks(_after_destroy_body, 2, timeout=TIMEOUT):
+        for message, call in zip(messages, ("engine(...)", "backward()", "step()")):
+            assert f"{call} on an engine after engine.destroy()" in message, message
+            assert "zero_engine.initialize()" in message and "GatheredParameters" in message, message

@@ -7,8 +7,11 @@ bounds are generous (the machine is small and shared) but always within the issu
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -227,12 +230,17 @@ class _Collect(logging.Handler):
     def emit(self, record):
         self.messages.append(record.getMessage())
 
+    def __enter__(self):
+        logging.getLogger("zero_engine.watchdog").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("zero_engine.watchdog").removeHandler(self)
+
 
 def _slow_rank_body():
     """Rank 1 computes for 3x stall_timeout_s before a collective: slow, not divergent."""
-    handler = _Collect()
-    logging.getLogger("zero_engine.watchdog").addHandler(handler)
-    try:
+    with _Collect() as handler:
         torch.manual_seed(0)
         cfg = GPTConfig()
         engine, *_ = zero_engine.initialize(model=GPT(cfg), config=_config(3, stall=1.0))
@@ -245,8 +253,6 @@ def _slow_rank_body():
             engine.step()
         engine.destroy()
         return engine.global_steps, handler.messages
-    finally:
-        logging.getLogger("zero_engine.watchdog").removeHandler(handler)
 
 
 def test_no_false_alarm_when_one_rank_is_slow():
@@ -297,3 +303,99 @@ def test_make_demo_command_exits_cleanly():
                               env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, f"run {i + 1}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert "terminate called" not in done.stderr, done.stderr[-3000:]
+
+
+def _gil_hold_body(hold_s: float):
+    """Rank 1's main thread holds the GIL for ``hold_s`` in one C call between two steps (as json.loads of a large
+    file would), so its heartbeat thread cannot beat: slow, not lost."""
+    libc = ctypes.PyDLL(ctypes.util.find_library("c"))  # PyDLL: the GIL stays held during the call
+    with _Collect() as handler:
+        torch.manual_seed(0)
+        cfg = GPTConfig()
+        engine, *_ = zero_engine.initialize(model=GPT(cfg), config=_config(3, stall=1.0))
+        rank, held = dist.get_rank(), 0.0
+        for step, (x, y) in enumerate(make_batches(cfg, 3, 4, seed=1)):
+            if rank == 1 and step == 1:
+                started = time.monotonic()
+                libc.sleep(int(hold_s))
+                held = time.monotonic() - started
+            engine.backward(engine(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2]))
+            engine.step()
+        heartbeat_timeout = engine.comm.watchdog.heartbeat_timeout_s
+        engine.destroy()
+        return engine.global_steps, held, heartbeat_timeout, handler.messages
+
+
+def test_a_rank_holding_the_gil_longer_than_the_heartbeat_limit_is_not_lost():
+    (steps0, _, limit, logs0), (steps1, held, _, _) = run_ranks(_gil_hold_body, 2, 8, timeout=TIMEOUT)
+    assert held > limit + 2, (held, limit)  # the heartbeat really was silent past its limit
+    assert steps0 == steps1 == 3
+    assert any("heartbeat has been silent" in m and "is alive" in m for m in logs0), logs0
+
+
+def _failing_rank_body(where: str, nvme_dir: str):
+    """Rank 0 raises: a bad sample between steps, or inside initialize() (its nvme_path names a regular file, so
+    the optimizer's NVMe store refuses it after the engine's communicator exists); rank 1 trains on."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    config = _config(3, stall=1.0)
+    if where == "initialize":
+        nvme_path = os.path.join(nvme_dir, "a-file" if rank == 0 else "swap")
+        open(nvme_path, "w").close() if rank == 0 else os.makedirs(nvme_path, exist_ok=True)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+        config["optimizer"]["params"]["torch_adam"] = True
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+    started = time.monotonic()
+    for step, (x, y) in enumerate(make_batches(cfg, 3, 4, seed=1)):
+        if rank == 0 and step == 1:
+            raise ValueError("bad sample 17")
+        started = time.monotonic()
+        try:
+            engine.backward(engine(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2]))
+            engine.step()
+        except zero_engine.DistributedError as error:
+            raise type(error)(f"{error} [detected after {time.monotonic() - started:.1f}s]")
+    return "no error"
+
+
+@pytest.mark.parametrize("where, error", [("between_steps", "ValueError: bad sample 17"),
+                                          ("initialize", "NvmeError: [Errno 2] offload nvme_path")])
+def test_a_failing_rank_is_named_with_its_error_in_the_pool(where, error, tmp_path):
+    """run_ranks' worker posts a rank's exception as sys.excepthook does in a real process (next test)."""
+    with pytest.raises(RankError) as excinfo:
+        run_ranks(_failing_rank_body, 2, where, str(tmp_path), timeout=TIMEOUT, grace_after_failure=45)
+    failures = _failures(excinfo)
+    assert failures[0].startswith(error), failures
+    assert failures[1].startswith(f"RankFailedError: rank 0 failed: {error}"), failures
+    detected = float(failures[1].rsplit("[detected after ", 1)[1].split("s]")[0])
+    assert detected < DETECT_WITHIN_S, failures
+
+
+def test_a_rank_that_fails_is_named_with_its_error_not_as_a_divergence(tmp_path):
+    """Rank 0 raises and exits as a script does (sys.excepthook, interpreter exit); rank 1 names its error, where it
+    used to say that rank 0 had finished early (RankDivergenceError). tests/rank_failure_worker.py can also fail
+    inside initialize (argument "initialize"); the pool test above covers that phase."""
+    where, error = "between_steps", "ValueError: bad sample 17: token id 99999 is out of the vocabulary"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "rank_failure_worker.py"), where,
+                               str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "RANK": str(rank),
+                                   "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert procs[0].returncode == 1 and error in outputs[0], outputs[0][-3000:]
+    caught = [line for line in outputs[1].splitlines() if line.startswith("CAUGHT")]
+    assert procs[1].returncode == 0 and caught, outputs[1][-3000:]
+    assert caught[0].startswith(f"CAUGHT RankFailedError: rank 0 failed: {error}"), caught[0]
+    detected = float(caught[0].rsplit("[detected after ", 1)[1].split("s]")[0])
+    assert detected < DETECT_WITHIN_S, caught[0]

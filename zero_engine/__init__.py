@@ -8,13 +8,14 @@ A DeepSpeed script runs with one changed import, ``import zero_engine as deepspe
 
 from . import _version, comm, zero
 from .comm import init_distributed
-from .errors import ArgumentError, ConfigError, DistributedError, RankDivergenceError, RankLostError, UsageError
+from .errors import (ArgumentError, ConfigError, DistributedError, RankDivergenceError, RankFailedError,
+                     RankLostError, UsageError)
 from .initialize import add_config_arguments, initialize
 from .memory import estimate_zero3_model_states_mem_needs_all_live
 
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "zero", "comm", "utils", "config", "checkpoint",
-           "ConfigError", "DeepSpeedConfigError", "DistributedError", "RankDivergenceError", "RankLostError",
-           "UsageError", "ArgumentError",
+           "ConfigError", "DeepSpeedConfigError", "DistributedError", "RankDivergenceError", "RankFailedError",
+           "RankLostError", "UsageError", "ArgumentError",
            "estimate_zero3_model_states_mem_needs_all_live"]
 
 DeepSpeedConfigError = ConfigError  # DeepSpeed's name (deepspeed.DeepSpeedConfigError) for the same errors

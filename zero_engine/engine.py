@@ -30,7 +30,8 @@ from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
 from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, discard_failed_backward,
-                     refuse_partitioned_at_stage0, release_model)
+                     refuse_after_destroy, refuse_partitioned_at_stage0, release_model,
+                     warn_backward_without_step)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .errors import ArgumentError, UsageError
@@ -69,7 +70,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         created_group = not dist.is_initialized()
         if created_group:
             init_distributed(timeout_s=self.config.zero_engine.collective_timeout_s)
-        elif self.config.zero_engine.stall_timeout_s == 0 and dist.get_world_size() > 1:
+        elif (self.config.zero_engine.stall_timeout_s == 0 and dist.get_world_size() > 1
+              and self.config.zero_engine.collective_timeout_s is not None):
             log.warning("zero_engine.collective_timeout_s=%g is not enforced: the process group was created before "
                         "the engine (its own timeout applies) and zero_engine.stall_timeout_s=0 turns off the "
                         "watchdog that enforces it; set stall_timeout_s > 0 or create the group with that timeout",
@@ -253,6 +255,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        refuse_after_destroy(self, "engine(...)")
         self.progress.phase = "forward"
         if self._step_started is None:
             self._step_started = time.perf_counter()
@@ -272,8 +275,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` (divided by gradient_accumulation_steps unless ``scale_wrt_gas=False``, and
         multiplied by the fp16 loss scale); returns the loss as divided, like DeepSpeed."""
+        refuse_after_destroy(self, "backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ArgumentError(f"backward: expected a scalar loss tensor, got {getattr(loss, 'shape', type(loss))}")
+        warn_backward_without_step(self)
         self._last_loss = loss.detach()
         self.nonfinite.note_loss(loss)
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
@@ -316,6 +321,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         """Call after every backward; updates only at the gradient-accumulation boundary (as DeepSpeed does).
 
         ``lr_kwargs`` are passed to the LR scheduler's ``step()``."""
+        refuse_after_destroy(self, "step()")
         if self.optimizer is None:  # DeepSpeed asserts here too: a UsageError is also an AssertionError
             raise UsageError("step(): this engine has no optimizer (initialize() got no optimizer= and the config "
                                "has no \"optimizer\" block): it runs forward and backward only. Pass an optimizer "

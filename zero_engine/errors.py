@@ -3,7 +3,8 @@
     ConfigError            a ds_config problem (key path, bad value, what is allowed, did-you-mean)
     DistributedError       ranks could not complete a collective step together
       RankDivergenceError  ranks issued different collectives, or ran different work in one step
-      RankLostError        a rank stopped (killed, crashed, unreachable) while the others waited for it
+      RankLostError        a rank stopped (killed, crashed, exited, unreachable) while the others waited for it
+        RankFailedError    ... because of an error on that rank, which the message names (type and message)
     UsageError             a call in the wrong order or state where DeepSpeed asserts (no_sync() at stage 2-3,
                            nested no_sync(), step() inside no_sync(), step() of an engine without an optimizer):
                            a RuntimeError and an AssertionError
@@ -36,6 +37,11 @@ class RankDivergenceError(DistributedError):
 
 class RankLostError(DistributedError):
     """A rank stopped taking part (process killed, crashed, or unreachable)."""
+
+
+class RankFailedError(RankLostError):
+    """A rank stopped taking part because it raised: the message names that rank's exception (type and message) as
+    it posted it (see [Note: failure notes] in comm/liveness.py). Its traceback is in that rank's own log."""
 
 
 class UsageError(RuntimeError, AssertionError):

@@ -10,6 +10,8 @@ nothing stale. engine.py calls each in one line; README's "Reliability" section 
 - ``discard_failed_backward``: an exception inside backward drops the accumulation window it happened in (queued
   callback, half-filled buckets, gathered parameters, partial gradients), so training continues as if that window
   had never started.
+- ``warn_backward_without_step``: backward() twice without step() in between is said once (what gets applied).
+- ``refuse_after_destroy``: calling an engine after destroy() says so, instead of failing deep inside the model.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from .zero.partition import sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
 
-__all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_partitioned_at_stage0", "ModelSnapshot", "NonFiniteSteps",
-           "discard_failed_backward"]
+__all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_partitioned_at_stage0",
+           "ModelSnapshot", "NonFiniteSteps", "discard_failed_backward", "warn_backward_without_step",
+           "refuse_after_destroy"]
 
 
 # ---- rank 0's initial state -------------------------------------------------------------------------------------
@@ -172,3 +175,36 @@ def discard_failed_backward(engine) -> None:
     log.warning("rank %d: backward raised at step %d; the gradients of this accumulation window (%d earlier "
                 "micro-step(s) and the failed one) were dropped; the next backward starts the window again",
                 engine.comm.rank, engine.global_steps, dropped)
+
+
+# ---- the call order -----------------------------------------------------------------------------------------------
+def warn_backward_without_step(engine) -> None:
+    """Warn once per engine when backward() runs again with no step() since the previous backward().
+
+    DeepSpeed's loop calls step() after every backward() (step() updates only at the accumulation boundary). Without
+    it the gradients simply accumulate: the next update applies the sum of every backward() since the last update,
+    each divided by gradient_accumulation_steps, at every stage. DeepSpeed 0.19 does the same at stages 0 and 3, and
+    silently keeps only the last backward's gradient at stages 1 and 2; a warning says which it is here.
+    A loop that set the boundary itself (``set_gradient_accumulation_boundary``: the Trainer and Lightning
+    integrations, which call step() once per window) is not warned.
+    """
+    if (not engine._awaiting_step or engine._boundary_override is not None
+            or getattr(engine, "_warned_backward_without_step", False)):
+        return
+    engine._warned_backward_without_step = True
+    log.warning("rank %d: backward() called again at step %d without a step() after the previous backward(): the "
+                "gradients accumulate, and the next update applies the sum of every backward() since the last "
+                "update, each divided by gradient_accumulation_steps=%d. Call engine.step() after every "
+                "engine.backward() (it updates only at the accumulation boundary), and raise "
+                "gradient_accumulation_steps to accumulate over more micro-batches. (Warned once.)",
+                engine.comm.rank, engine.global_steps, engine.gradient_accumulation_steps())
+
+
+def refuse_after_destroy(engine, call: str) -> None:
+    """RuntimeError when ``engine.destroy()`` has run: its hooks are gone and its communicator closed."""
+    if getattr(engine, "_destroyed", False):
+        raise RuntimeError(
+            f"rank {engine.comm.rank}: {call} on an engine after engine.destroy(): it cannot run forward, backward "
+            "or step any more (its module hooks were removed and its communicator closed). Build a new engine with "
+            "zero_engine.initialize(); the parameters stay partitioned: read them with "
+            "zero_engine.zero.GatheredParameters or zero_engine.utils.safe_get_full_fp32_param")

@@ -40,7 +40,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
                         "weights otherwise); use save_checkpoint + `zero-engine to-fp32` instead",
                         os.path.join(os.fspath(save_dir), save_filename))
         return False
-    rendezvous(comm, "save_16bit_model", engine.config.zero_engine.collective_timeout_s)
+    rendezvous(comm, "save_16bit_model", comm.collective_timeout_s)
     from ..utils import shards_in_memory_of
     values: dict[str, torch.Tensor] = {}
     gatherer = SequentialGather(comm)

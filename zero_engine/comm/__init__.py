@@ -16,5 +16,6 @@ from zero_engine.comm._communicator import Communicator, Pending
 from zero_engine.comm._consistency import CollectiveMismatchError
 from zero_engine.comm._deepspeed import *  # noqa: F401,F403  deepspeed.comm's functions (get_rank, barrier, ...)
 from zero_engine.comm._init import init_distributed
+from zero_engine.comm.liveness import post_failure
 
-__all__ = ["init_distributed", "Communicator", "Pending", "CollectiveMismatchError"] + _deepspeed.__all__
+__all__ = ["init_distributed", "Communicator", "Pending", "CollectiveMismatchError", "post_failure"] + _deepspeed.__all__

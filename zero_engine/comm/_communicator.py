@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zero_engine._profiling import profile_range as record_function  # no-op without a profiler
 from zero_engine.comm._backend import CollectiveIssuer, reduce_op
+from zero_engine.comm._init import group_timeout_s
 from zero_engine.comm._records import CollectiveRecord, ProgressLog
 from zero_engine.comm.watchdog import StallWatchdog, default_store
 from zero_engine.errors import DistributedError
@@ -84,7 +85,9 @@ class Communicator:
             ``StallWatchdog``: a collective not done after this many seconds makes the ranks compare their progress
             records and raise ``RankDivergenceError`` / ``RankLostError`` instead of hanging. 0 or None: plain waits.
         collective_timeout_s: with the watchdog, a wait longer than this raises ``DistributedError`` whoever created
-            the process group (the group's own timeout still applies too).
+            the process group (the group's own timeout still applies too). None: the group's own timeout
+            (``group_timeout_s``), so a group made with ``timeout=1h`` waits an hour. Resolved in
+            ``self.collective_timeout_s``.
 
     Every collective runs inside ``torch.profiler.record_function("zero3::<kind> <name>")``; ``name`` is free text for
     profiles and error messages (a module or bucket name). Every collective also gets a progress record in
@@ -92,7 +95,7 @@ class Communicator:
     """
 
     def __init__(self, group=None, debug: bool = False, stall_timeout_s: Optional[float] = None,
-                 collective_timeout_s: float = 300.0) -> None:
+                 collective_timeout_s: Optional[float] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "Communicator needs an initialized torch.distributed process group; call "
@@ -103,6 +106,8 @@ class Communicator:
         self.world_size = dist.get_world_size(self.group)
         self.debug = bool(debug)
         self.backend = str(dist.get_backend(self.group))
+        self.collective_timeout_s = (float(collective_timeout_s) if collective_timeout_s is not None
+                                     else group_timeout_s(self.group))
         self._issuer = CollectiveIssuer(self.group, self.backend, self.world_size)
         self._sequence = 0
         self._stats: dict[str, dict[str, int]] = {}
@@ -114,7 +119,7 @@ class Communicator:
         store = default_store() if self.group is dist.group.WORLD and self.world_size > 1 else None
         if stall_timeout_s and store is not None and self.backend in ("gloo", "nccl"):
             self.watchdog = StallWatchdog(store, self.rank, self.world_size, self.progress, stall_timeout_s,
-                                          collective_timeout_s, self.backend)
+                                          self.collective_timeout_s, self.backend)
 
     def agree_before_next_collective(self) -> None:
         """Make the next collective wait until every rank is about to issue the same one (store only, nothing
@@ -130,8 +135,8 @@ class Communicator:
             return
         try:
             if self.watchdog is not None:
-                if self.watchdog.failed:
-                    self.watchdog.stop()
+                if self.watchdog.failed:  # not "left": the others would read a clean finish (a divergence)
+                    self.watchdog.stop(mark=None)
                 else:
                     self.watchdog.leave()
             elif self.world_size > 1 and self.backend != "fake":

@@ -26,6 +26,24 @@ def _env_int(key: str) -> Optional[int]:
         raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
 
 
+# torch's default for a gloo group, and DeepSpeed's init_distributed default: 30 minutes.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def group_timeout_s(group=None) -> float:
+    """The collective timeout the process group was created with (``init_process_group(timeout=...)``), in seconds.
+
+    torch has no public getter: it is the backend's ``options._timeout`` (gloo's and NCCL's alike);
+    ``DEFAULT_TIMEOUT_S`` for a group whose backend does not say (a fake or third-party backend)."""
+    group = group if group is not None else dist.group.WORLD
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 -- no backend for this device, or one without options
+            continue
+    return DEFAULT_TIMEOUT_S
+
+
 def _free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -63,7 +81,7 @@ def set_nccl_error_handling_defaults(environ=None) -> dict:
 
 
 def init_distributed(backend: Optional[str] = None, init_method: Optional[str] = None, rank: Optional[int] = None,
-                     world_size: Optional[int] = None, timeout_s: float = 300.0, *,
+                     world_size: Optional[int] = None, timeout_s: Optional[float] = None, *,
                      dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: Optional[int] = None, verbose: bool = True,
                      timeout: Optional[datetime.timedelta] = None, dist_init_required: Optional[bool] = None,
@@ -90,7 +108,8 @@ def init_distributed(backend: Optional[str] = None, init_method: Optional[str] =
       is on (see [Note: NCCL errors and timeouts]).
 
     ``timeout_s`` bounds how long a collective may wait for its peers before the backend gives up (a hung rank then
-    becomes an error rather than a silent stall); raise it for very slow first steps (e.g. compilation).
+    becomes an error rather than a silent stall); raise it for very slow first steps (e.g. compilation). None:
+    ``DEFAULT_TIMEOUT_S`` (30 minutes, as torch and DeepSpeed).
     """
     if dist_init_required is False:
         return
@@ -101,6 +120,7 @@ def init_distributed(backend: Optional[str] = None, init_method: Optional[str] =
         backend = dist_backend
     if timeout is not None:
         timeout_s = timeout.total_seconds()
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     rank = None if rank == -1 else rank
     world_size = None if world_size == -1 else world_size
     if config is not None:

@@ -10,12 +10,16 @@ can decide. After ``stall_timeout_s`` without completion, the rank publishes its
   rank's record (every stuck rank reads the same keys, so every rank raises the same message);
 * another rank has left (``destroy()`` ran there) while this one waits -> ``RankDivergenceError`` (it ran fewer
   collectives);
-* another rank's process is gone (same host: its pid) or its heartbeat stopped for ``heartbeat_timeout_s`` ->
-  ``RankLostError`` naming it and its last known position (the heartbeat carries it);
+* another rank posted a failure note (it raised: see [Note: failure notes] in liveness.py) -> ``RankFailedError``
+  naming its exception;
+* another rank's process exited without ``destroy()``, or is gone, or unreachable (see [Note: what makes a rank
+  lost] in liveness.py; a heartbeat starved by a long GIL-holding call is not enough) -> ``RankLostError`` naming it
+  and its last known position (the heartbeat carries it);
 * otherwise (all in the same collective, or a rank still computing) -> log once that it is slow, keep waiting, up to
   ``collective_timeout_s``, then ``DistributedError``.
 
-A heartbeat thread bumps ``hb/<rank>`` (with the rank's position) every ``HEARTBEAT_PERIOD_S``. Nothing of this runs
+A heartbeat thread (liveness.py) bumps ``zero_engine/heartbeat/<rank>`` (with the rank's position) every
+``HEARTBEAT_PERIOD_S``. Nothing of this runs
 in the normal path except the sliced wait, which costs nothing when the work is done.
 
 [Note: holding back a collective that may not match]
@@ -59,9 +63,8 @@ import datetime
 import itertools
 import json
 import logging
-import os
 import queue
-import socket
+import sys
 import threading
 import time
 import weakref
@@ -70,14 +73,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from zero_engine.comm import liveness
 from zero_engine.comm._records import CollectiveRecord, ProgressLog, describe_pair
-from zero_engine.errors import DistributedError, RankDivergenceError, RankLostError
+from zero_engine.comm.liveness import HEARTBEAT_PERIOD_S, default_store, heartbeat
+from zero_engine.errors import DistributedError, RankDivergenceError, RankFailedError, RankLostError
 
 log = logging.getLogger("zero_engine.watchdog")
 
 __all__ = ["StallWatchdog", "check_step_fingerprint", "default_store"]
 
-HEARTBEAT_PERIOD_S = 0.5
 _CHECK_PERIOD_S = 1.0  # how often a stalled rank re-reads the others' state
 _HOLD_POLL_S = 0.01
 _PUBLISHED_RECORDS = 48
@@ -94,89 +98,16 @@ _instances = itertools.count()
 _live: "weakref.WeakSet[StallWatchdog]" = weakref.WeakSet()
 
 
-def default_store():
-    """The default process group's store (the one it rendezvoused through), or None when it has none."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 -- a fake or exotic group: no watchdog, the engine still works
-        return None
-
-
 def _stop_all_at_exit() -> None:
     for watchdog in list(_live):
-        watchdog.stop()
-    _heartbeat.stop()
+        if liveness.posted_failure():  # sys.excepthook posted why this process fails: let the others read it
+            watchdog.await_failure_readers()
+        watchdog.stop(mark="exited")  # the process ends without engine.destroy()
+    heartbeat.stop()
     _close_waiter()
 
 
 atexit.register(_stop_all_at_exit)
-
-
-def _process_is_gone(host_pid: str) -> bool:
-    """True when ``host_pid`` ("host pid") names a process on this host that no longer runs (or is a zombie)."""
-    host, _, pid = host_pid.partition(" ")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-
-
-_HEARTBEAT_KEY = "zero_engine/heartbeat/"
-
-
-class _Heartbeat:
-    """One thread per process that keeps ``zero_engine/heartbeat/<rank>`` fresh in the store, with the position of
-    the most recent watchdog's progress log. Liveness is a property of the process, so engines built one after the
-    other (tests) share it instead of each starting a thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-        self._store = None
-        self._key = ""
-        self._progress = lambda: None
-
-    def track(self, store, rank: int, progress: ProgressLog) -> None:
-        with self._lock:
-            self._progress = weakref.ref(progress)
-            if self._store is not store:  # a new process group: beat into its store
-                self._store = store.clone() if hasattr(store, "clone") else store
-            self._key = f"{_HEARTBEAT_KEY}{rank}"
-            self._beat()
-            if self._thread is None:
-                self._stop.clear()
-                self._thread = threading.Thread(target=self._run, name=f"zero_engine-heartbeat-rank{rank}",
-                                                daemon=True)
-                self._thread.start()
-
-    def _beat(self) -> None:
-        progress = self._progress()
-        self._store.set(self._key, f"{time.monotonic_ns()} {progress.position() if progress else 'idle'}")
-
-    def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_PERIOD_S):
-            try:
-                with self._lock:
-                    self._beat()
-            except Exception:  # noqa: BLE001 -- the store is gone (job ending): nothing left to tell anyone
-                return
-
-    def stop(self) -> None:
-        """Stop and join the thread (interpreter exit, or the last engine destroyed)."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            self._stop.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
-
-
-_heartbeat = _Heartbeat()
 
 
 class _BlockingWaiter:
@@ -245,7 +176,8 @@ class StallWatchdog:
         progress: this rank's ProgressLog.
         stall_timeout_s: a wait longer than this makes the ranks compare notes.
         collective_timeout_s: a wait longer than this (all ranks alive and in the same collective) is an error.
-        heartbeat_timeout_s: a rank whose heartbeat has not moved for this long is lost.
+        heartbeat_timeout_s: a rank whose heartbeat has not moved for this long may be lost: see [Note: what
+            makes a rank lost] in liveness.py.
     """
 
     def __init__(self, store, rank: int, world_size: int, progress: ProgressLog, stall_timeout_s: float,
@@ -267,32 +199,36 @@ class StallWatchdog:
         self.store = store
         self._published: Optional[int] = None
         self._slow_logged: set[int] = set()
-        self._processes: dict[int, str] = {}
+        self._processes: dict[int, str] = {}  # rank -> its process identity (liveness.process_identity)
         self._hb_seen: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat value, when it changed)
+        self._silence_logged: set[int] = set()
         self._waiter: Optional[_BlockingWaiter] = None
         self.stopped = False
         self.failed = False  # a DistributedError was raised: the process group is unusable
-        self.store.set(self._key("proc", rank), f"{socket.gethostname()} {os.getpid()}")
-        _heartbeat.track(store, rank, progress)
+        self.store.set(self._key("proc", rank), liveness.process_identity())
+        liveness.clear_failure(store, rank)  # a note from an earlier failure of this process is stale now
+        liveness.install_excepthook()
+        heartbeat.track(store, rank, progress)
         _live.add(self)
 
     def _key(self, what: str, rank: int) -> str:
         return f"{self.prefix}{what}/{rank}"
 
     # ---- shutdown ----------------------------------------------------------------------------------------------
-    def stop(self, left: bool = True) -> None:
-        """Stop watching; the heartbeat thread stops (joined) with the last live watchdog of the process. With
-        ``left``, tell the other ranks this rank is done."""
+    def stop(self, mark: Optional[str] = "left") -> None:
+        """Stop watching; the heartbeat thread stops (joined) with the last live watchdog of the process. ``mark``
+        tells the other ranks why: "left" (engine.destroy(): this rank is done), "exited" (the process ends without
+        it), None (nothing to say)."""
         if self.stopped:
             return
         self.stopped = True
         _live.discard(self)
         if not _live:  # the last watchdog of the process: its threads end now, not at interpreter exit
-            _heartbeat.stop()
+            heartbeat.stop()
             _close_waiter()
-        if left:
+        if mark is not None:
             try:
-                self.store.set(self._key("left", self.rank), self.progress.position())
+                self.store.set(self._key(mark, self.rank), self.progress.position())
             except Exception:  # noqa: BLE001 -- the store may already be gone at the end of a job
                 pass
         _live.discard(self)
@@ -303,8 +239,18 @@ class StallWatchdog:
         A rank still waiting in a collective this rank never issued gets RankDivergenceError from its watchdog
         (it reads the "left" key); this rank raises the same kind of error when it sees such a rank. A lost rank is
         logged, not waited for. See [Note: clean shutdown].
+
+        Called while an exception propagates (``finally: engine.destroy()``), this rank failed: it posts the error
+        (see [Note: failure notes] in liveness.py) and stops without waiting, so the others raise RankFailedError
+        naming it instead of this rank blaming them for the collectives it never reached.
         """
         if self.stopped:
+            return
+        error = sys.exc_info()[1]
+        if error is not None and not isinstance(error, (StopIteration, GeneratorExit)):
+            if liveness.post_failure(error, self.store, self.rank):
+                self.await_failure_readers()
+            self.stop(mark=None)
             return
         self.store.set(self._key("left", self.rank), self.progress.position())
         deadline = time.monotonic() + self.stall_timeout_s + self.heartbeat_timeout_s
@@ -322,10 +268,11 @@ class StallWatchdog:
                             f"{self.rank} never issued: rank {self.rank} finished (engine.destroy()) after "
                             f"{self.progress.position()}. The ranks ran a different number of collectives; "
                             f"{BRANCH_ADVICE}.")
-                    lost = self._lost(rank)
-                    if lost is not None:
-                        log.warning("rank %d: engine.destroy(): rank %d is gone (%s); not waiting for it",
-                                    self.rank, rank, lost)
+                    failed = self._failed(rank)
+                    gone = f"failed ({failed})" if failed is not None else self._lost(rank)
+                    if gone is not None:
+                        log.warning("rank %d: engine.destroy(): rank %d is gone: %s; not waiting for it",
+                                    self.rank, rank, gone)
                         continue
                     waiting_for.append(rank)
                 if not waiting_for:
@@ -336,7 +283,21 @@ class StallWatchdog:
                     return
                 time.sleep(_HOLD_POLL_S * 2)
         finally:
-            self.stop(left=False)
+            self.stop(mark=None)
+
+    def await_failure_readers(self) -> None:
+        """This rank posted why it fails: wait until every other rank has read it, or is failing, exiting or done
+        itself, at most until their stall check has had time to run (see [Note: failure notes] in liveness.py)."""
+        deadline = time.monotonic() + self.stall_timeout_s + 2 * _CHECK_PERIOD_S
+        waiting = set(range(self.world_size)) - {self.rank}
+        try:
+            while waiting and time.monotonic() < deadline:
+                waiting = {rank for rank in waiting if not (
+                    liveness.was_read(self.store, self.rank, rank) or liveness.failure_of(self.store, rank)
+                    or self._read("left", rank) is not None or self._read("exited", rank) is not None)}
+                time.sleep(_HOLD_POLL_S * 5)
+        except Exception:  # noqa: BLE001 -- the store is gone: nobody can read the note any more
+            return
 
     # ---- the wait ------------------------------------------------------------------------------------------------
     def wait(self, work, record: Optional[CollectiveRecord]) -> None:
@@ -439,23 +400,48 @@ class StallWatchdog:
         text = self._read("state", rank)
         return json.loads(text) if text else None
 
-    def _lost(self, rank: int) -> Optional[str]:
-        """Why ``rank`` counts as lost, or None while it looks alive."""
-        if rank not in self._processes:
-            self._processes[rank] = self._read("proc", rank) or ""
-        key = f"{_HEARTBEAT_KEY}{rank}"
-        beat = self.store.get(key).decode() if self.store.check([key]) else ""
+    def _failed(self, rank: int) -> Optional[str]:
+        """``rank``'s error from its failure note ("ValueError: ... (at ...)"), or None."""
+        note = liveness.failure_of(self.store, rank)
+        if note is None:
+            return None
+        liveness.mark_read(self.store, rank, self.rank)
+        return f"{note['error']} (its last position: {note['position']})"
+
+    def _lost(self, rank: int, connection_failed: bool = False) -> Optional[str]:
+        """Why ``rank`` counts as lost, or None while it may be alive; see [Note: what makes a rank lost] in
+        liveness.py. ``connection_failed``: the backend reported a broken connection."""
+        exited = self._read("exited", rank)
+        if exited is not None:
+            return (f"its process exited without engine.destroy() after {exited} (an error handled by exiting, or "
+                    f"a rank-dependent sys.exit(); its log says which)")
+        identity = self._processes.get(rank) or self._read("proc", rank) or ""
+        if identity:
+            self._processes[rank] = identity
+        beat = liveness.read_heartbeat(self.store, rank)
         now = time.monotonic()
         last, since = self._hb_seen.get(rank, (None, now))
         if beat != last:
             self._hb_seen[rank] = (beat, now)
             since = now
+        silent = now - since
         position = beat.partition(" ")[2] or "unknown"
-        if self._processes[rank] and _process_is_gone(self._processes[rank]):
-            host, _, pid = self._processes[rank].partition(" ")
-            return f"its process (pid {pid} on {host}) has ended; last known position: {position}"
-        if now - since >= self.heartbeat_timeout_s:
-            return (f"its heartbeat stopped (no sign of life for {now - since:.0f}s); last known position: "
+        state = liveness.process_state(identity)
+        if state == liveness.GONE:
+            return f"its process ({liveness.describe_process(identity)}) has ended; last known position: {position}"
+        if silent < self.heartbeat_timeout_s:
+            return None
+        if state == liveness.ALIVE:
+            if rank not in self._silence_logged:
+                self._silence_logged.add(rank)
+                log.warning("rank %d: rank %d's heartbeat has been silent for %.0fs but its process (%s) is alive "
+                            "(busy in a long call that holds the GIL?); waiting for it", self.rank, rank, silent,
+                            liveness.describe_process(identity))
+            return None
+        unreachable = liveness.UNREACHABLE_FACTOR * self.heartbeat_timeout_s
+        if connection_failed or silent >= unreachable:
+            why = "and its connection broke" if connection_failed else "and its host cannot be checked"
+            return (f"its heartbeat stopped (no sign of life for {silent:.0f}s {why}); last known position: "
                     f"{position}")
         return None
 
@@ -483,8 +469,10 @@ class StallWatchdog:
             f"ranks issued different collectives at collective #{seq}: {detail}. The ranks ran different code "
             f"(data-dependent control flow or a rank-dependent call); {BRANCH_ADVICE}. {tail}{UNUSABLE}")
 
-    def _check_others(self, record: Optional[CollectiveRecord], hold: bool) -> Optional[list[int]]:
-        """Raise when another rank diverged, left or was lost; return the ranks not yet published at ``record``."""
+    def _check_others(self, record: Optional[CollectiveRecord], hold: bool,
+                      connection_failed: bool = False) -> Optional[list[int]]:
+        """Raise when another rank diverged, failed, left or was lost; return the ranks not yet published at
+        ``record``. ``connection_failed``: the backend reported a broken connection (see ``_lost``)."""
         mine = {r.seq: r for r in self.progress.recent}
         if record is not None:
             mine[record.seq] = record
@@ -502,13 +490,18 @@ class StallWatchdog:
                                            their_module=state.get("module", ""))
                 if record is not None and record.seq in theirs:
                     continue
+            failed = self._failed(rank)
+            if failed is not None:
+                raise RankFailedError(
+                    f"rank {rank} failed: {failed}. Rank {self.rank} was waiting for it in {self._what(record)}. "
+                    f"Rank {rank}'s log has the traceback. {UNUSABLE}")
             left = self._read("left", rank)
             if left is not None:
                 raise RankDivergenceError(
                     f"rank {rank} has finished (engine.destroy() after {left}) while rank {self.rank} waits in "
                     f"{self._what(record)}: the ranks ran a different number of collectives; {BRANCH_ADVICE}. "
                     f"{UNUSABLE}")
-            lost = self._lost(rank)
+            lost = self._lost(rank, connection_failed)
             if lost is not None:
                 raise RankLostError(
                     f"rank {rank} was lost: {lost}. Rank {self.rank} was waiting for it in {self._what(record)}. "
@@ -557,7 +550,7 @@ class StallWatchdog:
         deadline = time.monotonic() + self.heartbeat_timeout_s + 2 * HEARTBEAT_PERIOD_S
         while time.monotonic() < deadline:
             try:
-                self._check_others(record, hold=False)
+                self._check_others(record, hold=False, connection_failed=True)
             except DistributedError as found:
                 raise found from error
             except Exception:  # noqa: BLE001 -- the store went with the rank that hosted it

@@ -173,11 +173,13 @@ class ZeroEngineSection(Section):
         description="Before each collective, check that all ranks agree on its kind, dtype and size, and raise on "
         "every rank instead of hanging. Costs one small all-gather per collective.",
     )
-    collective_timeout_s: ConfigFloat = Field(
-        300.0, ge=0.1, le=31_536_000,
-        description="Seconds a collective may take before it is an error (0.1 s to a year). Acts whoever created "
-        "the process group: the engine's waits enforce it (with stall_timeout_s > 0), and a group the engine creates "
-        "gets it as its own timeout.",
+    collective_timeout_s: ConfigFloat | None = Field(
+        None, ge=0.1, le=31_536_000,
+        description="Seconds a collective may take before it is an error (0.1 s to a year). null: the process "
+        "group's own timeout when you created the group (init_process_group(timeout=...): a group made with 1 hour "
+        "waits 1 hour), and 1800 s (30 minutes, torch's and DeepSpeed's default) when the engine creates it. A value "
+        "acts whoever created the group: the engine's waits enforce it (with stall_timeout_s > 0), and a group the "
+        "engine creates gets it as its own timeout.",
     )
     stall_timeout_s: ConfigFloat = Field(
         20.0, ge=0, description="Seconds a collective may wait before the ranks compare their progress records "

@@ -78,6 +78,11 @@ def _run(rank: int, world_size: int, task: Task) -> Reply:
         _end_of_call_barrier()
         return Reply(True, pickle.dumps(result), "", "")
     except BaseException as error:  # noqa: BLE001 -- everything, pytest.fail/skip included, goes back to the parent
+        # This loop is the rank's top level, so it does what sys.excepthook does in a real rank process: tell the
+        # ranks still waiting for this one why it stopped (the pool process itself lives on).
+        from zero_engine.comm.liveness import post_failure
+
+        post_failure(error)
         return Reply(False, None, f"{type(error).__name__}: {error}", traceback.format_exc())
 
 
