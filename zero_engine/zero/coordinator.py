@@ -179,13 +179,17 @@ class ParamCoordinator:
         if self.on_event is not None:
             self.on_event(f"fetch {event.module} ({phase})")
 
-    def release(self, module: nn.Module) -> None:
+    def release(self, module: nn.Module, keep_frozen: bool = False) -> None:
+        """``keep_frozen``: leave gathered the parameters that need no gradient (activation recomputation in
+        backward saved them as they are; see [Note: frozen parameters in recomputation] in hooks.py)."""
         params = self.module_params.get(module, [])
         event_index = self._pos - 1 if self._following else None
         with profile_range(f"zero3::release {self.module_names[module]}"):
             for p in params:
                 p.active_users = max(0, p.active_users - 1)
                 if p.active_users or p.is_persistent or p.held_by_user or not p.is_available:
+                    continue
+                if keep_frozen and not p.param.requires_grad:
                     continue
                 if event_index is not None:
                     # [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept
