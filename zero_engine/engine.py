@@ -93,7 +93,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                              "optimizer steps over partitioned fp32 masters); set stage 1, or remove offload_optimizer")
         ze = self.config.zero_engine
         self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
-                                 collective_timeout_s=ze.collective_timeout_s)
+                                 collective_timeout_s=ze.collective_timeout_s, step_fingerprint=ze.step_fingerprint)
         self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
         claim_model(model, self)
         broadcast_initial_state(model, self.comm)
