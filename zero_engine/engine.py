@@ -136,14 +136,16 @@ class ZeroEngine(DeepSpeedEngineAPI):
             trainable = [p for p in model.parameters() if p.requires_grad]
             self.optimizer = DataParallelOptimizer(
                 trainable, self.comm, self.config.gradient_clipping, zc.reduce_bucket_size, optimizer,
-                self.config.optimizer, groups, self.compute_dtype, self.communication_data_type) if trains else None
+                self.config.optimizer, groups, self.compute_dtype, self.communication_data_type,
+                loss_scaler=self.loss_scaler) if trains else None
             if self.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
                 cast_floating_(model, self.compute_dtype)  # after the fp32 masters were taken
         else:
             self._partition(model, zc, fp32_masters=trains)
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
                                            optimizer, self.config.optimizer, groups, zc.sub_group_size,
-                                           self.placement, zc.offload_optimizer, self.config.aio) if trains else None
+                                           self.placement, zc.offload_optimizer, self.config.aio,
+                                           loss_scaler=self.loss_scaler) if trains else None
             if self.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
                 if self.optimizer is not None:
                     self.optimizer.param_swapper = self.param_swapper

@@ -128,6 +128,22 @@ class _OptimizerWrapper:
     """What both wrappers expose of the torch optimizer they drive (schedulers and users read these)."""
 
     optimizer: torch.optim.Optimizer
+    loss_scaler = None  # the engine's fp16 loss scaler (precision/loss_scaler.py); None in bf16 and fp32
+
+    @property
+    def cur_scale(self) -> float:
+        """The current loss scale, as DeepSpeed's fp16 and ZeRO optimizers expose it (``loss_scale`` too): the
+        dynamic scale as it moves, the static one, or 1.0 without fp16. Setting it sets the engine's scale."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        if self.loss_scaler is None:
+            raise ValueError(f"optimizer.cur_scale = {value}: there is no loss scale to set without fp16 "
+                             "(fp16.enabled is false); bf16 and fp32 training use no loss scaling")
+        self.loss_scaler.scale = float(value)
+
+    loss_scale = cur_scale
 
     @property
     def param_groups(self):
@@ -153,7 +169,8 @@ class ZeroOptimizer(_OptimizerWrapper):
 
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
                  optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9, placement=None,
-                 offload=None, aio=None):
+                 offload=None, aio=None, loss_scaler=None):
+        self.loss_scaler = loss_scaler
         self.reducer = reducer
         self.comm = comm
         # the compute device: the grad-norm all-reduce runs there (NCCL reduces device tensors only)
@@ -365,7 +382,8 @@ class DataParallelOptimizer(_OptimizerWrapper):
 
     def __init__(self, params: list[nn.Parameter], comm, gradient_clipping: float, bucket_numel: int,
                  optimizer, opt_config, groups: list[dict], compute_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, loss_scaler=None):
+        self.loss_scaler = loss_scaler
         self.params = params
         self.reduce_dtype = reduce_dtype  # communication_data_type; None: fp32
         self.comm = comm
