@@ -4,8 +4,9 @@ One training step, in order (stage 3):
   forward   ``engine(batch)``      the coordinator starts a step; module hooks gather parameters just in time
                                    (prefetching along the recorded trace) and release them after use
   backward  ``engine.backward(l)`` hooks gather again in reverse; each gradient goes into a bucket that is
-                                   reduce-scattered into this rank's fp32 gradient shards; at the end of the pass
-                                   one callback flushes the last buckets and releases what is still gathered
+                                   reduce-scattered into this rank's gradient shards (compute dtype: 16-bit in
+                                   mixed precision, as DeepSpeed; grads.py); at the end of the pass one callback
+                                   flushes the last buckets and releases what is still gathered
   step      ``engine.step()``      at the accumulation boundary only: global grad norm (one all-reduce), clipping,
                                    the optimizer on fp32 master shards, LR scheduler, logging
 
