@@ -199,6 +199,12 @@ class ZeroOptimizer(_OptimizerWrapper):
             self.optimizer.num_threads = _cpu_adam_threads(offload.cpuadam_cores_perc)
         # CPUAdam writes the updated 16-bit compute shard in the same pass as the fp32 master (one memory pass).
         self.fused_shard_copy = hasattr(self.optimizer, "set_low_precision_copy")
+        # CPUAdam also scales 16-bit gradients in its kernel: the shards go in as they are, with no fp32 copy
+        # (the master takes a gradient of its compute dtype: grad_dtype).
+        self.grads_in_kernel = getattr(self.optimizer, "accepts_grad_scale", False)
+        if self.grads_in_kernel:
+            for sp in self.sharded:
+                self.masters[id(sp.param)].grad_dtype = self.reducer.grad_dtype
         if self.fused_shard_copy:
             for sp in self.sharded:
                 if not sp.master_is_shard and sp.dtype != torch.float32:
@@ -218,7 +224,9 @@ class ZeroOptimizer(_OptimizerWrapper):
         [Note: sub-groups] In 16-bit training the gradient shards are 16-bit; the optimizer needs fp32. Converting
         them all at once would cost 4 bytes per parameter more for the length of the step, so the update runs
         over sub-groups of at most ``sub_group_size`` elements: only one sub-group's fp32 gradients exist at a
-        time. A torch optimizer skips parameters whose grad is None, which is what makes this work.
+        time. A torch optimizer skips parameters whose grad is None, which is what makes this work. CPUAdam needs
+        no fp32 gradients at all: it takes the 16-bit shards as they are and applies ``coef`` (unscaling, clipping)
+        in fp32 inside its kernel, bitwise what ``grad.float() * coef`` gives (``grads_in_kernel``).
         """
         with profile_range("zero3::optimizer_step"):
             scaled_norm = self._global_grad_norm()
@@ -241,9 +249,14 @@ class ZeroOptimizer(_OptimizerWrapper):
             return StepResult(norm, overflow)
 
     def _update_sub_group(self, group: list[ShardedParam], coef: float) -> None:
-        for sp in group:
-            self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
-        self.optimizer.step()
+        if self.grads_in_kernel:  # CPUAdam: the gradient shards as they are, scaled by coef in the kernel
+            for sp in group:
+                self.masters[id(sp.param)].grad = self.reducer.shard_grad(sp)
+            self.optimizer.step(grad_scale=coef)
+        else:
+            for sp in group:
+                self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
+            self.optimizer.step()
         for sp in group:
             master = self.masters[id(sp.param)]
             master.grad = None
