@@ -50,8 +50,8 @@ def test_stage3_matches_ddp_trainer_eval_predict_generate_save_resume(tmp_path):
 @pytest.mark.timeout(300)
 def test_stages_1_2_bf16_fp16_overflow_best_model_lora(tmp_path):
     """Stages 1 and 2; bf16 against the Trainer's bf16 autocast; fp16 whose first steps overflow (the schedule
-    stays put); load_best_model_at_end; PEFT LoRA (base weights partitioned and frozen, reentrant activation
-    checkpointing) with the adapter saved and reloaded by PEFT."""
+    stays put); load_best_model_at_end; PEFT LoRA (base weights partitioned and frozen, transformers' default
+    non-reentrant activation checkpointing) with the adapter saved and reloaded by PEFT."""
     suites = "stages12,precision,best"
     if importlib.util.find_spec("peft") is not None:
         suites += ",peft"

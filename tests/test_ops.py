@@ -594,3 +594,21 @@ def test_fused_adam_tensor_over_2_31_elements():
     optimizer.step()
     # First step with bias correction: p -= lr * 1 / (1 + eps), i.e. -1 everywhere, the tail included.
     assert param.eq(-1.0).all().item()  # every element, the ones past 2^31 included
+
+
+def test_changed_kernel_sources_build_and_load_under_their_own_name(tmp_path, monkeypatch):
+    """[Note: one build per source version]: two installs with different sources never share a build directory
+    or a torch.ops namespace, so one cannot load the library the other built (a stale operator signature)."""
+    from zero_engine.ops import builder
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(builder.CSRC_DIR, csrc)
+    monkeypatch.setattr(builder, "CSRC_DIR", csrc)
+    monkeypatch.setattr(builder, "INCLUDE_DIR", csrc / "includes")
+    before = builder.plan_build("cpu_adam")
+    with open(csrc / "adam" / "cpu_adam.cpp", "a") as source:
+        source.write("\n// another version of the kernel\n")
+    after = builder.plan_build("cpu_adam")
+    assert before.name != after.name and builder.build_directory(before) != builder.build_directory(after)
+    assert f"-DZE_OP_NAMESPACE={after.name}" in after.cflags
+    assert builder.plan_build("cpu_adam").name == after.name  # the same sources: the same build, found again

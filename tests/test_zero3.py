@@ -167,8 +167,8 @@ def _sharding_body(max_live):
     for method in ("fetch", "release"):  # check the live budget at every hook
         original = getattr(coordinator, method)
 
-        def checked(*args, _original=original):
-            _original(*args)
+        def checked(*args, _original=original, **kwargs):
+            _original(*args, **kwargs)
             seen_live.append(coordinator.live_numel)
             assert coordinator.live_numel <= max_live, (coordinator.live_numel, max_live)
 

@@ -91,25 +91,6 @@ def _refuse_unsupported(args) -> None:
                                   "best model is loaded from the engine checkpoint, which save_only_model omits")
 
 
-def _refuse_frozen_with_nonreentrant_checkpointing(args, model, zero_config) -> None:
-    """Stage 3, frozen parameters (PEFT) and torch's non-reentrant activation checkpointing: the recomputation
-    sees the frozen weights released again (torch's CheckpointError "different metadata"). The reentrant variant
-    works; refuse the other here, naming the argument, instead of failing in the first backward."""
-    if not args.activation_checkpointing:
-        return
-    if (args.activation_checkpointing_kwargs or {}).get("use_reentrant") is True:
-        return
-    from ..config.loader import read_config_source
-
-    stage = (read_config_source(zero_config).get("zero_optimization") or {}).get("stage", 0)
-    frozen = next((n for n, p in model.named_parameters() if not p.requires_grad), None)
-    if stage == 3 and frozen is not None:
-        raise NotImplementedError(
-            f"TrainingArguments.activation_checkpointing=True with frozen parameters ({frozen}...) at ZeRO stage 3 "
-            "needs the reentrant variant: pass activation_checkpointing_kwargs={'use_reentrant': True} (and "
-            "ddp_find_unused_parameters=False), as DeepSpeed ZeRO-3 with PEFT does")
-
-
 class _EngineOptimizer:
     """The Trainer's ``self.optimizer``: the engine's optimizer, whose step the engine already took in
     ``training_step`` at the boundary; the loop's ``step()`` and ``zero_grad()`` are therefore no-ops."""
@@ -173,7 +154,6 @@ class ZeroTrainerMixin:
                                       "built around it at construction)")
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)  # a subclass may have built args itself
-        _refuse_frozen_with_nonreentrant_checkpointing(self.args, self.model, zero_config)
         self._build_engine(zero_config)
         self._sync_generate(self.model)
 

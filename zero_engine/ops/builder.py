@@ -16,6 +16,13 @@ and of every header in ``zero_engine/csrc/includes`` (``-DZE_SOURCES_HASH=...``)
 finds the cached library and only loads it (well under a second); a cold build of ``cpu_adam`` takes
 about 10 s, since the binding includes only ``<torch/library.h>`` rather than ``<torch/extension.h>``.
 
+[Note: one build per source version]
+The extension name (and so its build directory and its torch.ops namespace) carries the first 8 hex digits of
+that hash too. torch's extensions directory is shared by every install on the machine: two checkouts or venvs
+with different kernel sources would otherwise rebuild the same directory in turn, and a process could load the
+library the other one just built, whose operator signature no longer matches its Python (seen as "adam_step()
+is missing value for argument ..."). With the hash in the name each source version builds and loads its own.
+
 [Note: instruction set chosen from the CPU's flags, not -march=native]
 The CPU kernel is compiled for AVX-512, AVX2 or plain scalar code according to ``/proc/cpuinfo``,
 with explicit ``-m`` flags. ``-march=native`` would give the same command line on every machine, so a
@@ -217,11 +224,11 @@ def plan_build(op_name: str) -> BuildPlan:
         # -ffp-contract=off: the kernel writes every fused multiply-add it wants explicitly; the compiler must not
         # fuse others (e.g. the gradient's scaling into the moment update), which would round differently from
         # torch's separate grad.float() * coef and break the bitwise parity of the 16-bit gradient path.
-        common_cflags = ("-O3", "-fno-math-errno", "-ffp-contract=off",
-                         f"-DZE_SOURCES_HASH=0x{_sources_hash(sources)}")
+        sources_hash = _sources_hash(sources)
+        common_cflags = ("-O3", "-fno-math-errno", "-ffp-contract=off", f"-DZE_SOURCES_HASH=0x{sources_hash}")
         _require_host_toolchain(op_name)
         level = choose_simd_level()
-        name = f"zero_engine_cpu_adam_{level.name}"
+        name = f"zero_engine_cpu_adam_{level.name}_{sources_hash[:8]}"  # see [Note: one build per source version]
         return BuildPlan(op_name=op_name, name=name, description=level.description, sources=sources,
                          cflags=common_cflags + level.cflags + ("-fopenmp", f"-DZE_OP_NAMESPACE={name}"),
                          ldflags=("-fopenmp",))
@@ -229,10 +236,11 @@ def plan_build(op_name: str) -> BuildPlan:
     _require_sources(op_name, sources)
     _require_host_toolchain(op_name)
     _require_cuda_toolchain(op_name)
-    name = "zero_engine_fused_adam"
-    sources_hash = f"-DZE_SOURCES_HASH=0x{_sources_hash(sources)}"
+    sources_hash = _sources_hash(sources)
+    name = f"zero_engine_fused_adam_{sources_hash[:8]}"  # see [Note: one build per source version]
+    hash_flag = f"-DZE_SOURCES_HASH=0x{sources_hash}"
     return BuildPlan(op_name=op_name, name=name, description="CUDA multi-tensor kernel", sources=sources,
-                     cflags=("-O3", sources_hash, f"-DZE_OP_NAMESPACE={name}"), cuda_cflags=("-O3", sources_hash),
+                     cflags=("-O3", hash_flag, f"-DZE_OP_NAMESPACE={name}"), cuda_cflags=("-O3", hash_flag),
                      with_cuda=True)
 
 

@@ -179,7 +179,9 @@ class ParamCoordinator:
         if self.on_event is not None:
             self.on_event(f"fetch {event.module} ({phase})")
 
-    def release(self, module: nn.Module) -> None:
+    def release(self, module: nn.Module, keep_frozen: bool = False) -> None:
+        """``keep_frozen``: leave gathered the parameters that need no gradient (activation recomputation in
+        backward saved them as they are; see [Note: frozen parameters in recomputation] in hooks.py)."""
         params = self.module_params.get(module, [])
         event_index = self._pos - 1 if self._following else None
         with profile_range(f"zero3::release {self.module_names[module]}"):
@@ -187,6 +189,8 @@ class ParamCoordinator:
                 p.active_users = max(0, p.active_users - 1)
                 if not p.releasable:
                     continue
+                if keep_frozen and not p.param.requires_grad:
+                    continue  # released at the end of the step (see keep_frozen above)
                 if self._releasable(p, after_event=event_index):
                     self._release(p)
                 else:

@@ -11,6 +11,24 @@ a root whose inputs are data) never gets the input-side function run. So the fir
 one callback on autograd's execution engine; it runs when the whole backward is done and flushes the last
 gradient buckets and releases whatever is still gathered.
 
+[Note: frozen parameters in recomputation]
+Non-reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``) runs the forward of a
+checkpointed region again inside backward, and keeps what that recomputation saves for the backward ops. It keeps a
+tensor that requires grad as a ``detach()``ed alias (its own shape, sharing the storage our gather fills again before
+the module's backward), but a tensor that does not (a frozen weight: PEFT's base model) as the Parameter itself. Our
+post-forward release swaps that Parameter's data for an empty tensor, so torch's check of the recomputed tensors
+(run when backward first unpacks one) sees shape [0] and raises CheckpointError; the backward op would read nothing.
+So a post-forward inside backward keeps the module's frozen parameters gathered; its post-backward releases them
+(or, if its inputs need no gradient, the end of backward does). Trainable parameters are released as before.
+
+[Note: recomputation stopped early]
+torch stops a recomputation as soon as it has recomputed the last tensor it needs, by raising
+``_StopRecomputationError`` from inside the op that saves it, so the modules then running (often the block's last
+Linear; a whole leaf block) end their forward with an exception. The post-forward hook is therefore registered with
+``always_call=True``: otherwise that recomputation's gather would stay counted in ``active_users`` (its parameters
+gathered to the end of backward; with leaf blocks, every block) and its scope in external.py left open (later reads
+attributed to a module no longer running). A forward that raises for any other reason is closed the same way.
+
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
 as a scope even when it has no parameters of its own.
@@ -68,6 +86,11 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _recomputing() -> bool:
+    """A forward that backward runs: activation checkpointing's recomputation."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(obj)
     found = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -88,7 +111,8 @@ class ModuleHooks:
         self._handles = [root.register_forward_pre_hook(self._enter_model, prepend=True)]
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            # always_call: also after a forward that raised; see [Note: recomputation stopped early]
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
         self._handles.append(root.register_forward_hook(self._leave_model, always_call=True))
         external.watch_parameter_reads(root)
 
@@ -127,7 +151,7 @@ class ModuleHooks:
         for x in outputs:
             if isinstance(x, ZeroParameter):  # returned to the caller, who uses it after this module ends
                 self.coordinator.hold_returned(x)
-        self.coordinator.release(module)
+        self.coordinator.release(module, keep_frozen=_recomputing())  # see [Note: frozen parameters in recomputation]
         if torch.is_grad_enabled():
             tensors = [x for x in outputs if x.requires_grad]
             if tensors:
