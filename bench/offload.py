@@ -7,6 +7,7 @@
     python bench/offload.py --model 100m --variants none nvme_params --steps 5     # bench/compare.py's 100m GPT
     python bench/offload.py --model 1.8b --variants nvme_params --steps 3          # states 2x what half the RAM holds
     python bench/offload.py --variants nvme_params_nocrc nvme_params --passes time # cost of the swap checksums
+    python bench/offload.py --variants cpu_fp32_grads cpu --sub-group-size 1000000000  # 16-bit grads into CPUAdam
 
 Each variant runs in fresh processes (``python -m torch.distributed.run --standalone --nproc_per_node N``, CPU,
 gloo, ``OMP_NUM_THREADS=1`` per rank), twice, as bench/compare.py does: a time pass with the default glibc allocator
@@ -18,7 +19,9 @@ moments in files under ``--nvme-path`` (``sub_group_size`` 500k elements, 4 buff
 ``nvme_params`` adds ``offload_param`` nvme (the 16-bit shards in files too: buckets of ``buffer_size`` 500k
 elements, 4 read ahead, ``max_in_cpu`` 2M elements per rank). A ``_nocrc`` suffix (``nvme_nocrc``,
 ``nvme_params_nocrc``) runs the same with ``aio.checksum`` off: no CRC of the swap blocks (see [Note: swap
-checksums] in zero_engine/offload/nvme.py).
+checksums] in zero_engine/offload/nvme.py). ``cpu_fp32_grads`` is ``cpu`` with the optimizer's earlier path: each
+sub-group's bf16 gradient shards converted to fp32 copies before CPUAdam, instead of going into its kernel as they
+are; ``--sub-group-size`` overrides the model's (DeepSpeed's default, 1e9, converts the whole shard at once).
 ``--model`` picks the GPT: ``small`` (23.2M, the default), ``100m`` (97.7M, bench/compare.py's) or ``1.8b``
 (1.83B, built under ``zero_engine.zero.Init`` so that no rank ever holds the whole model; its model states, 16 bytes
 a parameter, are 13.6 GiB per rank at world 2, more than half of a 24 GiB machine, so only ``nvme_params`` fits).
@@ -63,10 +66,13 @@ MODELS = {
 }
 
 
+SUB_GROUP = None  # --sub-group-size: overrides the model's sub_group_size
+
+
 def config(variant: str, nvme_path: str, model: str = "small") -> dict:
     checksum = not variant.endswith("_nocrc")
-    variant = variant.removesuffix("_nocrc")
-    sub_group = MODELS[model].sub_group
+    variant = variant.removesuffix("_nocrc").removesuffix("_fp32_grads")
+    sub_group = SUB_GROUP or MODELS[model].sub_group
     zero = {"stage": 3, "sub_group_size": sub_group, "overlap_comm": True, **MODELS[model].knobs}
     if variant == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -107,31 +113,45 @@ def worker(variant: str, nvme_path: str, steps: int, out: str, model_name: str) 
     else:
         model = GPT(cfg)
     engine, *_ = zero_engine.initialize(model=model, config=ds_config)
+    if variant.endswith("_fp32_grads"):  # the path before 16-bit gradients went into CPUAdam's kernel
+        engine.optimizer.grads_in_kernel = False
+        for master in engine.optimizer.masters.values():
+            master.grad_dtype = torch.float32
     init_seconds = time.perf_counter() - start
     psi = sum(sp.numel for sp in engine.sharded)
-    times, losses = [], []
+    from zero_engine.memory import reset_rss_peak, rss_bytes, rss_peak_bytes
+
+    times, losses, opt_times, opt_rss_rise = [], [], [], []
+    peak = 0  # the run's peak RSS, kept across the per-step resets below
     swapper = getattr(engine.optimizer, "swapper", None)
     io_before = {}
     for i, (x, y) in enumerate(make_batches(cfg, steps, micro * world)):
         if i == min(2, steps - 1):
             engine.reset_memory_peaks()
+            peak = 0
             io_before = dict(swapper.io_stats) if swapper is not None else {}
         start = time.perf_counter()
         loss = engine(x[rank * micro: (rank + 1) * micro], y[rank * micro: (rank + 1) * micro])
         engine.backward(loss)
-        engine.step()
+        peak = max(peak, rss_peak_bytes())
+        rss_before, opt_start = rss_bytes(), time.perf_counter()
+        reset_rss_peak()
+        engine.step()  # the optimizer step alone: its time and how far RSS rises above where it started
+        opt_times.append(time.perf_counter() - opt_start)
+        opt_rss_rise.append(rss_peak_bytes() - rss_before)
         took = torch.tensor(time.perf_counter() - start)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         times.append(took.item())
         losses.append(loss.float().item())
     io = {k: v - io_before.get(k, 0) for k, v in swapper.io_stats.items()} if swapper is not None else None
     stats = engine.memory_stats()
-    rss_peak = torch.tensor(float(stats["rss_peak"]))
+    rss_peak = torch.tensor(float(max(peak, rss_peak_bytes())))
     dist.all_reduce(rss_peak, op=dist.ReduceOp.MAX)
     engine.destroy()
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"variant": variant, "model": model_name, "psi": psi, "world": world, "times": times,
+                       "opt_times": opt_times, "opt_rss_rise": opt_rss_rise,
                        "losses": losses, "init_seconds": init_seconds,
                        "rss_peak_max_rank": rss_peak.item(), "by_location": stats["by_location"],
                        "model_states": engine.model_state_bytes(stats), "io": io}, f)
@@ -147,6 +167,8 @@ def launch(variant: str, world: int, steps: int, nvme_path: str, memory_pass: bo
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                os.path.abspath(__file__), "--worker", variant, "--nvme-path", nvme_path, "--steps", str(steps),
                "--aio-threads", str(AIO_THREADS), "--model", model, "--out", out]
+        if SUB_GROUP:
+            cmd += ["--sub-group-size", str(SUB_GROUP)]
         subprocess.run(cmd, env=env, check=True, timeout=3600, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)
@@ -162,7 +184,7 @@ def _io_text(io: dict | None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "nvme", "nvme_sequential", "nvme_params", "nvme_nocrc", "nvme_params_nocrc"])
+    parser.add_argument("--variants", nargs="+", default=["none", "nvme"], choices=["none", "cpu", "cpu_fp32_grads", "nvme", "nvme_sequential", "nvme_params", "nvme_nocrc", "nvme_params_nocrc"])
     parser.add_argument("--model", default="small", choices=list(MODELS))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--passes", default="time,memory",
@@ -170,6 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "zero_engine_nvme"))
     parser.add_argument("--aio-threads", type=int, default=1, help="aio.thread_count of the nvme variants")
+    parser.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size (default: the model's)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the variants this many times, interleaved (a, b, a, b...); step times pool the "
                              "measured steps of every repeat (a noisy machine hits each variant alike)")
@@ -178,8 +201,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.makedirs(args.nvme_path, exist_ok=True)
-    global AIO_THREADS
+    global AIO_THREADS, SUB_GROUP
     AIO_THREADS = args.aio_threads
+    SUB_GROUP = args.sub_group_size
     if args.worker:
         worker(args.worker, args.nvme_path, args.steps, args.out, args.model)
         return 0
@@ -192,10 +216,12 @@ def main(argv=None) -> int:
                    for p in passes}
             if variant in results:  # pool the measured steps; the first repeat's other numbers are kept
                 results[variant]["time"]["measured"] += ran.get("time", ran.get("memory"))["times"][timed]
+                results[variant]["time"]["opt_measured"] += ran.get("time", ran.get("memory"))["opt_times"][timed]
                 continue
             results[variant] = {"time": ran.get("time", ran.get("memory")),
                                 "memory": ran.get("memory", ran.get("time"))}
             results[variant]["time"]["measured"] = list(results[variant]["time"]["times"][timed])
+            results[variant]["time"]["opt_measured"] = list(results[variant]["time"]["opt_times"][timed])
     base = results[args.variants[0]]
     psi = base["time"]["psi"]
     states = 16 * psi / args.world  # 2 (bf16 param) + 2 (grad) + 12 (fp32 master, two moments) bytes a parameter
@@ -208,8 +234,9 @@ def main(argv=None) -> int:
           "written / optimizer-step time, and the share of that time spent waiting for I/O\n")
     print(f"| variant | step time (s) | ÷ {args.variants[0]} | peak RSS per rank (MiB) | ÷ {args.variants[0]} | "
           "÷ 16Ψ/N | model states device / host / nvme per rank (MiB) | losses bitwise = "
-          f"{args.variants[0]} | optimizer-step I/O MiB/s, I/O wait share |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{args.variants[0]} | optimizer-step I/O MiB/s, I/O wait share | engine.step() (s, rank 0) | "
+          "RSS rise during engine.step() (MiB, rank 0) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     t0 = statistics.median(base["time"]["measured"])
     r0 = base["memory"]["rss_peak_max_rank"]
     for variant, r in results.items():
@@ -219,7 +246,9 @@ def main(argv=None) -> int:
         same = r["time"]["losses"] == base["time"]["losses"] and r["memory"]["losses"] == base["memory"]["losses"]
         print(f"| {variant} | {t:.3f} | {t / t0:.2f} | {rss / 2**20:.0f} | {rss / r0:.2f} | {rss / states:.2f} | "
               f"{where['device']['total'] / 2**20:.0f} / {where['host']['total'] / 2**20:.0f} / "
-              f"{where['nvme']['total'] / 2**20:.0f} | {'yes' if same else 'NO'} | {_io_text(r['time']['io'])} |")
+              f"{where['nvme']['total'] / 2**20:.0f} | {'yes' if same else 'NO'} | {_io_text(r['time']['io'])} | "
+              f"{statistics.median(r['time']['opt_measured']):.3f} | "
+              f"{max(r['memory']['opt_rss_rise'][timed]) / 2**20:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -107,6 +107,33 @@ def test_engine_accessors_follow_deepspeed(stage):
         assert got["set_train_micro_batch_size"] == (8, 1, 4)
 
 
+def _cur_scale_body(stage):
+    engine = make_engine(stage, fp16={"enabled": True, "initial_scale_power": 8})
+    opt = engine.optimizer
+    got = [engine.loss_scale(), opt.cur_scale, opt.loss_scale]
+    opt.cur_scale = 2.0 ** 20  # DeepSpeed lets the scale be set through the optimizer too
+    got.append(engine.loss_scaler.scale)
+    engine.backward(engine(batch(0).half()))
+    engine.backward(engine(batch(1).half()))
+    engine.step()  # 1 * 2**20 scaled gradients of a tiny model: finite; the dynamic scale holds for the window
+    got.append(opt.cur_scale == engine.loss_scaler.scale)
+    bf16 = make_engine(stage, bf16={"enabled": True})
+    try:
+        bf16.optimizer.cur_scale = 4.0
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return got, bf16.optimizer.cur_scale, refused
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_optimizer_cur_scale_is_the_current_loss_scale(stage):
+    for got, bf16_scale, refused in run_ranks(_cur_scale_body, 2, stage, timeout=TIMEOUT):
+        assert got == [0, 256.0, 256.0, 2.0 ** 20, True], got
+        assert bf16_scale == 1.0
+        assert refused is not None and "fp16.enabled" in refused, refused
+
+
 def _manual_boundary_body():
     engine = make_engine(3)  # gas 2 in the config
     before = [p.detach().clone() for p in engine.module.parameters() if p.ds_numel == 0]  # none: all partitioned

@@ -105,6 +105,46 @@ def test_accelerator_code_path_on_the_cpu_matches_bitwise(stage, bf16, offload, 
         assert host[2]["master_params"] > 0 and host[2]["by_location"][where]["master_params"] > 0
 
 
+def _grads_in_kernel_body(in_kernel: bool):
+    """bf16 stage 3 with CPU optimizer offload; records what CPUAdam is handed as gradients at each sub-group."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = config(3, "cpu", bf16=True)
+    cfg["gradient_clipping"] = 0.1  # clipped: the kernel's scale is not 1
+    engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
+    opt = engine.optimizer
+    if not in_kernel:  # the fp32-copy path this replaced, for the bitwise comparison
+        opt.grads_in_kernel = False
+        for master in opt.masters.values():
+            master.grad_dtype = torch.float32
+    seen = []
+    kernel_step = opt.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        for sp in engine.sharded:
+            grad = opt.masters[id(sp.param)].grad
+            if grad is not None:
+                shard = opt.reducer.shard_grad(sp)
+                seen.append((grad.dtype, grad.data_ptr() == shard.data_ptr(), kwargs.get("grad_scale", 1.0) < 1))
+        return kernel_step(*args, **kwargs)
+
+    opt.optimizer.step = recording_step
+    losses = run_steps(engine, make_batches(MODEL, 3, world * 4))
+    params = gathered_params(engine)
+    engine.destroy()
+    return (losses, params), set(seen)
+
+
+def test_cpu_adam_takes_bf16_gradient_shards_without_an_fp32_copy():
+    """The 16-bit gradient shards go into CPUAdam as they are (the kernel scales them in fp32: no fp32 copy of the
+    gradients, 4 bytes per parameter of the sub-group less during the step), bitwise equal to converting them first
+    (clipped: the kernel's scale is not 1)."""
+    for (fused, seen), (copied, _) in zip(run_ranks(_grads_in_kernel_body, 2, True, timeout=TIMEOUT),
+                                               run_ranks(_grads_in_kernel_body, 2, False, timeout=TIMEOUT)):
+        assert seen == {(torch.bfloat16, True, True)}, seen  # the reducer's bf16 shards themselves, clipped
+        assert_same(fused, copied, "bf16 gradients into CPUAdam vs fp32 copies")
+
+
 def _buffers_body(nvme_path: str, buffer_count: int, pipeline: bool):
     cfg = config(3, "nvme", nvme_path, bf16=True, buffer_count=buffer_count, pipeline_read=pipeline,
                  pipeline_write=pipeline)

@@ -150,6 +150,28 @@ def test_fp16_grads_match_torch():
     torch.testing.assert_close(ours, run_torch(param, grads, adamw_mode=True), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
+def test_grad_scale_in_the_kernel_equals_scaling_an_fp32_copy(grad_dtype, adamw_mode):
+    """step(grad_scale=c) on 16-bit gradients is bitwise what ZeRO did before: grad.float() * c as an fp32
+    gradient (the vector body and the tail, 4097 + 5 elements; c not a power of two, so it rounds)."""
+    size = 4097 + 5
+    param = make_param(size)
+    scales = [0.37, 1.0, 3.1e-3]
+    grads = make_grads(size, 3, grad_dtype)
+    in_kernel = param.clone().requires_grad_(True)
+    copied = param.clone().requires_grad_(True)
+    opt_kernel = CPUAdam([in_kernel], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=adamw_mode)
+    opt_copied = CPUAdam([copied], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=adamw_mode)
+    for grad, scale in zip(grads, scales):
+        set_grad(in_kernel, grad)
+        opt_kernel.step(grad_scale=scale)
+        copied.grad = grad.float() * scale
+        opt_copied.step()
+        assert torch.equal(in_kernel, copied), (grad_dtype, scale)
+    assert opt_kernel._grad_scale == 1.0  # only for that step
+
+
 def test_params_that_skip_steps_keep_their_own_step_count():
     # Bias correction depends on each parameter's own step count; CPUAdam batches by step.
     ours = [make_param(size, seed) for seed, size in enumerate([7, 4097, 33])]

@@ -155,7 +155,7 @@ def test_a_rank_that_runs_fewer_steps_is_named_by_every_rank(stage):
 
 def _fingerprint_body():
     """Same-shaped collectives under different names pair up; the step fingerprint names the difference."""
-    comm = Communicator()
+    comm = Communicator(step_fingerprint=True)
     rank = comm.rank
     comm.progress.phase, comm.progress.step = "forward", 7
     t = torch.ones(5)
@@ -175,6 +175,33 @@ def test_step_fingerprint_catches_collectives_that_paired_up():
         assert "rank 0: all_reduce of blocks.0.attn (forward, step 7)" in message, message
         assert "rank 1: all_reduce of blocks.0.mlp (forward, step 7)" in message, message
         assert "not taken" in message and matched_again == 2.0
+
+
+def _records_kept_body(fingerprint: bool, steps: int):
+    """Step records still held after each of ``steps`` stage-3 steps."""
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=Branchy(same_shape=True),
+                                        config=_config(3, stall=None, step_fingerprint=fingerprint))
+    kept = []
+    for _ in range(steps):
+        loss = engine(torch.randn(2, 8), branch=0)
+        engine.backward(loss)
+        engine.step()
+        kept.append(len(engine.comm.progress.step_records))
+    return kept, engine.comm.progress.seq
+
+
+@pytest.mark.parametrize("fingerprint", [False, True])
+def test_step_records_do_not_grow_with_the_number_of_steps(fingerprint):
+    """Without the fingerprint nothing reads the step records, so none are kept; with it, they are drained at each
+    step's check. Before the fix the list grew by every collective of every step with step_fingerprint off."""
+    for kept, issued in run_ranks(_records_kept_body, 2, fingerprint, 30, timeout=TIMEOUT):
+        assert issued > 30 * 5, issued  # the steps did issue collectives
+        if fingerprint:
+            assert max(kept) == kept[0] == kept[-1], kept  # drained each step: the same few after every step
+            assert kept[-1] < issued / 30, (kept, issued)
+        else:
+            assert kept == [0] * 30, kept
 
 
 def _kill_body(where: str):

@@ -67,6 +67,38 @@ def sharded(module: nn.Module, world: int, rank: int, prefix: str) -> list[Shard
     return [ShardedParam(p, f"{prefix}.{n}", i, rank, world) for i, (n, p) in enumerate(module.named_parameters())]
 
 
+# ---- gathers -------------------------------------------------------------------------------------------------------
+class _InputsComm(LoopbackComm):
+    """Also keeps the id of every tensor a collective was given to read."""
+
+    def __init__(self):
+        super().__init__(2, 0)
+        self.inputs: list[int] = []
+
+    def all_gather_into_tensor(self, out, inp, async_op=False, name=""):
+        self.inputs.append(id(inp))
+        return super().all_gather_into_tensor(out, inp, async_op, name)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_a_gather_holds_every_input_its_collectives_read_until_wait(sequential):
+    """On CUDA the all-gather reads its input on a side stream; streams.py requires a reference until the compute
+    stream waited. Shards outside a bucket are concatenated for a coalesced gather: that temporary must be held by
+    the work (before, nothing referenced it once the collective was issued)."""
+    torch.manual_seed(0)
+    sps = sharded(nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3)), 2, 0, "m")  # small: one coalesced run
+    for sp in sps:
+        sp.release()
+    comm = _InputsComm()
+    gatherer = SequentialGather(comm) if sequential else CoalescedGather(comm, 10_000)
+    work = gatherer.issue(sps)
+    assert comm.inputs and {id(t) for t in work.keep_alive} == set(comm.inputs), (comm.inputs, work.keep_alive)
+    if not sequential:  # the concatenated shards: a new tensor nothing else holds
+        assert len(comm.inputs) == 1 and work.keep_alive[0].numel() == sum(sp.shard_numel for sp in sps)
+    work.wait()
+    assert work.keep_alive == [] and all(sp.status is ParamStatus.AVAILABLE for sp in sps)
+
+
 # ---- the coordinator ------------------------------------------------------------------------------------------------
 def zero_config(**overrides):
     values = dict(prefetch_bucket_size=10_000, max_live_parameters=10**9, max_reuse_distance=0,

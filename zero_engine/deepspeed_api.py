@@ -204,8 +204,8 @@ class DeepSpeedEngineAPI:
         return self.fp16_enabled() and self.config.fp16.loss_scale == 0
 
     def loss_scale(self) -> float:
-        """The configured static loss scale (0: dynamic), as DeepSpeed's accessor; the current dynamic scale is
-        ``engine.optimizer.cur_scale``."""
+        """The configured static loss scale (0: dynamic), as DeepSpeed's accessor; the current scale is
+        ``engine.optimizer.cur_scale`` (or ``engine.optimizer.loss_scale``), as in DeepSpeed."""
         return self.config.fp16.loss_scale
 
     def steps_per_print(self) -> int:

@@ -4,8 +4,9 @@ One training step, in order (stage 3):
   forward   ``engine(batch)``      the coordinator starts a step; module hooks gather parameters just in time
                                    (prefetching along the recorded trace) and release them after use
   backward  ``engine.backward(l)`` hooks gather again in reverse; each gradient goes into a bucket that is
-                                   reduce-scattered into this rank's fp32 gradient shards; at the end of the pass
-                                   one callback flushes the last buckets and releases what is still gathered
+                                   reduce-scattered into this rank's gradient shards (compute dtype: 16-bit in
+                                   mixed precision, as DeepSpeed; grads.py); at the end of the pass one callback
+                                   flushes the last buckets and releases what is still gathered
   step      ``engine.step()``      at the accumulation boundary only: global grad norm (one all-reduce), clipping,
                                    the optimizer on fp32 master shards, LR scheduler, logging
 
@@ -97,7 +98,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                              "optimizer steps over partitioned fp32 masters); set stage 1, or remove offload_optimizer")
         ze = self.config.zero_engine
         self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
-                                 collective_timeout_s=ze.collective_timeout_s)
+                                 collective_timeout_s=ze.collective_timeout_s, step_fingerprint=ze.step_fingerprint)
         self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
         self._restore_client_optimizer = client_optimizer_restorer(optimizer)
         try:
@@ -146,14 +147,16 @@ class ZeroEngine(DeepSpeedEngineAPI):
             trainable = [p for p in model.parameters() if p.requires_grad]
             self.optimizer = DataParallelOptimizer(
                 trainable, self.comm, self.config.gradient_clipping, zc.reduce_bucket_size, optimizer,
-                self.config.optimizer, groups, self.compute_dtype, self.communication_data_type) if trains else None
+                self.config.optimizer, groups, self.compute_dtype, self.communication_data_type,
+                loss_scaler=self.loss_scaler) if trains else None
             if self.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
                 cast_floating_(model, self.compute_dtype)  # after the fp32 masters were taken
         else:
             self._partition(model, zc, fp32_masters=trains)
             self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
                                            optimizer, self.config.optimizer, groups, zc.sub_group_size,
-                                           self.placement, zc.offload_optimizer, self.config.aio) if trains else None
+                                           self.placement, zc.offload_optimizer, self.config.aio,
+                                           loss_scaler=self.loss_scaler) if trains else None
             if self.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
                 if self.optimizer is not None:
                     self.optimizer.param_swapper = self.param_swapper

@@ -84,6 +84,8 @@ class Communicator:
         stall_timeout_s: with a positive value (and the world group, more than one rank), waits go through a
             ``StallWatchdog``: a collective not done after this many seconds makes the ranks compare their progress
             records and raise ``RankDivergenceError`` / ``RankLostError`` instead of hanging. 0 or None: plain waits.
+        step_fingerprint: keep each step's collective records for ``check_step_fingerprint`` (watchdog.py), which
+            must then be called once a step to drain them; False (the default): no step records are kept.
         collective_timeout_s: with the watchdog, a wait longer than this raises ``DistributedError`` whoever created
             the process group (the group's own timeout still applies too). None: the group's own timeout
             (``group_timeout_s``), so a group made with ``timeout=1h`` waits an hour. Resolved in
@@ -95,7 +97,7 @@ class Communicator:
     """
 
     def __init__(self, group=None, debug: bool = False, stall_timeout_s: Optional[float] = None,
-                 collective_timeout_s: Optional[float] = None) -> None:
+                 collective_timeout_s: Optional[float] = None, step_fingerprint: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "Communicator needs an initialized torch.distributed process group; call "
@@ -112,7 +114,7 @@ class Communicator:
         self._sequence = 0
         self._stats: dict[str, dict[str, int]] = {}
         self.reset_stats()
-        self.progress = ProgressLog()
+        self.progress = ProgressLog(step_fingerprint=step_fingerprint)
         self.watchdog: Optional[StallWatchdog] = None
         self._agree_next = False
         self._closed = False

@@ -4,8 +4,10 @@
 Every collective the Communicator issues gets the next sequence number and a small record: kind, dtype, element
 count, name (module or bucket), and where the engine is -- phase (forward/backward/step/...) and global step, which
 the engine sets on ``ProgressLog.phase`` / ``ProgressLog.step`` as it goes (two attribute writes per phase, nothing
-more). The last ``capacity`` records stay in a ring buffer for the stall watchdog; the records of the current step
-are also folded into a CRC (the step fingerprint) and kept until the step's fingerprint is taken. All of it is
+more). The last ``capacity`` records stay in a ring buffer for the stall watchdog; with ``step_fingerprint`` (the
+engine's ``zero_engine.step_fingerprint``) the records of the current step are also folded into a CRC (the step
+fingerprint) and kept until the step's fingerprint is taken. Without it nothing takes them, so none are kept (a
+list nobody drains would grow by every collective of every step). All of it is
 local: the normal path exchanges nothing. Collectives pair up across ranks by order, so in a healthy job rank r's
 record number n describes the same collective on every rank; the first number at which records differ is where
 the ranks diverged.
@@ -62,12 +64,13 @@ class ProgressLog:
     collective.
     """
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, step_fingerprint: bool = False) -> None:
         self.phase = "setup"
         self.step = 0
         self.module = ""  # the module whose parameters were fetched last (ZeRO-3), for messages
         self.seq = 0  # records issued so far; the next one gets seq + 1
         self.recent: collections.deque[CollectiveRecord] = collections.deque(maxlen=capacity)
+        self.step_fingerprint = step_fingerprint  # keep this step's records and CRC for take_step_fingerprint
         self.step_records: list[CollectiveRecord] = []
         self._crc = 0
 
@@ -75,8 +78,9 @@ class ProgressLog:
         self.seq += 1
         rec = CollectiveRecord(self.seq, kind, dtype, numel, name, self.phase, self.step)
         self.recent.append(rec)
-        self.step_records.append(rec)
-        self._crc = zlib.crc32(f"{kind}|{dtype}|{numel}|{name}|{self.phase}|{self.step};".encode(), self._crc)
+        if self.step_fingerprint:
+            self.step_records.append(rec)
+            self._crc = zlib.crc32(f"{kind}|{dtype}|{numel}|{name}|{self.phase}|{self.step};".encode(), self._crc)
         return rec
 
     @property
@@ -85,6 +89,10 @@ class ProgressLog:
 
     def take_step_fingerprint(self) -> tuple[int, list[CollectiveRecord]]:
         """The CRC of the records since the last call and those records; starts the next step's fingerprint."""
+        if not self.step_fingerprint:
+            raise RuntimeError("take_step_fingerprint: this rank's progress log keeps no step records; create the "
+                               "Communicator with step_fingerprint=True (the engine does when "
+                               "zero_engine.step_fingerprint is true)")
         crc, records = self._crc, self.step_records
         self._crc, self.step_records = 0, []
         return crc, records

@@ -221,8 +221,11 @@ def plan_build(op_name: str) -> BuildPlan:
     if op_name == "cpu_adam":
         sources = (CSRC_DIR / "adam" / "cpu_adam.cpp",)
         _require_sources(op_name, sources)
+        # -ffp-contract=off: the kernel writes every fused multiply-add it wants explicitly; the compiler must not
+        # fuse others (e.g. the gradient's scaling into the moment update), which would round differently from
+        # torch's separate grad.float() * coef and break the bitwise parity of the 16-bit gradient path.
         sources_hash = _sources_hash(sources)
-        common_cflags = ("-O3", "-fno-math-errno", f"-DZE_SOURCES_HASH=0x{sources_hash}")
+        common_cflags = ("-O3", "-fno-math-errno", "-ffp-contract=off", f"-DZE_SOURCES_HASH=0x{sources_hash}")
         _require_host_toolchain(op_name)
         level = choose_simd_level()
         name = f"zero_engine_cpu_adam_{level.name}_{sources_hash[:8]}"  # see [Note: one build per source version]

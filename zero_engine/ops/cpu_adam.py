@@ -3,9 +3,11 @@
 
 This is the optimizer for ZeRO's CPU offload: fp32 master shards, moments and the update live in host
 memory, where the step is bound by memory bandwidth. The kernel reads each element once and writes it
-once, reads bf16/fp16 gradients directly (no fp32 copy of the gradient), and can write the updated
-parameter's bf16/fp16 copy in the same pass (``set_low_precision_copy``), which saves a separate
-read-convert-write pass over the parameters before they are sent back to the accelerator.
+once, reads bf16/fp16 gradients directly (no fp32 copy of the gradient) and scales them in fp32
+(``step(grad_scale=...)``: ZeRO's unscale-and-clip coefficient, so the ZeRO optimizer hands its 16-bit
+gradient shards over as they are), and can write the updated parameter's bf16/fp16 copy in the same pass
+(``set_low_precision_copy``), which saves a separate read-convert-write pass over the parameters before they
+are sent back to the accelerator.
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ class CPUAdam(OpAdamBase):
         self._low_precision_copies: dict[torch.Tensor, torch.Tensor] = {}
         # Threads of the kernel; None: torch.get_num_threads(). Set from offload_optimizer.cpuadam_cores_perc.
         self.num_threads: int | None = None
+        self._grad_scale = 1.0  # for the step in progress (see step)
+
+    accepts_grad_scale = True  # step(grad_scale=...) scales the gradients inside the kernel
+
+    def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
+        """One Adam step; every gradient is first multiplied by ``grad_scale`` in fp32 inside the kernel, exactly
+        as ``grad.float() * grad_scale`` (the ZeRO optimizer's unscale and clipping coefficient), so a 16-bit
+        gradient needs no fp32 copy."""
+        self._grad_scale = float(grad_scale)
+        try:
+            return super().step(closure)
+        finally:
+            self._grad_scale = 1.0
 
     @property
     def kernel_info(self) -> str:
@@ -83,4 +98,4 @@ class CPUAdam(OpAdamBase):
         self._op.adam_step(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, copies, step,
                            float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                            float(group["weight_decay"]), bool(group["adamw_mode"]), bool(group["bias_correction"]),
-                           self.num_threads or torch.get_num_threads())
+                           self._grad_scale, self.num_threads or torch.get_num_threads())

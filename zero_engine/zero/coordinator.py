@@ -139,7 +139,7 @@ class ParamCoordinator:
         for params in self.module_params.values():
             for p in params:
                 p.active_users = 0
-                if p.is_available and not p.is_persistent and not p.held_by_user:
+                if self._releasable(p):
                     self._release(p)
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
@@ -187,20 +187,14 @@ class ParamCoordinator:
         with profile_range(f"zero3::release {self.module_names[module]}"):
             for p in params:
                 p.active_users = max(0, p.active_users - 1)
-                if p.active_users or p.is_persistent or p.held_by_user or not p.is_available:
+                if not p.releasable:
                     continue
                 if keep_frozen and not p.param.requires_grad:
-                    continue
-                if event_index is not None:
-                    # [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept
-                    # between its uses inside one forward or one backward, so it is gathered once per pass; the
-                    # live budget still rules: _make_room gives kept parameters up first when a fetch needs room.
-                    distance = self.trace.reuse_distance(p, event_index)
-                    if (distance is not None and distance < self.max_reuse_distance) or \
-                            self.trace.used_again_in_pass(p, event_index):
-                        self._kept[id(p)] = p
-                        continue
-                self._release(p)
+                    continue  # released at the end of the step (see keep_frozen above)
+                if self._releasable(p, after_event=event_index):
+                    self._release(p)
+                else:
+                    self._kept[id(p)] = p  # reused soon: _make_room gives it up first when a fetch needs room
         if self.on_event is not None:
             self.on_event(f"release {self.module_names[module]}")
 
@@ -262,7 +256,7 @@ class ParamCoordinator:
         held, self._held = list(self._held.values()), {}
         for p in held:
             p.active_users = max(0, p.active_users - 1)
-            if not p.active_users and p.is_available and not p.held_by_user:
+            if self._releasable(p):
                 self._release(p)
 
     def end_model_forward(self) -> None:
@@ -316,6 +310,21 @@ class ParamCoordinator:
             p.live_owner = None
             self.live_numel -= p.padded_numel
 
+    def _releasable(self, p: ShardedParam, after_event: int | None = None) -> bool:
+        """The release rule (see [Note: the release rule] in partition.py), plus, after trace event ``after_event``
+        of a step that follows the trace, keeping a parameter used again soon.
+
+        [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept between its uses
+        inside one forward or one backward, so it is gathered once per pass; the live budget still rules: _make_room
+        gives kept parameters up first when a fetch needs room."""
+        if not p.releasable:
+            return False
+        if after_event is None:
+            return True
+        distance = self.trace.reuse_distance(p, after_event)
+        reused_soon = distance is not None and distance < self.max_reuse_distance
+        return not (reused_soon or self.trace.used_again_in_pass(p, after_event))
+
     def release_param(self, p: ShardedParam) -> None:
         """Release ``p`` on behalf of someone else (GatheredParameters' exit), keeping the live count right."""
         self._release(p)
@@ -325,7 +334,7 @@ class ParamCoordinator:
         for p in list(self._kept.values()):
             if self.live_numel + numel <= self.max_live:
                 return
-            if p.active_users == 0 and p.is_available:
+            if self._releasable(p):  # not one a GatheredParameters block holds, nor one a module uses
                 self._release(p)
 
     def _prefetch_after(self, index: int) -> None:

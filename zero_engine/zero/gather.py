@@ -41,7 +41,9 @@ class GatherWork:
     accounting: object = None  # MemoryAccounting: the staging buffers count as comm_buffers while they live
     numel: int = 0  # gathered elements this work makes live
     done: bool = False
-    keep_alive: list = field(default_factory=list)  # inputs the collectives read (host-offloaded shards' device copies)
+    # Every input a collective reads, until wait(): on CUDA a side stream reads it, and streams.py's rule is that the
+    # caller holds such a buffer until the compute stream waited (a cat's output would otherwise be freed at once).
+    keep_alive: list = field(default_factory=list)
 
     @property
     def flat_bytes(self) -> int:
@@ -81,17 +83,20 @@ def _runs(params: list[ShardedParam], run_numel: int) -> list[list[ShardedParam]
     return runs
 
 
-def _all_gather(comm, streams, out: torch.Tensor, inp: torch.Tensor, name: str):
-    """Issue one all-gather, on the all-gather stream on CUDA (see [Note: streams, events and buffer lifetime]:
-    ``out`` was allocated on the compute stream before this call, and ``wait()`` orders its readers)."""
+def _all_gather(comm, streams, work: GatherWork, out: torch.Tensor, inp: torch.Tensor, name: str) -> None:
+    """Issue one all-gather into ``work``, on the all-gather stream on CUDA (see [Note: streams, events and buffer
+    lifetime]: ``out`` was allocated on the compute stream before this call, ``work`` holds ``inp`` until its
+    ``wait()``, which orders the readers of ``out``)."""
+    work.keep_alive.append(inp)
     if streams is None:
-        return comm.all_gather_into_tensor(out, inp, async_op=True, name=name)
-    return streams.collective_on(streams.all_gather,
-                                 lambda: comm.all_gather_into_tensor(out, inp, async_op=True, name=name))
+        work.pending.append(comm.all_gather_into_tensor(out, inp, async_op=True, name=name))
+        return
+    work.pending.append(streams.collective_on(
+        streams.all_gather, lambda: comm.all_gather_into_tensor(out, inp, async_op=True, name=name)))
 
 
 def _gather_direct(comm, work: GatherWork, p: ShardedParam, name: str, streams=None) -> None:
-    work.pending.append(_all_gather(comm, streams, p.alloc_full(), p.shard, name or p.fqn))
+    _all_gather(comm, streams, work, p.alloc_full(), p.shard, name or p.fqn)
 
 
 class CoalescedGather:
@@ -121,7 +126,7 @@ class CoalescedGather:
             if inp is None:
                 inp = torch.cat([p.shard for p in run])
             out = torch.empty(inp.numel() * self.comm.world_size, dtype=inp.dtype, device=inp.device)
-            work.pending.append(_all_gather(self.comm, self.streams, out, inp, name))
+            _all_gather(self.comm, self.streams, work, out, inp, name)
             layout, offset = [], 0
             for p in run:
                 layout.append((p, offset))

@@ -121,7 +121,7 @@ class GatheredParameters:
             for sp in self.sharded:
                 sp.held_by_user -= 1
             for sp in self._gathered:
-                if sp.is_available and sp.active_users == 0 and not sp.is_persistent and not sp.held_by_user:
+                if sp.releasable:  # the one release rule: not used by a running module nor held by another block
                     if sp.live_owner is not None:
                         sp.live_owner.release_param(sp)  # an engine call inside the block counted it
                     else:

@@ -128,6 +128,22 @@ class _OptimizerWrapper:
     """What both wrappers expose of the torch optimizer they drive (schedulers and users read these)."""
 
     optimizer: torch.optim.Optimizer
+    loss_scaler = None  # the engine's fp16 loss scaler (precision/loss_scaler.py); None in bf16 and fp32
+
+    @property
+    def cur_scale(self) -> float:
+        """The current loss scale, as DeepSpeed's fp16 and ZeRO optimizers expose it (``loss_scale`` too): the
+        dynamic scale as it moves, the static one, or 1.0 without fp16. Setting it sets the engine's scale."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        if self.loss_scaler is None:
+            raise ValueError(f"optimizer.cur_scale = {value}: there is no loss scale to set without fp16 "
+                             "(fp16.enabled is false); bf16 and fp32 training use no loss scaling")
+        self.loss_scaler.scale = float(value)
+
+    loss_scale = cur_scale
 
     @property
     def param_groups(self):
@@ -153,7 +169,8 @@ class ZeroOptimizer(_OptimizerWrapper):
 
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
                  optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9, placement=None,
-                 offload=None, aio=None):
+                 offload=None, aio=None, loss_scaler=None):
+        self.loss_scaler = loss_scaler
         self.reducer = reducer
         self.comm = comm
         # the compute device: the grad-norm all-reduce runs there (NCCL reduces device tensors only)
@@ -182,6 +199,12 @@ class ZeroOptimizer(_OptimizerWrapper):
             self.optimizer.num_threads = _cpu_adam_threads(offload.cpuadam_cores_perc)
         # CPUAdam writes the updated 16-bit compute shard in the same pass as the fp32 master (one memory pass).
         self.fused_shard_copy = hasattr(self.optimizer, "set_low_precision_copy")
+        # CPUAdam also scales 16-bit gradients in its kernel: the shards go in as they are, with no fp32 copy
+        # (the master takes a gradient of its compute dtype: grad_dtype).
+        self.grads_in_kernel = getattr(self.optimizer, "accepts_grad_scale", False)
+        if self.grads_in_kernel:
+            for sp in self.sharded:
+                self.masters[id(sp.param)].grad_dtype = self.reducer.grad_dtype
         if self.fused_shard_copy:
             for sp in self.sharded:
                 if not sp.master_is_shard and sp.dtype != torch.float32:
@@ -201,7 +224,9 @@ class ZeroOptimizer(_OptimizerWrapper):
         [Note: sub-groups] In 16-bit training the gradient shards are 16-bit; the optimizer needs fp32. Converting
         them all at once would cost 4 bytes per parameter more for the length of the step, so the update runs
         over sub-groups of at most ``sub_group_size`` elements: only one sub-group's fp32 gradients exist at a
-        time. A torch optimizer skips parameters whose grad is None, which is what makes this work.
+        time. A torch optimizer skips parameters whose grad is None, which is what makes this work. CPUAdam needs
+        no fp32 gradients at all: it takes the 16-bit shards as they are and applies ``coef`` (unscaling, clipping)
+        in fp32 inside its kernel, bitwise what ``grad.float() * coef`` gives (``grads_in_kernel``).
         """
         with profile_range("zero3::optimizer_step"):
             scaled_norm = self._global_grad_norm()
@@ -224,9 +249,14 @@ class ZeroOptimizer(_OptimizerWrapper):
             return StepResult(norm, overflow)
 
     def _update_sub_group(self, group: list[ShardedParam], coef: float) -> None:
-        for sp in group:
-            self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
-        self.optimizer.step()
+        if self.grads_in_kernel:  # CPUAdam: the gradient shards as they are, scaled by coef in the kernel
+            for sp in group:
+                self.masters[id(sp.param)].grad = self.reducer.shard_grad(sp)
+            self.optimizer.step(grad_scale=coef)
+        else:
+            for sp in group:
+                self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
+            self.optimizer.step()
         for sp in group:
             master = self.masters[id(sp.param)]
             master.grad = None
@@ -365,7 +395,8 @@ class DataParallelOptimizer(_OptimizerWrapper):
 
     def __init__(self, params: list[nn.Parameter], comm, gradient_clipping: float, bucket_numel: int,
                  optimizer, opt_config, groups: list[dict], compute_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, loss_scaler=None):
+        self.loss_scaler = loss_scaler
         self.params = params
         self.reduce_dtype = reduce_dtype  # communication_data_type; None: fp32
         self.comm = comm

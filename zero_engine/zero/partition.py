@@ -337,6 +337,17 @@ class ShardedParam:
     def is_available(self) -> bool:
         return self.status is ParamStatus.AVAILABLE
 
+    @property
+    def releasable(self) -> bool:
+        """[Note: the release rule] Whether freeing the full data now is safe: it is whole (not in flight, not
+        already released), not persistent, no running module uses it (``active_users``) and no
+        ``GatheredParameters`` block holds it (``held_by_user``). Every place that frees a parameter asks this one
+        predicate (the coordinator's end of step, a module's release, making room under the live budget, a
+        block's exit); the coordinator adds only its scheduling choice of keeping a parameter it will reuse soon
+        (``ParamCoordinator._releasable``)."""
+        return (self.status is ParamStatus.AVAILABLE and not self.is_persistent and self.active_users == 0
+                and self.held_by_user == 0)
+
     def local_slice(self) -> slice:
         """This rank's range in the flat (unpadded) parameter; empty on ranks that hold only padding."""
         start = min(self.rank * self.shard_numel, self.numel)

@@ -154,7 +154,7 @@ void run_tile(const TensorSlots& t, int64_t begin, int64_t length, const AdamSca
 }
 
 AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                         bool adamw_mode, bool bias_correction) {
+                         bool adamw_mode, bool bias_correction, double grad_scale) {
   TORCH_CHECK(step >= 1, "cpu_adam: step must be >= 1 (the count including this update), got ", step);
   // Computed in double and rounded once, as torch computes them in Python floats.
   const double bias_correction1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
@@ -167,6 +167,7 @@ AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
   s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
   s.step_size = static_cast<float>(lr / bias_correction1);
   s.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
+  s.grad_scale = static_cast<float>(grad_scale);
   s.adamw_mode = adamw_mode;
   return s;
 }
@@ -175,9 +176,10 @@ AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                const c10::List<std::optional<at::Tensor>>& low_precision_copies, int64_t step, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool adamw_mode, bool bias_correction,
-               int64_t num_threads) {
+               double grad_scale, int64_t num_threads) {
   const std::vector<TensorSlots> slots = check_and_collect(params, grads, exp_avgs, exp_avg_sqs, low_precision_copies);
-  const AdamScalars scalars = make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+  const AdamScalars scalars =
+      make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale);
 
   std::vector<Tile> tiles;
   int64_t total_elements = 0;
@@ -212,7 +214,7 @@ ZE_TORCH_LIBRARY(ZE_OP_NAMESPACE, m) {
   m.def(
       "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)?[] low_precision_copies, int step, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay, bool adamw_mode, bool bias_correction, int num_threads) -> ()",
+      "float weight_decay, bool adamw_mode, bool bias_correction, float grad_scale, int num_threads) -> ()",
       &zero_engine::adam_step);
   m.def("kernel_info() -> str", &zero_engine::kernel_info);
 }

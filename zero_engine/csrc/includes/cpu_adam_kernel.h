@@ -6,6 +6,8 @@
 //
 // The arithmetic follows torch.optim.AdamW / Adam step by step so that results agree with torch to
 // a few ulps per step:
+//   g = float(grad) * grad_scale         (ZeRO's unscale-and-clip coefficient, applied in fp32 as
+//                                         grad.float() * coef would be: 16-bit gradients need no fp32 copy)
 //   AdamW: p *= 1 - lr * wd              Adam: g += wd * p
 //   m = m + (1 - beta1) * (g - m)        (torch's lerp for weights below 0.5)
 //   v = v * beta2 + (1 - beta2) * g * g
@@ -46,6 +48,7 @@ struct AdamScalars {
   float decay_factor;            // AdamW mode: 1 - lr * wd
   float step_size;               // lr / (1 - beta1^t), or lr without bias correction
   float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^t), or 1 without bias correction
+  float grad_scale;              // every gradient is multiplied by this first (1: as given)
   bool adamw_mode;
 };
 
@@ -68,9 +71,10 @@ inline void adam_update_range(float* param, const GradT* grad, float* exp_avg, f
   const Vec v_decay_factor = simd::set1(s.decay_factor);
   const Vec v_neg_step_size = simd::set1(-s.step_size);
   const Vec v_inv_bias_correction2_sqrt = simd::set1(s.inv_bias_correction2_sqrt);
+  const Vec v_grad_scale = simd::set1(s.grad_scale);
   for (; i + simd::kWidth <= n; i += simd::kWidth) {
     Vec p = simd::load(param + i);
-    Vec g = simd::load(grad + i);
+    Vec g = simd::mul(simd::load(grad + i), v_grad_scale);  // exact when grad_scale is 1
     if (s.adamw_mode) {
       p = simd::mul(p, v_decay_factor);
     } else {
@@ -94,7 +98,7 @@ inline void adam_update_range(float* param, const GradT* grad, float* exp_avg, f
   // Tail (fewer than kWidth elements), or everything in a scalar build.
   for (; i < n; ++i) {
     float p = param[i];
-    float g = simd::load_scalar(grad + i);
+    float g = simd::load_scalar(grad + i) * s.grad_scale;
     if (s.adamw_mode) {
       p = p * s.decay_factor;
     } else {
