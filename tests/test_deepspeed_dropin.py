@@ -281,6 +281,50 @@ def test_second_engine_after_destroy_loads_and_trains_as_an_uninterrupted_run(tm
         assert diff == 0.0  # the resume is exact (as tests/test_checkpoint.py's)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _other_dtype_body(stage, path):
+    """Engine A (dtype X) trains, saves, destroy(); engine B (dtype Y) adopts the same model, loads and trains; a
+    fresh model of dtype Y loads the same checkpoint and trains alike (the checkpoint carries the fp32 masters)."""
+    out = []
+    for first, second in (("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "fp16")):
+        tag = f"{first}-{second}"
+        torch.manual_seed(0)
+        model = Small()
+        fresh_model = copy.deepcopy(model)
+        engine, *_ = deepspeed.initialize(model=model, config=config(stage, precision=first))
+        _train(engine, 2, 0)
+        engine.save_checkpoint(path, tag=tag)
+        _train(engine, 1, 5)  # away from the checkpoint
+        before_destroy = _full_params(model)
+        engine.destroy()
+        engine, *_ = deepspeed.initialize(model=model, config=config(stage, precision=second))
+        adopted = _full_params(model)
+        # the old fp32 values (a 16-bit engine's masters), not their 16-bit rounding; whole parameters match them
+        carried = all(torch.equal(adopted[n], before_destroy[n]) for n in adopted)
+        consistent = stage == 3 or all(p.dtype == DTYPES[second] and torch.equal(p.data, adopted[n].to(p.dtype))
+                                       for n, p in model.named_parameters())
+        engine.load_checkpoint(path, tag=tag, load_module_only=True)  # another dtype: the fp32 masters only
+        _train(engine, 2, 2)
+        resumed = _full_params(model)
+        engine.destroy()
+
+        fresh, *_ = deepspeed.initialize(model=fresh_model, config=config(stage, precision=second))
+        fresh.load_checkpoint(path, tag=tag, load_module_only=True)
+        _train(fresh, 2, 2)
+        expected = _full_params(fresh_model)
+        fresh.destroy()
+        out.append((tag, carried, consistent, all(torch.equal(resumed[n], expected[n]) for n in expected)))
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_second_engine_with_another_dtype_adopts_loads_and_trains_as_a_fresh_model(tmp_path, stage):
+    for results in run_ranks(_other_dtype_body, 2, stage, str(tmp_path), timeout=TIMEOUT):
+        assert results == [(tag, True, True, True) for tag in ("bf16-fp32", "fp32-bf16", "bf16-fp16")]
+
+
 def _collected_body():
     torch.manual_seed(0)
     model = Small()

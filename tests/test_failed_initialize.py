@@ -66,6 +66,12 @@ def _fail_then_train_body(case: str, tmp: str):
                    lr_scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR))
         good = dict(config=config(2, optimizer=False), optimizer=client)  # the same optimizer object again
         expected = (ValueError, "total_steps")
+    elif case == "scheduler_bf16_then_fp32":  # stage 2: the corrected initialize also leaves bf16 for fp32
+        client = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        bad = dict(config={**config(2, optimizer=False), "bf16": {"enabled": True}}, optimizer=client,
+                   lr_scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR))
+        good = dict(config=config(2, optimizer=False), optimizer=client)  # the fp32 masters, not their bf16 rounding
+        expected = (ValueError, "total_steps")
     elif case == "optimizer_config":  # stage 3: torch refuses the config's optimizer after the model was partitioned
         conflicting = config(3)
         conflicting["optimizer"]["params"] = {"lr": LR, "momentum": 0.0, "nesterov": True}
@@ -104,7 +110,8 @@ def _fail_then_train_body(case: str, tmp: str):
     return hooked, files_left, worst_loss, (diff / norm).item()
 
 
-@pytest.mark.parametrize("case", ["optimizer_with_state", "scheduler", "optimizer_config", "nvme_path"])
+@pytest.mark.parametrize("case", ["optimizer_with_state", "scheduler", "scheduler_bf16_then_fp32", "optimizer_config",
+                                  "nvme_path"])
 def test_a_failed_initialize_is_undone_and_a_corrected_one_trains_as_one_process(case, tmp_path):
     for hooked, files_left, loss_err, param_err in run_ranks(_fail_then_train_body, 2, case, str(tmp_path),
                                                             timeout=TIMEOUT):

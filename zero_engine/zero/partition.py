@@ -296,9 +296,10 @@ class ShardedParam:
                 target[: local.stop - local.start].copy_(self.full[local])
 
     def adopt(self, fqn: str, index: int, dtype: torch.dtype, fp32_master: bool = True) -> None:
-        """Become a new engine's: the state zero.Init made, or that of an engine destroyed since (its master,
-        if separate, seeds the new one: a 16-bit model goes on from the exact fp32 values)."""
-        if fp32_master and self.master_init is None and self.master is not None and not self.master_is_shard:
+        """Become a new engine's: the state zero.Init made, or that of an engine destroyed since. A destroyed engine's
+        separate fp32 master seeds the new one and, in another dtype, the new shard: a 16-bit model goes on from the
+        exact fp32 values, also as an fp32 model (bf16 -> fp32 keeps the master's bits, not their bf16 rounding)."""
+        if self.master_init is None and self.master is not None and not self.master_is_shard:
             self.master_init = self.master
         self.master, self.master_is_shard = None, False
         self.fqn, self.index = fqn, index
@@ -308,14 +309,21 @@ class ShardedParam:
             self.master_init = None  # no optimizer: no master (zero.Init made one for 16-bit parameters)
 
     def cast_(self, dtype: torch.dtype, fp32_master: bool = True) -> None:
-        """Change the compute dtype of a released parameter (zero.Init builds in fp32; the engine casts)."""
+        """Change the compute dtype (zero.Init builds in fp32; the engine casts). A whole parameter (a destroyed
+        stage 1-2 engine's, or a persistent one) is released first: the shard is cast from the most exact values
+        held (``master_init`` if any, else the shard) and the engine gathers the whole tensor again from the cast
+        shards (ZeroEngine._partition), so that both agree on every rank."""
         if dtype == self.dtype:
             return
-        if self.status is not ParamStatus.NOT_AVAILABLE:
-            raise AssertionError(f"{self.fqn}: cast while {self.status.name}")
-        self.master_init = (self.shard.float() if fp32_master and dtype != torch.float32 and self.param.requires_grad
-                            else None)
-        self.shard = self.shard.to(dtype)
+        if self.status is ParamStatus.AVAILABLE:
+            self.release()
+        elif self.status is not ParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"rank {self.rank}: {self.fqn} cast to {dtype} while a gather of it is in flight; "
+                               "wait for it (destroy() the engine that issued it) first")
+        exact = self.master_init if self.master_init is not None else self.shard.float()
+        keeps_master = fp32_master and dtype != torch.float32 and self.param.requires_grad
+        self.master_init = exact if keeps_master else None
+        self.shard = exact.to(self.shard.device, dtype, copy=True)  # the master may live elsewhere (offload)
         self.dtype = dtype
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
         self.full.untyped_storage().resize_(0)
