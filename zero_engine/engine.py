@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,24 +29,15 @@ from ._profiling import profile_range
 from .comm import Communicator, init_distributed
 from .comm.watchdog import check_step_fingerprint
 from .config import EngineConfig, load_config
-from .guards import (ModelSnapshot, NonFiniteSteps, broadcast_initial_state, claim_model, client_optimizer_restorer,
-                     discard_failed_backward, refuse_after_destroy, refuse_partitioned_at_stage0, tear_down,
-                     undo_failed_initialize, warn_backward_without_step)
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .errors import ArgumentError, UsageError
-from .memory import MemoryAccounting, reset_rss_peak, rss_bytes, rss_peak_bytes
-from .memory.headroom import memory_budget
-from .memory.timeline import MemoryTimeline
-from .offload.placement import HOST, NVME, Placement
-from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
-from .zero.coordinator import ParamCoordinator
-from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
-from .zero.grads import GradReducer
-from .zero.hooks import BackwardEndCallback, ModuleHooks
-from .zero.units import apply_leaf_module_config, gather_units, mark_by_granularity
-from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, param_groups_of
-from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
+from .guards import (claim_model, client_optimizer_restorer, discard_failed_backward, refuse_after_destroy,
+                     refuse_partitioned_at_stage0, tear_down, undo_failed_initialize, warn_backward_without_step)
+from .memory import reset_rss_peak, rss_bytes, rss_peak_bytes
+from .offload.placement import Placement
+from .wiring import build_parts
+from .zero.partition import ShardedParam, sharded_param_of
 from .zero.presence import irregular_params
 from .zero.streams import CommStreams
 
@@ -65,6 +55,17 @@ class ZeroEngine(DeepSpeedEngineAPI):
     coordinator = reducer = hooks = optimizer = None
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
+    # The step's counters, as each engine starts (class defaults: set on the instance as they move).
+    skipped_steps = global_steps = micro_steps = global_samples = 0
+    _stepped_at_micro_step = 0  # the boundary the last step() consumed: each is consumed once
+    _awaiting_step = False  # a backward() has run since the last step() (see deepspeed_api.py)
+    _backwards_since_update = 0  # gradients accumulated since the last applied step
+    _step_applied = _inside_no_sync = False
+    _boundary_override: bool | None = None
+    _backward_ends = 0
+    _last_loss: torch.Tensor | None = None
+    _step_started: float | None = None
+    last_step_time: float | None = None
 
     def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None):
         if not isinstance(model, nn.Module):
@@ -103,168 +104,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._restore_client_optimizer = client_optimizer_restorer(optimizer)
         try:
             claim_model(model, self)
-            self._build(model, optimizer, model_parameters)
+            build_parts(self, model, optimizer, model_parameters)  # wiring.py
         except BaseException:
             undo_failed_initialize(self)  # a corrected initialize() can take the model again (guards.py)
             raise
-
-    def _build(self, model: nn.Module, optimizer, model_parameters) -> None:
-        """Everything after the model is claimed, in order; if a step raises, __init__ undoes what came before."""
-        zc = self.config.zero_optimization
-        broadcast_initial_state(model, self.comm)
-        self._snapshot = ModelSnapshot(model)
-        self.accounting = MemoryAccounting()
-        self.compute_dtype = compute_dtype_of(self.config)
-        self.loss_scaler = make_loss_scaler(self.config.fp16)
-        self.nonfinite = NonFiniteSteps(self.comm, self.config.zero_engine.max_consecutive_skipped_steps,
-                                        loss_scaled=self.loss_scaler is not None,
-                                        has_values=next(model.parameters(), torch.empty(0)).device.type != "meta")
-        self.skipped_steps = 0
-        self.global_steps = 0
-        self.micro_steps = 0
-        self._stepped_at_micro_step = 0  # the boundary the last step() consumed: each is consumed once
-        self._awaiting_step = False  # a backward() has run since the last step() (see deepspeed_api.py)
-        self._backwards_since_update = 0  # gradients accumulated since the last applied step
-        self._step_applied = False
-        self._boundary_override: bool | None = None
-        self._inside_no_sync = False
-        self.global_samples = 0
-        self._backward_ends = 0
-        self._last_loss: torch.Tensor | None = None
-        self._step_started: float | None = None
-        self.last_step_time: float | None = None
-
-        timeline = self.config.zero_engine.memory_timeline
-        self.timeline = MemoryTimeline(timeline.path or "memory_timeline", self.comm.rank) if timeline.enabled \
-            else None
-        groups = param_groups_of(model, model_parameters)
-        # No optimizer anywhere: forward and backward only (evaluation, inference, gradient inspection), as
-        # DeepSpeed; no fp32 masters or optimizer states are made, and step() raises.
-        trains = optimizer is not None or self.config.optimizer is not None
-        self._backward_end = BackwardEndCallback(self._on_backward_end)
-        if self.stage == 0:
-            self.sharded = []
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            self.optimizer = DataParallelOptimizer(
-                trainable, self.comm, self.config.gradient_clipping, zc.reduce_bucket_size, optimizer,
-                self.config.optimizer, groups, self.compute_dtype, self.communication_data_type,
-                loss_scaler=self.loss_scaler) if trains else None
-            if self.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
-                cast_floating_(model, self.compute_dtype)  # after the fp32 masters were taken
-        else:
-            self._partition(model, zc, fp32_masters=trains)
-            self.optimizer = ZeroOptimizer(self.sharded, self.reducer, self.comm, self.config.gradient_clipping,
-                                           optimizer, self.config.optimizer, groups, zc.sub_group_size,
-                                           self.placement, zc.offload_optimizer, self.config.aio,
-                                           loss_scaler=self.loss_scaler) if trains else None
-            if self.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
-                if self.optimizer is not None:
-                    self.optimizer.param_swapper = self.param_swapper
-                self.param_swapper.start()
-        self.lr_scheduler = None  # initialize() sets these two: see initialize.py
-        self.training_dataloader = None
-        from .utils import register_engine
-
-        register_engine(self)  # zero_engine.utils.safe_get_* find the engine from a parameter
-        if self.comm.rank == 0:
-            log.info("zero_engine: stage %d, world %d, %d parameters (%d elements), gather %s",
-                     self.stage, self.comm.world_size, sum(1 for _ in model.parameters()),
-                     sum(p.numel() for p in model.parameters()) if self.stage == 0 else
-                     sum(sp.numel for sp in self.sharded),
-                     getattr(getattr(self.coordinator, "gatherer", None), "name", "none (params whole)"))
-        self.placement.log_once(self.comm.rank)
-
-    # ---- construction ------------------------------------------------------------------------------------------
-    def _partition(self, model: nn.Module, zc, fp32_masters: bool) -> None:
-        self.sharded = [self._sharded_param(p, name, i, fp32_masters)
-                        for i, (name, p) in enumerate(model.named_parameters())]
-        cast_floating_(model, self.compute_dtype, params=False)
-        by_param = {id(sp.param): sp for sp in self.sharded}
-        # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
-        bucket = max(1, int(zc.prefetch_bucket_size if self.stage == 3 else zc.allgather_bucket_size)
-                     // self.comm.world_size)
-        if self.placement.params == NVME:  # the swap unit: see offload/param_swap.py
-            bucket = min(bucket, max(1, int(zc.offload_param.buffer_size)))
-        self.shard_buckets = flatten_shards(self.sharded, bucket)
-        trainable = [sp for sp in reversed(self.sharded) if sp.param.requires_grad]  # ~ the order backward goes
-        self.reducer = GradReducer(trainable, self.comm, zc.reduce_bucket_size,
-                                   reduce_dtype=self.communication_data_type,
-                                   grad_dtype=self.compute_dtype, async_op=zc.overlap_comm,
-                                   accounting=self.accounting, streams=self.streams,
-                                   grad_device=self.placement.optimizer_device, pin_memory=self.placement.pins)
-        if self.stage >= 2:
-            self._grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, sp))
-                                for sp in trainable]
-        if self.stage < 3:
-            for sp in self.sharded:
-                sp.is_persistent = True
-            self.refresh_gatherer = CoalescedGather(self.comm, zc.allgather_bucket_size, self.accounting,
-                                                    self.streams)
-            partitioned = [sp for sp in self.sharded if not sp.is_available]  # built under zero.Init
-            if partitioned:
-                self.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
-            return
-
-        persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
-        for sp in self.sharded:
-            sp.is_persistent = sp.numel <= min(zc.param_persistence_threshold, persistent_budget)
-            if sp.is_persistent:
-                persistent_budget -= sp.numel
-            if not sp.is_persistent and sp.is_available:
-                sp.release()
-        # See zero/units.py: which modules gather which parameters (leaf modules gather their whole subtree).
-        if zc.module_granularity_threshold:
-            mark_by_granularity(model, zc.module_granularity_threshold, lambda p: by_param[id(p)].numel)
-        apply_leaf_module_config(model, zc.leaf_module)
-        module_params, module_names = {}, {}
-        for name, module, params in gather_units(model):
-            module_params[module] = [by_param[id(p)] for p in params]
-            module_names[module] = name or "<root>"
-        gatherer = make_gatherer(self.comm, zc, self.accounting, self.streams)
-        if self.placement.params == NVME:
-            from .offload.param_swap import ParamSwapper, SwapInGather
-
-            self.param_swapper = ParamSwapper(self.shard_buckets, zc.offload_param, self.comm.rank, self.config.aio)
-            gatherer = SwapInGather(gatherer, self.param_swapper)
-        elif self.placement.params == HOST and self.placement.has_separate_host:
-            from .offload.param_host import DeviceCopyGather, HostShards
-
-            self.host_params = HostShards(self.shard_buckets, self.placement.device, self.placement.pins_params,
-                                          self.placement.offloads_optimizer)
-            gatherer = DeviceCopyGather(gatherer, self.host_params)
-        if zc.allgather_sequential is True:
-            for sp in self.sharded:
-                sp.gather_sequential = True
-        elif zc.allgather_sequential == "auto":
-            self._choose_gather_per_bucket()
-        self.refresh_gatherer = gatherer
-        self.coordinator = ParamCoordinator(module_params, module_names, gatherer, self.comm, zc,
-                                            on_event=self._record_timeline if self.timeline else None)
-        self.coordinator.shard_swapper = self.param_swapper
-        self.hooks = ModuleHooks(list(module_params), self.coordinator, self._backward_end, model)
-
-    def _choose_gather_per_bucket(self) -> None:
-        """See [Note: auto gather strategy] in zero/gather.py."""
-        budget = memory_budget(self.sharded[0].compute_device, self.config.zero_engine.memory_limit)
-        per_element = self.compute_dtype.itemsize + 8 + (4 if self.compute_dtype != torch.float32 else 0)
-        if self.placement.offloads_optimizer and self.placement.has_separate_host:
-            per_element = 0  # gradient shards, masters and moments go to the host, not into the device's headroom
-        states_to_come = per_element * sum(sp.shard_numel for sp in self.sharded if sp.param.requires_grad)
-        self.sequential_buckets = choose_sequential_buckets(self.shard_buckets, budget.headroom, states_to_come,
-                                                            self.comm, budget.source)
-
-    def _sharded_param(self, param: nn.Parameter, name: str, index: int, fp32_master: bool) -> ShardedParam:
-        """A new ShardedParam, or the one zero.Init (or a destroyed engine) made before: adopted, cast, named."""
-        dtype = self.compute_dtype if param.is_floating_point() else param.dtype
-        sp = sharded_param_of(param)
-        if sp is None:
-            return ShardedParam(param, name, index, self.comm.rank, self.comm.world_size, dtype=dtype,
-                                fp32_master=fp32_master)
-        if sp.world_size != self.comm.world_size:
-            raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine runs on "
-                             f"{self.comm.world_size}")
-        sp.adopt(name, index, dtype, fp32_master)
-        return sp
 
     # ---- the training step ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -312,7 +312,7 @@ class ShardedParam:
         """Change the compute dtype (zero.Init builds in fp32; the engine casts). A whole parameter (a destroyed
         stage 1-2 engine's, or a persistent one) is released first: the shard is cast from the most exact values
         held (``master_init`` if any, else the shard) and the engine gathers the whole tensor again from the cast
-        shards (ZeroEngine._partition), so that both agree on every rank."""
+        shards (wiring._partition), so that both agree on every rank."""
         if dtype == self.dtype:
             return
         if self.status is ParamStatus.AVAILABLE:

@@ -1,0 +1,179 @@
+"""How a ZeroEngine is put together: its parameters partitioned into shards and buckets, the gradient reducer, the
+gathering (coordinator, hooks, offload) at stage 3, and the optimizer over the fp32 masters.
+
+``ZeroEngine.__init__`` claims the model and calls ``build_parts`` once; engine.py stays the training step. Each
+function sets the parts it builds on the engine, in the order they depend on each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
+from .memory import MemoryAccounting
+from .memory.headroom import memory_budget
+from .memory.timeline import MemoryTimeline
+from .offload.placement import HOST, NVME
+from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
+from .utils import register_engine
+from .zero.coordinator import ParamCoordinator
+from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
+from .zero.grads import GradReducer
+from .zero.hooks import BackwardEndCallback, ModuleHooks
+from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, param_groups_of
+from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
+from .zero.units import apply_leaf_module_config, gather_units, mark_by_granularity
+
+log = logging.getLogger("zero_engine.engine")
+
+__all__ = ["build_parts"]
+
+
+def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
+    """Everything ``ZeroEngine.__init__`` builds after it claimed the model, in order; if a step raises, __init__
+    undoes what came before (guards.undo_failed_initialize)."""
+    zc = engine.config.zero_optimization
+    broadcast_initial_state(model, engine.comm)
+    engine._snapshot = ModelSnapshot(model)
+    engine.accounting = MemoryAccounting()
+    engine.compute_dtype = compute_dtype_of(engine.config)
+    engine.loss_scaler = make_loss_scaler(engine.config.fp16)
+    engine.nonfinite = NonFiniteSteps(engine.comm, engine.config.zero_engine.max_consecutive_skipped_steps,
+                                      loss_scaled=engine.loss_scaler is not None,
+                                      has_values=next(model.parameters(), torch.empty(0)).device.type != "meta")
+
+    timeline = engine.config.zero_engine.memory_timeline
+    engine.timeline = MemoryTimeline(timeline.path or "memory_timeline", engine.comm.rank) if timeline.enabled \
+        else None
+    groups = param_groups_of(model, model_parameters)
+    # No optimizer anywhere: forward and backward only (evaluation, inference, gradient inspection), as
+    # DeepSpeed; no fp32 masters or optimizer states are made, and step() raises.
+    trains = optimizer is not None or engine.config.optimizer is not None
+    engine._backward_end = BackwardEndCallback(engine._on_backward_end)
+    if engine.stage == 0:
+        engine.sharded = []
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine.optimizer = DataParallelOptimizer(
+            trainable, engine.comm, engine.config.gradient_clipping, zc.reduce_bucket_size, optimizer,
+            engine.config.optimizer, groups, engine.compute_dtype, engine.communication_data_type,
+            loss_scaler=engine.loss_scaler) if trains else None
+        if engine.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
+            cast_floating_(model, engine.compute_dtype)  # after the fp32 masters were taken
+    else:
+        _partition(engine, model, zc, fp32_masters=trains)
+        engine.optimizer = ZeroOptimizer(engine.sharded, engine.reducer, engine.comm, engine.config.gradient_clipping,
+                                         optimizer, engine.config.optimizer, groups, zc.sub_group_size,
+                                         engine.placement, zc.offload_optimizer, engine.config.aio,
+                                         loss_scaler=engine.loss_scaler) if trains else None
+        if engine.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
+            if engine.optimizer is not None:
+                engine.optimizer.param_swapper = engine.param_swapper
+            engine.param_swapper.start()
+    engine.lr_scheduler = None  # initialize() sets these two: see initialize.py
+    engine.training_dataloader = None
+    register_engine(engine)  # zero_engine.utils.safe_get_* find the engine from a parameter
+    if engine.comm.rank == 0:
+        log.info("zero_engine: stage %d, world %d, %d parameters (%d elements), gather %s",
+                 engine.stage, engine.comm.world_size, sum(1 for _ in model.parameters()),
+                 sum(p.numel() for p in model.parameters()) if engine.stage == 0 else
+                 sum(sp.numel for sp in engine.sharded),
+                 getattr(getattr(engine.coordinator, "gatherer", None), "name", "none (params whole)"))
+    engine.placement.log_once(engine.comm.rank)
+
+
+def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
+    engine.sharded = [_sharded_param(engine, p, name, i, fp32_masters)
+                      for i, (name, p) in enumerate(model.named_parameters())]
+    cast_floating_(model, engine.compute_dtype, params=False)
+    by_param = {id(sp.param): sp for sp in engine.sharded}
+    # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
+    bucket = max(1, int(zc.prefetch_bucket_size if engine.stage == 3 else zc.allgather_bucket_size)
+                 // engine.comm.world_size)
+    if engine.placement.params == NVME:  # the swap unit: see offload/param_swap.py
+        bucket = min(bucket, max(1, int(zc.offload_param.buffer_size)))
+    engine.shard_buckets = flatten_shards(engine.sharded, bucket)
+    trainable = [sp for sp in reversed(engine.sharded) if sp.param.requires_grad]  # ~ the order backward goes
+    engine.reducer = GradReducer(trainable, engine.comm, zc.reduce_bucket_size,
+                                 reduce_dtype=engine.communication_data_type,
+                                 grad_dtype=engine.compute_dtype, async_op=zc.overlap_comm,
+                                 accounting=engine.accounting, streams=engine.streams,
+                                 grad_device=engine.placement.optimizer_device, pin_memory=engine.placement.pins)
+    if engine.stage >= 2:
+        engine._grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine._on_grad_ready, sp))
+                              for sp in trainable]
+    if engine.stage < 3:
+        for sp in engine.sharded:
+            sp.is_persistent = True
+        engine.refresh_gatherer = CoalescedGather(engine.comm, zc.allgather_bucket_size, engine.accounting,
+                                                  engine.streams)
+        partitioned = [sp for sp in engine.sharded if not sp.is_available]  # built under zero.Init
+        if partitioned:
+            engine.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
+        return
+
+    persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
+    for sp in engine.sharded:
+        sp.is_persistent = sp.numel <= min(zc.param_persistence_threshold, persistent_budget)
+        if sp.is_persistent:
+            persistent_budget -= sp.numel
+        if not sp.is_persistent and sp.is_available:
+            sp.release()
+    # See zero/units.py: which modules gather which parameters (leaf modules gather their whole subtree).
+    if zc.module_granularity_threshold:
+        mark_by_granularity(model, zc.module_granularity_threshold, lambda p: by_param[id(p)].numel)
+    apply_leaf_module_config(model, zc.leaf_module)
+    module_params, module_names = {}, {}
+    for name, module, params in gather_units(model):
+        module_params[module] = [by_param[id(p)] for p in params]
+        module_names[module] = name or "<root>"
+    gatherer = make_gatherer(engine.comm, zc, engine.accounting, engine.streams)
+    if engine.placement.params == NVME:
+        from .offload.param_swap import ParamSwapper, SwapInGather
+
+        engine.param_swapper = ParamSwapper(engine.shard_buckets, zc.offload_param, engine.comm.rank, engine.config.aio)
+        gatherer = SwapInGather(gatherer, engine.param_swapper)
+    elif engine.placement.params == HOST and engine.placement.has_separate_host:
+        from .offload.param_host import DeviceCopyGather, HostShards
+
+        engine.host_params = HostShards(engine.shard_buckets, engine.placement.device, engine.placement.pins_params,
+                                        engine.placement.offloads_optimizer)
+        gatherer = DeviceCopyGather(gatherer, engine.host_params)
+    if zc.allgather_sequential is True:
+        for sp in engine.sharded:
+            sp.gather_sequential = True
+    elif zc.allgather_sequential == "auto":
+        _choose_gather_per_bucket(engine)
+    engine.refresh_gatherer = gatherer
+    engine.coordinator = ParamCoordinator(module_params, module_names, gatherer, engine.comm, zc,
+                                          on_event=engine._record_timeline if engine.timeline else None)
+    engine.coordinator.shard_swapper = engine.param_swapper
+    engine.hooks = ModuleHooks(list(module_params), engine.coordinator, engine._backward_end, model)
+
+
+def _choose_gather_per_bucket(engine) -> None:
+    """See [Note: auto gather strategy] in zero/gather.py."""
+    budget = memory_budget(engine.sharded[0].compute_device, engine.config.zero_engine.memory_limit)
+    per_element = engine.compute_dtype.itemsize + 8 + (4 if engine.compute_dtype != torch.float32 else 0)
+    if engine.placement.offloads_optimizer and engine.placement.has_separate_host:
+        per_element = 0  # gradient shards, masters and moments go to the host, not into the device's headroom
+    states_to_come = per_element * sum(sp.shard_numel for sp in engine.sharded if sp.param.requires_grad)
+    engine.sequential_buckets = choose_sequential_buckets(engine.shard_buckets, budget.headroom, states_to_come,
+                                                          engine.comm, budget.source)
+
+
+def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_master: bool) -> ShardedParam:
+    """A new ShardedParam, or the one zero.Init (or a destroyed engine) made before: adopted, cast, named."""
+    dtype = engine.compute_dtype if param.is_floating_point() else param.dtype
+    sp = sharded_param_of(param)
+    if sp is None:
+        return ShardedParam(param, name, index, engine.comm.rank, engine.comm.world_size, dtype=dtype,
+                            fp32_master=fp32_master)
+    if sp.world_size != engine.comm.world_size:
+        raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine runs on "
+                         f"{engine.comm.world_size}")
+    sp.adopt(name, index, dtype, fp32_master)
+    return sp
