@@ -16,7 +16,7 @@ import os
 import torch
 
 from ..zero.gather import SequentialGather
-from ._atomic import fsync_dir
+from ._atomic import private_temporary
 from ._collective import agree, rendezvous
 from ._metadata import state_dict_layout
 from ._views import buffer_items
@@ -75,11 +75,9 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 def _write(path: str, values: dict[str, torch.Tensor], layout) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state_dict = {key: values[name] for key, _, name in layout}  # tied names share one tensor, as in state_dict()
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state_dict, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    with private_temporary(path) as tmp:  # this writer's own temporary, renamed over path (fsynced)
+        with open(tmp, "wb") as f:
+            torch.save(state_dict, f)
+            f.flush()
+            os.fsync(f.fileno())
     log.info("save_16bit_model: wrote %s (%d tensors)", path, len(values))

@@ -24,6 +24,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from ..checkpoint._atomic import private_temporary
 from ..zero.partition import ShardedParam, sharded_param_of
 from ._transformers import require_transformers
 from ._writer import SafetensorsWriter, parse_size, plan_shards
@@ -159,8 +160,7 @@ def _prepare_directory(path: str, model, entries) -> None:
 
 
 def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    with private_temporary(path) as tmp:  # this writer's own temporary, renamed over path
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True)
+            f.write("\n")
