@@ -432,3 +432,16 @@ def test_a_rank_that_fails_is_named_with_its_error_not_as_a_divergence(tmp_path)
     assert caught[0].startswith(f"CAUGHT RankFailedError: rank 0 failed: {error}"), caught[0]
     detected = float(caught[0].rsplit("[detected after ", 1)[1].split("s]")[0])
     assert detected < DETECT_WITHIN_S, caught[0]
+
+
+def test_an_error_about_another_rank_is_not_posted_as_this_ranks_failure():
+    """A rank that raises RankLostError (or any DistributedError) reports another rank's failure: posting it as its
+    own made a third rank name this one ("rank 0 failed: RankLostError: rank 1 was lost") instead of the lost rank."""
+    from zero_engine.comm import liveness
+
+    store = dist.HashStore()
+    assert not liveness.post_failure(zero_engine.RankLostError("rank 1 was lost"), store, rank=0)
+    assert not liveness.post_failure(zero_engine.RankDivergenceError("ranks disagree"), store, rank=0)
+    assert liveness.failure_of(store, 0) is None
+    assert liveness.post_failure(ValueError("a bad sample"), store, rank=0)
+    assert liveness.failure_of(store, 0)["error"] == "ValueError: a bad sample"

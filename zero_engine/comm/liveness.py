@@ -45,6 +45,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from zero_engine._owned_dirs import process_start_time
+from zero_engine.errors import DistributedError
 
 __all__ = ["post_failure", "failure_of", "clear_failure", "mark_read", "was_read", "posted_failure",
            "install_excepthook", "process_identity",
@@ -176,8 +177,13 @@ def post_failure(error: BaseException, store=None, rank: Optional[int] = None) -
 
     For any phase (training, loading, checkpointing): call it where a rank-local error ends this rank's part in
     collective work, before raising it, so that the ranks waiting for this one raise ``RankFailedError`` naming it.
-    ``store`` and ``rank``: the default process group's. Never raises (at worst nothing is posted)."""
+    ``store`` and ``rank``: the default process group's. Never raises (at worst nothing is posted).
+
+    A ``DistributedError`` is not posted: it reports another rank's failure (lost, diverged, failed), which the
+    waiting ranks find out for themselves; posted, it would make them name this rank instead of the cause."""
     global _posted
+    if isinstance(error, DistributedError):
+        return False
     try:
         store = store if store is not None else default_store()
         if store is None:
