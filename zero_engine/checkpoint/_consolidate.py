@@ -44,7 +44,7 @@ class ConversionResult(NamedTuple):
     nbytes: int  # bytes of tensor data
 
 
-def _locate(checkpoint_dir, tag: str | None) -> str:
+def locate_checkpoint(checkpoint_dir, tag: str | None) -> str:
     located = resolve_checkpoint(checkpoint_dir, tag)
     if located is None:
         raise CheckpointError(f"{os.path.abspath(os.fspath(checkpoint_dir))} holds no 'latest' file and no "
@@ -55,7 +55,7 @@ def _locate(checkpoint_dir, tag: str | None) -> str:
 
 def verify_checkpoint(checkpoint_dir, tag: str | None = None) -> CheckpointMeta:
     """Check every file of a checkpoint (size and SHA-256); raises CheckpointError naming the first bad file."""
-    path = _locate(checkpoint_dir, tag)
+    path = locate_checkpoint(checkpoint_dir, tag)
     meta = read_metadata(path)
     verify_files(path, meta)
     return meta
@@ -65,7 +65,7 @@ def _fp32_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _FLOATS else dtype
 
 
-def _entries(reader: CheckpointReader) -> Iterator[tuple[str, str, torch.dtype, tuple[int, ...]]]:
+def checkpoint_entries(reader: CheckpointReader) -> Iterator[tuple[str, str, torch.dtype, tuple[int, ...]]]:
     """(name, kind, output dtype, shape) of every distinct tensor, in state-dict order."""
     saved_param = {p.name: p for p in reader.meta.params}
     saved_buffer = {b.name: b for b in reader.meta.buffers}
@@ -97,11 +97,11 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = N
         tag: a checkpoint other than the latest.
         verify: check every file's size and SHA-256 first (reads the optimizer states too; about a second per GB).
     """
-    path = _locate(checkpoint_dir, tag)
+    path = locate_checkpoint(checkpoint_dir, tag)
     with CheckpointReader(path) as reader:
         if verify:
             verify_files(path, reader.meta)
-        tensors = {name: _read(reader, name, source, dtype) for name, source, dtype, _ in _entries(reader)}
+        tensors = {name: _read(reader, name, source, dtype) for name, source, dtype, _ in checkpoint_entries(reader)}
         return {key: tensors[name] for key, _, name in reader.meta.state_dict_keys}
 
 
@@ -127,12 +127,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output: str, tag:
     fmt = fmt or ("safetensors" if str(output).endswith(".safetensors") else "torch")
     if fmt not in ("torch", "safetensors"):
         raise ValueError(f"fmt={fmt!r}: use 'torch' or 'safetensors'")
-    path = _locate(checkpoint_dir, tag)
+    path = locate_checkpoint(checkpoint_dir, tag)
     output = os.path.abspath(os.fspath(output))
     with CheckpointReader(path) as reader, private_temporary(output) as tmp:
         if verify:
             verify_files(path, reader.meta)
-        entries = list(_entries(reader))
+        entries = list(checkpoint_entries(reader))
         nbytes = sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
                      for _, _, dtype, shape in entries)
         if fmt == "safetensors":

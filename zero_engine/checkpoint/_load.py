@@ -37,7 +37,7 @@ __all__ = ["load_checkpoint"]
 # Optimizers whose state is the same (step, exp_avg, exp_avg_sq) and whose param groups carry the Adam/AdamW mode:
 # a checkpoint of one resumes in another (our kernel where it builds, torch's where it does not, or one converted
 # from an FSDP2 run's torch.optim.AdamW).
-_ADAM_STATE_ALIKE = {"Adam", "AdamW", "CPUAdam", "FusedAdam"}
+ADAM_STATE_ALIKE = {"Adam", "AdamW", "CPUAdam", "FusedAdam"}
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
@@ -131,10 +131,10 @@ def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: b
                               "(optimizer states, scheduler and counters are then not restored)")
     check_params_match(meta, [(v.info.name, v.info.shape) for v in views], path)
     check_buffers_match(meta, [(info.name, info.shape) for info, _ in buffer_items(engine.module)], path)
-    engine_state = _load_engine_state(path, meta)
+    engine_state = load_engine_state(path, meta)
     if with_optimizer:
         ours_opt = type(engine.optimizer.optimizer).__name__
-        if meta.optimizer != ours_opt and not {meta.optimizer, ours_opt} <= _ADAM_STATE_ALIKE:
+        if meta.optimizer != ours_opt and not {meta.optimizer, ours_opt} <= ADAM_STATE_ALIKE:
             raise CheckpointError(f"checkpoint {path} holds {meta.optimizer} state; this engine's optimizer is "
                                   f"{ours_opt}. Use the same optimizer, or load_optimizer_states=False")
         if meta.gradients == GRADS_LOCAL and meta.world_size != engine.comm.world_size:
@@ -148,7 +148,7 @@ def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: b
     return meta, engine_state
 
 
-def _load_engine_state(path: str, meta: CheckpointMeta) -> dict:
+def load_engine_state(path: str, meta: CheckpointMeta) -> dict:
     file = os.path.join(path, ENGINE_STATE_FILE)
     if ENGINE_STATE_FILE not in meta.files:
         raise CheckpointError(f"{os.path.join(path, 'metadata.json')} does not list {ENGINE_STATE_FILE}")

@@ -174,9 +174,9 @@ def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> t
     _add_rng_states(tensors, file_meta)
     digests = [write_tensor_file(os.path.join(staging, rank_file_name(rank)), tensors, file_meta)]
     if rank == 0:
-        digests.append(_torch_save(os.path.join(staging, ENGINE_STATE_FILE), _engine_state(engine, views)))
+        digests.append(torch_save(os.path.join(staging, ENGINE_STATE_FILE), _engine_state(engine, views)))
         if client_state is not None:
-            digests.append(_torch_save(os.path.join(staging, CLIENT_STATE_FILE), client_state))
+            digests.append(torch_save(os.path.join(staging, CLIENT_STATE_FILE), client_state))
     return digests, mode
 
 
@@ -211,7 +211,7 @@ def _engine_state(engine, views: list[ParamView]) -> dict:
     }
 
 
-def _torch_save(path: str, obj) -> FileDigest:
+def torch_save(path: str, obj) -> FileDigest:
     with open(path, "xb") as f:
         torch.save(obj, f)
         f.flush()

@@ -47,9 +47,9 @@ import torch
 import torch.nn as nn
 
 from ._atomic import check_tag, create_staging, publish, remove_stale_staging, write_latest
-from ._consolidate import _locate
+from ._consolidate import locate_checkpoint
 from ._errors import CheckpointError
-from ._load import _ADAM_STATE_ALIKE, _load_engine_state
+from ._load import ADAM_STATE_ALIKE, load_engine_state
 from ._metadata import (ENGINE_STATE_FILE, FORMAT, GRADS_NONE, BufferInfo, CheckpointMeta, ParamInfo, rank_file_name,
                         read_metadata, state_dict_layout, write_metadata)
 from ._reader import CheckpointReader, verify_files
@@ -426,13 +426,13 @@ def _write_param(source: _DcpSource, info: ParamInfo, writers, partition_world: 
 
 
 def _save_engine_state(staging: str, source: _DcpSource, trainable: set[str]):
-    from ._save import _torch_save
+    from ._save import torch_save
 
     groups = [dict(g, params=[fqn for fqn in g["params"] if fqn in trainable]) for g in source.param_groups]
     if not groups and trainable:
         raise CheckpointError(f"{source.directory} holds no optimizer param_groups; convert a checkpoint saved with "
                               "its optimizer (get_state_dict(model, optimizer))")
-    return _torch_save(os.path.join(staging, ENGINE_STATE_FILE),
+    return torch_save(os.path.join(staging, ENGINE_STATE_FILE),
                        {"param_groups": groups, "lr_scheduler": None, "loss_scaler": None})
 
 
@@ -454,18 +454,18 @@ def to_dcp(checkpoint_dir, dcp_dir, tag: str | None = None, layout: str = "fsdp2
     dcp_dir = os.path.abspath(os.fspath(dcp_dir))
     if os.path.exists(dcp_dir) and os.listdir(dcp_dir):
         raise FileExistsError(f"to_dcp: {dcp_dir} exists and is not empty; give a new directory")
-    path = _locate(checkpoint_dir, tag)
+    path = locate_checkpoint(checkpoint_dir, tag)
     meta = read_metadata(path)
     if verify:
         verify_files(path, meta)
     if meta.gradients != GRADS_NONE:
         log.warning("to_dcp: %s was saved in the middle of gradient accumulation; the accumulated gradients are not "
                     "converted (DCP state dicts hold none)", path)
-    engine_state = _load_engine_state(path, meta)
+    engine_state = load_engine_state(path, meta)
     with CheckpointReader(path, meta) as reader:
         model_sd, optim_state = _read_ours(reader)
     groups = engine_state["param_groups"]
-    if meta.optimizer in _ADAM_STATE_ALIKE:
+    if meta.optimizer in ADAM_STATE_ALIKE:
         groups = [_torch_adam_group(group, path) for group in groups]
     step = meta.counters.get("global_steps", 0)
     if layout == "fsdp2":

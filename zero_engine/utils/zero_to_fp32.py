@@ -46,9 +46,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
     output into shards); pass a larger ``max_shard_size``."""
     _refuse(exclude_frozen_parameters, "exclude_frozen_parameters=True", "frozen parameters are always included")
     limit = _parse_size(max_shard_size)
-    path = _consolidate._locate(checkpoint_dir, tag)
+    path = _consolidate.locate_checkpoint(checkpoint_dir, tag)
     with _consolidate.CheckpointReader(path) as reader:
-        total = sum(_nbytes(dtype, shape) for _, _, dtype, shape in _consolidate._entries(reader))
+        total = sum(_nbytes(dtype, shape) for _, _, dtype, shape in _consolidate.checkpoint_entries(reader))
     _refuse(total > limit, f"max_shard_size={max_shard_size!r} for {total} bytes of weights",
             "the output is written as one file, not split into shards; pass a max_shard_size of at least "
             f"{total} bytes")
