@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_engine
-from zero_engine.testing import run_ranks
+from zero_engine.testing import RankError, run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 from test_zero3 import full_params  # every parameter whole, gathered by the test itself
@@ -418,6 +418,71 @@ def test_a_parameter_with_a_gradient_on_one_rank_only_trains_as_the_mean(stage, 
     # The same sums in another order than the reference: fp32 rounding, 1e-6 absolute on values of order 0.1.
     for diffs in run_ranks(_one_rank_branch_body, world, stage, bucket, gas, timeout=TIMEOUT):
         assert max(diffs.values()) < 1e-6, diffs
+
+
+
+# ---- issue 22 item 3: the presence walk runs when the trace is recorded, not before every backward ---------------
+class _SideHead(nn.Module):
+    """``body``, then ``out``, or (where ``side``) a _GatedHead every rank runs, whose ``extra`` only ``gated`` ranks
+    use."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.out = nn.Linear(16, 1)
+        self.side = _GatedHead()
+
+    def forward(self, x, side: bool, gated: bool):
+        h = self.body(x)
+        return (self.side(h, gated) if side else self.out(h)).pow(2).mean()
+
+
+def _late_branch_body(late: str):
+    """Step 0 uses the same branches on every rank (the trace and the presence walk are recorded there). Then:
+    ``deviation``: every rank runs ``side`` instead of ``out`` (another module: the trace deviates, the walk runs again), whose
+    ``extra`` only rank 0 uses -> trained as the mean of every rank's loss. ``hidden``: ``side`` runs from step 0 on
+    every rank with ``extra`` used everywhere, then on rank 0 only: the module order does not change, nothing walks,
+    and the ranks' reduce-scatters come in different orders -> an error on every rank, not wrong gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _SideHead()
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_engine": {"stall_timeout_s": 2},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 20, "stage3_param_persistence_threshold": 0,
+                              "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}})  # gathers in backward
+    # too, one module at a time: between the reductions
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(world, 4, 8, generator=g)
+        side = step > 0 if late == "deviation" else True
+        gated = [step == 0 or r == 0 for r in range(world)]
+        engine.backward(engine(x[rank], side=side, gated=gated[rank]))
+        engine.step()
+        ref_opt.zero_grad()
+        torch.stack([reference(x[r], side=side, gated=gated[r]) for r in range(world)]).mean().backward()
+        ref_opt.step()
+    ours, ref = full_params(engine), dict(reference.named_parameters())
+    return engine.presence.walks, {n: (ours[n] - ref[n].detach()).abs().max().item() for n in ours}
+
+
+def test_a_branch_on_some_ranks_only_after_a_trace_deviation_trains_as_the_mean():
+    # fp32, the same sums in another order than the reference: 1e-6 absolute on values of order 0.1
+    for walks, diffs in run_ranks(_late_branch_body, 2, "deviation", timeout=TIMEOUT):
+        assert walks == 2, walks  # step 0 (recording) and step 1 (deviation); not step 2
+        assert max(diffs.values()) < 1e-6, diffs
+
+
+def test_a_branch_on_some_ranks_only_that_starts_after_recording_fails_on_every_rank():
+    # See [Note: when the presence walk runs] in zero/presence.py: not detected before backward, never silent.
+    with pytest.raises(RankError) as excinfo:
+        run_ranks(_late_branch_body, 2, "hidden", timeout=TIMEOUT)
+    text = str(excinfo.value)
+    # gloo: the first mismatched pair differs in size, so gloo aborts one rank ("collective mismatch") and the other
+    # names it lost, waiting in this bucket's reduction; same sizes would be RankDivergenceError (watchdog, fingerprint)
+    assert "2 of 2 ranks failed" in text and "grads bucket 0 (backward, step 1)" in text, text
 
 
 # ---- issue 20 items 6 and 9: the call order ---------------------------------------------------------------------

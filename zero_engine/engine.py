@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map
 
 from ._profiling import profile_range
 from .comm import Communicator, init_distributed
-from .comm.watchdog import check_step_fingerprint
+from .comm.watchdog import StepFingerprint
 from .config import EngineConfig, load_config
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
@@ -38,7 +38,6 @@ from .memory import reset_rss_peak, rss_bytes, rss_peak_bytes
 from .offload.placement import Placement
 from .wiring import build_parts
 from .zero.partition import ShardedParam, sharded_param_of
-from .zero.presence import irregular_params
 from .zero.streams import CommStreams
 
 log = logging.getLogger("zero_engine.engine")
@@ -49,12 +48,13 @@ __all__ = ["ZeroEngine"]
 class ZeroEngine(DeepSpeedEngineAPI):
     """The training engine ``initialize()`` returns; DeepSpeed's accessors come from DeepSpeedEngineAPI."""
 
-    _destroyed = False
-    _grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
+    destroyed = False  # destroy() ran (or initialize failed): the engine refuses to train
+    grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
     # Parts an engine may lack (by its config, or construction failed before them): destroy() reads these defaults.
-    coordinator = reducer = hooks = optimizer = None
+    coordinator = reducer = hooks = optimizer = backward_end = None
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
+    presence = None  # stage 3, world > 1: which parameters get a gradient on some ranks only (zero/presence.py)
     # The step's counters, as each engine starts (class defaults: set on the instance as they move).
     skipped_steps = global_steps = micro_steps = global_samples = 0
     _stepped_at_micro_step = 0  # the boundary the last step() consumed: each is consumed once
@@ -101,12 +101,12 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.comm = Communicator(debug=ze.debug_collectives, stall_timeout_s=ze.stall_timeout_s,
                                  collective_timeout_s=ze.collective_timeout_s, step_fingerprint=ze.step_fingerprint)
         self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
-        self._restore_client_optimizer = client_optimizer_restorer(optimizer)
+        restore_client_optimizer = client_optimizer_restorer(optimizer)
         try:
             claim_model(model, self)
             build_parts(self, model, optimizer, model_parameters)  # wiring.py
         except BaseException:
-            undo_failed_initialize(self)  # a corrected initialize() can take the model again (guards.py)
+            undo_failed_initialize(self, restore_client_optimizer)  # a corrected initialize() can take the model
             raise
 
     # ---- the training step ---------------------------------------------------------------------------------------
@@ -142,8 +142,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
         self.progress.phase = "backward"
-        if self.stage == 3 and self.comm.world_size > 1:  # see [Note: a gradient on some ranks only]
-            self.reducer.begin_pass(irregular_params(scaled, self.reducer.params, self.comm, self._device))
+        if self.presence is not None:  # see [Note: a gradient on some ranks only] in zero/presence.py
+            self.reducer.begin_pass(self.presence.irregular_for(scaled))
         with profile_range("zero3::backward"):
             try:
                 scaled.backward(retain_graph=retain_graph)
@@ -160,7 +160,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return loss / gas if gas > 1 else loss
 
     def _on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:
-        self._backward_end.queue_if_needed()
+        self.backward_end.queue_if_needed()
         if param.grad is not None:
             self.reducer.add(sp, param.grad)
             param.grad = None  # the full gradient is freed as soon as it is in its bucket
@@ -196,8 +196,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             return
         self._stepped_at_micro_step = self.micro_steps
         self.progress.phase = "step"
-        if self.config.zero_engine.step_fingerprint:
-            check_step_fingerprint(self.comm, self._device)  # before anything is reduced or updated
+        # issued before anything is reduced or updated, checked with the norm: [Note: host syncs per step]
+        fingerprint = StepFingerprint.start(self.comm, self._device) if self.config.zero_engine.step_fingerprint \
+            else None
         if self.stage == 1:  # gradients accumulated whole across micro-steps; reduce once now
             for bucket in self.reducer.buckets:
                 for sp in bucket.params:
@@ -208,7 +209,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         # A non-finite global norm (any rank) skips the update everywhere; see guards.NonFiniteSteps.
         result = self.optimizer.step(
             loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else 1.0,
-            skip_if_nonfinite=self.nonfinite.has_values)
+            skip_if_nonfinite=self.nonfinite.has_values, fingerprint=fingerprint)
         self.optimizer.zero_grad()
         self._backwards_since_update = 0
         if self.loss_scaler is not None:
@@ -268,10 +269,25 @@ class ZeroEngine(DeepSpeedEngineAPI):
         hang, and so does this rank. After a DistributedError the group is unusable and only the local part runs.
         See [Note: clean shutdown] in comm/watchdog.py.
         """
-        if not self._destroyed:
-            self._destroyed = True
+        if not self.destroyed:
+            self.destroyed = True
             self.progress.phase = "destroy"
             tear_down(self)
+
+    # ---- the step's state, read by guards.py and utils (drop_window resets it) ---------------------------------------
+    backwards_since_update = property(lambda self: self._backwards_since_update, doc="backwards since the last update")
+    awaiting_step = property(lambda self: self._awaiting_step, doc="a backward() ran since the last step()")
+    boundary_overridden = property(lambda self: self._boundary_override is not None,
+                                   doc="the loop set the accumulation boundary (set_gradient_accumulation_boundary)")
+
+    def drop_window(self) -> int:
+        """Forget this accumulation window's micro-steps (a failed backward); returns how many were dropped."""
+        dropped = self.micro_steps % self.gradient_accumulation_steps()
+        self._backwards_since_update = 0
+        self._awaiting_step = False
+        self.micro_steps -= dropped
+        self.global_samples -= dropped * self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        return dropped
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

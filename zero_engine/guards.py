@@ -19,12 +19,14 @@ nothing stale. engine.py calls each in one line; README's "Reliability" section 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 
 import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .errors import DistributedError
 from .zero.partition import sharded_param_of
 
 log = logging.getLogger("zero_engine.engine")
@@ -121,7 +123,7 @@ def tear_down(engine, wait: bool = True) -> None:
             engine.coordinator.release_all()  # waits for stray prefetches; reductions complete in step()
         if engine.hooks is not None:
             engine.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
-        for handle in engine._grad_hooks:
+        for handle in engine.grad_hooks:
             handle.remove()
     finally:
         release_model(engine.module, engine)  # a new engine may adopt the model (and its partitioned parameters)
@@ -151,7 +153,7 @@ def client_optimizer_restorer(optimizer):
     return restore
 
 
-def undo_failed_initialize(engine) -> None:
+def undo_failed_initialize(engine, restore_client_optimizer) -> None:
     """initialize() raised after ``engine`` was started (a client optimizer with state, an NVMe path that cannot be
     written, a scheduler that cannot be built...): undo what it set up, so that a corrected initialize() can take the
     same model and optimizer. The caller re-raises the original error; this never raises (a second error is logged).
@@ -161,13 +163,13 @@ def undo_failed_initialize(engine) -> None:
     The process group is left at once and no failure note is posted: the error either escapes the program (whose
     excepthook posts one, see comm/liveness.py) or is handled and the process goes on, where a note would be stale.
     """
-    engine._destroyed = True
+    engine.destroyed = True
     try:
         tear_down(engine, wait=False)
     except Exception:  # noqa: BLE001 -- the original error is the one to report
         log.warning("rank %d: cleaning up after the failed initialize raised too", engine.comm.rank, exc_info=True)
     finally:
-        engine._restore_client_optimizer()
+        restore_client_optimizer()
 
 
 # ---- non-finite steps -------------------------------------------------------------------------------------------
@@ -222,8 +224,13 @@ def discard_failed_backward(engine) -> None:
 
     The window's earlier micro-steps are dropped too: their gradients were already summed with the failed pass's
     partial ones in the same buffers, and cannot be separated again. The next backward starts a new window.
+
+    After a DistributedError (a rank failed, was lost or diverged) nothing is dropped: the process group is unusable,
+    and waiting for the reductions in flight would block on a dead peer and replace the error that names it.
     """
-    engine._backward_end.reset()
+    if isinstance(sys.exc_info()[1], DistributedError):
+        return
+    engine.backward_end.reset()
     if engine.reducer is not None:
         engine.reducer.discard()
     if engine.coordinator is not None:
@@ -232,17 +239,16 @@ def discard_failed_backward(engine) -> None:
         p.grad = None
     engine.zero_grad()
     engine.nonfinite.reset_window()
-    dropped = engine.micro_steps % engine.gradient_accumulation_steps()
-    engine._backwards_since_update = 0
-    engine._awaiting_step = False
-    engine.micro_steps -= dropped
-    engine.global_samples -= dropped * engine.config.train_micro_batch_size_per_gpu * engine.comm.world_size
+    dropped = engine.drop_window()
     log.warning("rank %d: backward raised at step %d; the gradients of this accumulation window (%d earlier "
                 "micro-step(s) and the failed one) were dropped; the next backward starts the window again",
                 engine.comm.rank, engine.global_steps, dropped)
 
 
 # ---- the call order -----------------------------------------------------------------------------------------------
+_WARNED_BACKWARD_WITHOUT_STEP: "weakref.WeakSet" = weakref.WeakSet()  # engines told once
+
+
 def warn_backward_without_step(engine) -> None:
     """Warn once per engine when backward() runs again with no step() since the previous backward().
 
@@ -253,10 +259,9 @@ def warn_backward_without_step(engine) -> None:
     A loop that set the boundary itself (``set_gradient_accumulation_boundary``: the Trainer and Lightning
     integrations, which call step() once per window) is not warned.
     """
-    if (not engine._awaiting_step or engine._boundary_override is not None
-            or getattr(engine, "_warned_backward_without_step", False)):
+    if not engine.awaiting_step or engine.boundary_overridden or engine in _WARNED_BACKWARD_WITHOUT_STEP:
         return
-    engine._warned_backward_without_step = True
+    _WARNED_BACKWARD_WITHOUT_STEP.add(engine)
     log.warning("rank %d: backward() called again at step %d without a step() after the previous backward(): the "
                 "gradients accumulate, and the next update applies the sum of every backward() since the last "
                 "update, each divided by gradient_accumulation_steps=%d. Call engine.step() after every "
@@ -267,7 +272,7 @@ def warn_backward_without_step(engine) -> None:
 
 def refuse_after_destroy(engine, call: str) -> None:
     """RuntimeError when ``engine.destroy()`` has run: its hooks are gone and its communicator closed."""
-    if getattr(engine, "_destroyed", False):
+    if engine.destroyed:
         raise RuntimeError(
             f"rank {engine.comm.rank}: {call} on an engine after engine.destroy(): it cannot run forward, backward "
             "or step any more (its module hooks were removed and its communicator closed). Build a new engine with "

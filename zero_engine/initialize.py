@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from .engine import ZeroEngine
 from .errors import ArgumentError
-from .guards import undo_failed_initialize
+from .guards import client_optimizer_restorer, undo_failed_initialize
 from .zero.optimizer import DataParallelOptimizer
 
 __all__ = ["initialize", "add_config_arguments"]
@@ -56,12 +56,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   "zero_engine; pass mesh_param=None")
     config = _config_from(args, config, config_params)
     _init_distributed_if_needed(dist_init_required, distributed_port)
+    restore_client_optimizer = client_optimizer_restorer(optimizer)  # before the engine re-points its groups
     engine = ZeroEngine(model, config, optimizer=optimizer, model_parameters=model_parameters)
     try:
         engine.lr_scheduler = _make_scheduler(engine, lr_scheduler)
         engine.training_dataloader = _make_dataloader(engine, training_data, collate_fn)
     except BaseException:
-        undo_failed_initialize(engine)  # as a failure inside ZeroEngine(): initialize may be called on it again
+        undo_failed_initialize(engine, restore_client_optimizer)  # as inside ZeroEngine(): initialize may run again
         raise
     return engine, _returned_optimizer(engine), engine.training_dataloader, engine.lr_scheduler
 

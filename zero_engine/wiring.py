@@ -26,6 +26,7 @@ from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
+from .zero.presence import GradientPresence
 from .zero.units import apply_leaf_module_config, gather_units, mark_by_granularity
 
 log = logging.getLogger("zero_engine.engine")
@@ -53,7 +54,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
     # No optimizer anywhere: forward and backward only (evaluation, inference, gradient inspection), as
     # DeepSpeed; no fp32 masters or optimizer states are made, and step() raises.
     trains = optimizer is not None or engine.config.optimizer is not None
-    engine._backward_end = BackwardEndCallback(engine._on_backward_end)
+    engine.backward_end = BackwardEndCallback(engine._on_backward_end)
     if engine.stage == 0:
         engine.sharded = []
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -103,7 +104,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
                                  accounting=engine.accounting, streams=engine.streams,
                                  grad_device=engine.placement.optimizer_device, pin_memory=engine.placement.pins)
     if engine.stage >= 2:
-        engine._grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine._on_grad_ready, sp))
+        engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine._on_grad_ready, sp))
                               for sp in trainable]
     if engine.stage < 3:
         for sp in engine.sharded:
@@ -151,7 +152,9 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
     engine.coordinator = ParamCoordinator(module_params, module_names, gatherer, engine.comm, zc,
                                           on_event=engine._record_timeline if engine.timeline else None)
     engine.coordinator.shard_swapper = engine.param_swapper
-    engine.hooks = ModuleHooks(list(module_params), engine.coordinator, engine._backward_end, model)
+    engine.hooks = ModuleHooks(list(module_params), engine.coordinator, engine.backward_end, model)
+    if engine.comm.world_size > 1:
+        engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
 
 
 def _choose_gather_per_bucket(engine) -> None:

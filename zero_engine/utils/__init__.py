@@ -144,7 +144,7 @@ def _check_local(sp: ShardedParam, value: torch.Tensor, what: str) -> None:
 
 
 def _grads_valid(engine) -> bool:
-    return engine._backwards_since_update > 0
+    return engine.backwards_since_update > 0
 
 
 def _state_tensor(engine, param, key: str, what: str) -> torch.Tensor:

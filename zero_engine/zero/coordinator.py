@@ -153,6 +153,11 @@ class ParamCoordinator:
         if self.shard_swapper is not None:  # the next forward's first shard buckets, read ahead
             self.shard_swapper.after_fetch(self.trace.params if self.trace is not None else [])
 
+    @property
+    def follows_trace(self) -> bool:
+        """This step has followed the recorded trace so far (False while recording or after a deviation)."""
+        return self._following
+
     # ---- hooks call these ----------------------------------------------------------------------------------------
     def fetch(self, module: nn.Module, phase: str) -> None:
         params = self.module_params.get(module, [])

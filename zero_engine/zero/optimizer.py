@@ -218,8 +218,9 @@ class ZeroOptimizer(_OptimizerWrapper):
             self.swapper = make_swapper(self, offload, placement, comm.rank, aio)
 
     # ---- the step ----------------------------------------------------------------------------------------------
-    def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
-        """Unscale, clip by the global norm, update the masters, refresh separate compute shards.
+    def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False, fingerprint=None) -> StepResult:
+        """Unscale, clip by the global norm, update the masters, refresh separate compute shards. ``fingerprint``:
+        the step fingerprint issued at the boundary (comm/watchdog.py), checked before anything is updated.
 
         [Note: sub-groups] In 16-bit training the gradient shards are 16-bit; the optimizer needs fp32. Converting
         them all at once would cost 4 bytes per parameter more for the length of the step, so the update runs
@@ -229,7 +230,7 @@ class ZeroOptimizer(_OptimizerWrapper):
         in fp32 inside its kernel, bitwise what ``grad.float() * coef`` gives (``grads_in_kernel``).
         """
         with profile_range("zero3::optimizer_step"):
-            scaled_norm = self._global_grad_norm()
+            scaled_norm = self._global_grad_norm(fingerprint)
             overflow = not math.isfinite(scaled_norm)
             norm = scaled_norm / loss_scale
             self.global_grad_norm = norm
@@ -282,20 +283,18 @@ class ZeroOptimizer(_OptimizerWrapper):
             grad.mul_(coef)
         return grad
 
-    def _global_grad_norm(self) -> float:
-        """One all-reduce of the summed squares; inf/nan on any rank makes the result non-finite everywhere."""
-        # On the gradients' device: NCCL all-reduces device tensors only. The .item() below is the step's one
-        # documented host synchronisation (clipping and the overflow decision need the value on the host).
-        if self.host_copies and self.device.type == "cuda":
+    def _global_grad_norm(self, fingerprint=None) -> float:
+        """One all-reduce of the summed squares; inf/nan on any rank makes the result non-finite everywhere. Read
+        on the host with the step fingerprint's verdict: see [Note: host syncs per step]."""
+        # On the gradients' device: NCCL all-reduces device tensors only.
+        if self.host_copies and self.device.type == "cuda":  # offload only: see [Note: host syncs per step]
             torch.cuda.current_stream(self.device).synchronize()  # host gradient shards copied (grads.py)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for bucket in self.reducer.buckets:
             if bucket.shard_grads is not None:  # fp32 accumulation per bucket, as clip_grad_norm_; no copy
                 sq += (torch.linalg.vector_norm(bucket.shard_grads, dtype=torch.float32).double() ** 2).to(sq.device)
         self.comm.all_reduce(sq, op="sum", name="grad norm")
-        if sq.device.type == "meta":
-            return 0.0  # shape-only run (fake process group): there are no values
-        value = sq.item()
+        value = read_step_values(sq, fingerprint)
         return math.sqrt(value) if math.isfinite(value) else float("inf")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -354,11 +353,44 @@ class ZeroOptimizer(_OptimizerWrapper):
                 swapper.close()
 
 
+# [Note: host syncs per step]
+# A host synchronisation (the CPU waits for the device: ``.item()``, ``.tolist()``, ``bool()`` of a device tensor,
+# a stream or device synchronize) stalls the CPU until the device has caught up, so it can no longer queue work
+# ahead; on CUDA the GPU then idles while the CPU issues what comes next. The default path (any stage and dtype, step
+# fingerprint on, no offload) has exactly one per step, in ``read_step_values``: the global gradient norm and the
+# step fingerprint's verdict, read in one transfer before anything is updated. The skip decision needs it on the host
+# (fp16 overflow, and a non-finite norm in any dtype, see guards.NonFiniteSteps: every rank skips the same update),
+# so the clipping coefficient and ``get_global_grad_norm()`` come from the same read at no extra cost.
+# Before issue 22 a stage-3 step had four, one of them in backward:
+#   - backward (every pass): the gradient presence count ``.tolist()`` -> only in a pass that records the module
+#     trace (see [Note: when the presence walk runs] in zero/presence.py): none in a steady step;
+#   - step: the fingerprint's two ``int()`` (comm/watchdog.py) -> read with the norm: none more;
+#   - step: the grad-norm ``.item()`` -> this one (``read_step_values``), for both optimizer wrappers;
+#   - step, offload_optimizer with an accelerator only: a stream synchronize before the norm (the gradient shards
+#     copied to the host must be complete before the host computes their norm) -> unchanged, off the default path.
+# Not counted: a step whose norm is non-finite (naming the ranks costs an object exchange), the first step and trace
+# deviations (the trace check and the presence walk), and collectives' own waits (gloo completes on the host).
+# tests/test_host_syncs.py counts them (CPU: wrapped Tensor methods; CUDA: torch.cuda.set_sync_debug_mode).
+
+def read_step_values(norm_value: torch.Tensor, fingerprint=None) -> float:
+    """The step's one host synchronisation: ``norm_value`` (a 0-dim tensor) and, with a step fingerprint, whether
+    the ranks agree, in one transfer; raises RankDivergenceError (before any update) when they do not."""
+    if norm_value.device.type == "meta":
+        return 0.0  # shape-only run (fake process group): there are no values
+    agree = fingerprint.agree if fingerprint is not None else None
+    if agree is None:
+        return norm_value.item()
+    value, agreed = torch.stack([norm_value.double(), agree.to(norm_value.device, torch.float64)]).tolist()
+    fingerprint.check(bool(agreed))
+    return value
+
+
 # [Note: the host-to-device shard copy]
 # With an accelerator and offload, the updated compute shard is copied from host memory (pinned when pin_memory)
 # with non_blocking=True as soon as its sub-group is updated, so it overlaps the next sub-group's update. The host
 # source (CPUAdam's low-precision copy, or the master in fp32 training) is rewritten only by the next step, which
-# reads the gradient norm with .item() first: that synchronises with the stream the copies were queued on.
+# reads the gradient norm on the host first (read_step_values): that synchronises with the stream the copies were
+# queued on.
 
 def _host_copy(value: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     out = torch.empty(value.numel(), dtype=dtype, device="cpu", pin_memory=pin)
@@ -415,8 +447,9 @@ class DataParallelOptimizer(_OptimizerWrapper):
     def master_bytes(self) -> int:
         return sum(m.numel() * 4 for m in self.masters.values())
 
-    def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False) -> StepResult:
-        """Average, unscale (fp16), clip by the global norm, update, refresh 16-bit parameters from the masters."""
+    def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False, fingerprint=None) -> StepResult:
+        """Average, unscale (fp16), clip by the global norm, update, refresh 16-bit parameters from the masters.
+        ``fingerprint``: as ZeroOptimizer.step's."""
         targets = [self.masters.get(id(p), p) for p in self.params]  # what the optimizer steps
         if self.masters:
             for master in targets:
@@ -430,8 +463,8 @@ class DataParallelOptimizer(_OptimizerWrapper):
         else:
             all_reduce_grads(self.params, self.comm, self.bucket_numel, reduce_dtype=self.reduce_dtype)
         # Gradients are identical on every rank now, so the local norm is the global one.
-        norm = float(torch.nn.utils.clip_grad_norm_(
-            targets, self.gradient_clipping if self.gradient_clipping > 0 else float("inf")))
+        norm = read_step_values(torch.nn.utils.clip_grad_norm_(
+            targets, self.gradient_clipping if self.gradient_clipping > 0 else float("inf")), fingerprint)
         self.global_grad_norm = norm
         if skip_if_nonfinite and not math.isfinite(norm):
             return StepResult(norm, True)
