@@ -248,3 +248,41 @@ def test_units_are_listed_in_module_order_and_own_their_parameters():
     assert tied.status is ParamStatus.NOT_AVAILABLE and coordinator.live_numel == 0
     coordinator.remove_external(layers[2], tied.param)
     assert tied not in last and tied in first
+
+
+class _CountedStatus:
+    """Counts how often the coordinator looks at a parameter's status (a class swapped onto the ShardedParams)."""
+
+    reads = 0
+
+    @property
+    def status(self):
+        _CountedStatus.reads += 1
+        return self._status
+
+    @status.setter
+    def status(self, value):
+        self._status = value
+
+
+def _status_reads_of_a_step(n_layers: int) -> int:
+    coordinator, layers, _ = build_coordinator(n_layers=n_layers, max_reuse_distance=10**9)
+    for p in [p for u in coordinator.units for p in u.params]:
+        status = p.status
+        p.__class__ = type("Counted", (_CountedStatus, type(p)), {})
+        p.status = status
+    run_step(coordinator, layers)  # records the trace
+    run_step(coordinator, layers)  # follows it
+    assert coordinator.prefetch_count > 0
+    _CountedStatus.reads = 0
+    run_step(coordinator, layers)
+    return _CountedStatus.reads
+
+
+def test_prefetch_does_not_walk_the_gathered_trace_ahead_again_at_every_fetch():
+    """With every parameter kept (a reuse distance larger than the model), each fetch once found nothing to prefetch
+    by walking the whole rest of the trace: status reads per step grew with the square of the trace's length (3.5x
+    for twice the layers). The look-ahead resumes where the last one stopped while nothing it passed was released
+    ([Note: the prefetch frontier]): linear (2x)."""
+    small, large = _status_reads_of_a_step(20), _status_reads_of_a_step(40)
+    assert large < 2.5 * small, (small, large)

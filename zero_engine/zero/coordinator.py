@@ -33,6 +33,7 @@ from ..errors import RankDivergenceError
 from . import external
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
+from . import unit as _unit
 from .unit import LiveParams, NextUse, ParamUnit, release_if_unused
 
 log = logging.getLogger("zero_engine.coordinator")
@@ -74,22 +75,29 @@ class _Trace:
             self.next_index[i] = {id(p): following.get(id(p)) for p in self.params[i]}
             following.update((id(p), i) for p in self.params[i])
 
-    def next_use(self, p: ShardedParam, fetched_at: int, after: int) -> NextUse:
-        """When ``p``, used by event ``fetched_at``, is used next after event ``after`` (>= ``fetched_at``)."""
+    def next_event(self, p: ShardedParam, fetched_at: int, after: int) -> int | None:
+        """The next event after event ``after`` that uses ``p``, which event ``fetched_at`` (<= ``after``) used."""
         key = id(p)
         table = self.next_index[fetched_at]
         if key in table and fetched_at <= after:
             nxt = table[key]
             while nxt is not None and nxt <= after:  # used between (a unit nested in the one ending): rare
                 nxt = self.next_index[nxt][key]
-        else:  # it joined the unit after the trace was recorded (external.py): search its uses
-            uses = self.uses.get(key, [])
-            k = bisect.bisect_right(uses, after)
-            nxt = uses[k] if k < len(uses) else None
+            return nxt
+        uses = self.uses.get(key, [])  # it joined the unit after the trace was recorded (external.py): search
+        k = bisect.bisect_right(uses, after)
+        return uses[k] if k < len(uses) else None
+
+    def next_use(self, p: ShardedParam, fetched_at: int, after: int) -> NextUse:
+        """When ``p``, used by event ``fetched_at``, is used next after event ``after`` (>= ``fetched_at``)."""
+        return self.use_at(p, self.next_event(p, fetched_at, after), after)
+
+    def use_at(self, p: ShardedParam, nxt: int | None, after: int) -> NextUse:
+        """``p``'s next use, at event ``nxt`` (None: none), seen from event ``after``."""
         if nxt is None:
             return NextUse(None, False)
         return NextUse(self.start_numel[nxt] - self.start_numel[after + 1],
-                       key in self.shared and self.events[nxt].phase == self.events[after].phase)
+                       id(p) in self.shared and self.events[nxt].phase == self.events[after].phase)
 
 
 class ParamCoordinator:
@@ -116,6 +124,7 @@ class ParamCoordinator:
         self._in_step = False
         self._following = False  # this step matches the trace so far: prefetching is allowed
         self._pos = 0
+        self._frontier = (-1, 0)  # (releases() then, event index): see [Note: the prefetch frontier]
         self._fetched_at = [0] * len(self.units)  # trace index of each unit's latest fetch while following
         self._warned_deviation = False
         unique = {id(p): p for unit in self.units for p in unit.params}
@@ -165,6 +174,7 @@ class ParamCoordinator:
         self._in_step = True
         self._recording = []
         self._pos = 0
+        self._frontier = (-1, 0)
         self._following = self.trace is not None
 
     def end_step(self, adopt_trace: bool = True) -> None:
@@ -227,14 +237,22 @@ class ParamCoordinator:
         inside one forward or one backward, so it is gathered once per pass; the live budget still rules: _make_room
         gives kept parameters up first when a fetch needs room."""
         unit = self._unit_of[module]
-        next_use = None
+        next_use, next_events = None, {}
         if self._following:  # the trace says which parameters are used again soon
             fetched_at, after = self._fetched_at[unit.index], self._pos - 1
-            next_use = lambda p: self.trace.next_use(p, fetched_at, after)  # noqa: E731
+
+            def next_use(p):
+                nxt = next_events[id(p)] = self.trace.next_event(p, fetched_at, after)
+                return self.trace.use_at(p, nxt, after)
         with profile_range(f"zero3::release {unit.name}"):
-            kept = unit.reshard(next_use, self.max_reuse_distance, keep_frozen)
+            releases_before = _unit.releases()
+            kept, released = unit.reshard(next_use, self.max_reuse_distance, keep_frozen)
             for p in kept:  # reused soon: _make_room gives it up first when a fetch needs room
                 self.gathered.kept[id(p)] = p
+            epoch, frontier = self._frontier
+            if self._following and epoch == releases_before and all(
+                    next_events[id(p)] is None or next_events[id(p)] >= frontier for p in released):
+                self._frontier = (_unit.releases(), frontier)  # none is used before the frontier: it holds
         if self.on_event is not None:
             self.on_event(f"release {unit.name}")
 
@@ -264,6 +282,7 @@ class ParamCoordinator:
             return  # not this model's, not a unit (reads inside it join its innermost unit), or already there
         log.info("rank %d: %s is used in the forward of %s, which does not own it: gathered with %s from now on",
                  self.comm.rank, p.fqn, unit.name, unit.name)
+        self._frontier = (-1, 0)  # the trace's events of this unit have one more parameter to gather
         if gather_now:
             self._gather_now(p, f"{unit.name} reads {p.fqn}")
             p.active_users += 1  # one more user of the running unit: its reshard ends it
@@ -332,35 +351,51 @@ class ParamCoordinator:
         Gathers already in flight count against the prefetch budget. A parameter gathered sequentially
         (``stage3_allgather_sequential``, or its bucket under "auto") is prefetched alone and only when nothing else
         is in flight, as the point of that strategy is a small transient footprint.
+
+        [Note: the prefetch frontier] The candidates are the parameters not gathered yet of the events after
+        ``index``, in order of first use. Every parameter of the events before the one where the last look-ahead
+        stopped (the frontier) was gathered, in flight or issued by it; only a release can undo that, so while no
+        parameter was released since (``unit.releases()``) but those a unit released that the trace uses next at or
+        after the frontier (``release``), the look-ahead starts at the frontier: the same candidates, without walking
+        again over the gathered events ahead (with everything kept, the whole rest of the trace at every fetch).
         """
         in_flight = sum({id(w): w.numel for w in self.gathered.inflight.values()}.values())
         budget = self.prefetch_numel - in_flight
         chosen: list[ShardedParam] = []
         size = 0
-        for p in self._upcoming(index):
+        start = index + 1
+        if self._frontier[0] == _unit.releases():
+            start = max(start, self._frontier[1])
+        stop = len(self.trace.params)
+        for event, p in self._upcoming(start):
             if self.live_numel + size + p.padded_numel > self.max_live:
+                stop = event
                 break
             if p.gather_sequential:
                 if not chosen and not in_flight:
                     chosen.append(p)
+                stop = event
                 break
             if size + p.padded_numel > budget:
+                stop = event
                 break
             chosen.append(p)
             size += p.padded_numel
+        self._frontier = (_unit.releases(), stop)
         if chosen:
             self.prefetch_count += len(chosen)
             self.gathered.issue(chosen, f"prefetch after {self.trace.events[index].module}")
 
-    def _upcoming(self, index: int):
-        """Not-yet-gathered parameters of the trace events after ``index``, in order of first use."""
+    def _upcoming(self, start: int):
+        """(event index, parameter) for the not-yet-gathered parameters of the trace events from ``start`` on, in
+        order of first use."""
         seen: set[int] = set()
         params_of = self.trace.params
-        for i in range(index + 1, len(params_of)):  # the caller stops at the first one over its budgets
+        for i in range(start, len(params_of)):  # the caller stops at the first one over its budgets
             for p in params_of[i]:
                 if p.status is ParamStatus.NOT_AVAILABLE and id(p) not in seen:
                     seen.add(id(p))
-                    yield p
+                    yield i, p
 
     def _check_same_on_all_ranks(self, events: list[TraceEvent]) -> None:
         if self.comm.world_size == 1:

@@ -66,15 +66,27 @@ def may_release(p: ShardedParam, next_use: NextUse | None = None, max_reuse_dist
     return not (reused_soon or next_use.again_in_pass)
 
 
+_releases = 0  # parameters released through release_if_unused so far (this process): see releases()
+
+
 def release_if_unused(p: ShardedParam, **rule) -> bool:
     """Release ``p`` if ``may_release(p, **rule)`` allows it, keeping its engine's live count right. True if
     released."""
+    global _releases
     if not may_release(p, **rule):
         return False
     p.release()
+    _releases += 1
     if p.live_owner is not None:
         p.live_owner.forget(p)
     return True
+
+
+def releases() -> int:
+    """How many parameters ``release_if_unused`` has released so far. While it does not change, no parameter went
+    from gathered (or in flight) back to its shard during a step: the coordinator's prefetch skips the events ahead
+    it found gathered (see [Note: the prefetch frontier] in coordinator.py)."""
+    return _releases
 
 
 class LiveParams:
@@ -190,16 +202,20 @@ class ParamUnit:
         for p in self.params:
             p.active_users += 1
 
-    def reshard(self, next_use=None, max_reuse_distance: int = 0, keep_frozen: bool = False) -> list[ShardedParam]:
+    def reshard(self, next_use=None, max_reuse_distance: int = 0,
+                keep_frozen: bool = False) -> tuple[list[ShardedParam], list[ShardedParam]]:
         """This unit no longer uses its parameters: release each one the release rule allows. ``next_use(p)``: the
-        trace's ``NextUse`` of ``p`` (None when the step does not follow a trace). Returns the parameters kept only
-        because the trace reuses them soon (the caller keeps them in ``LiveParams.kept``)."""
-        kept = []
+        trace's ``NextUse`` of ``p`` (None when the step does not follow a trace). Returns (kept, released): kept,
+        the parameters kept only because the trace reuses them soon (the caller keeps them in
+        ``LiveParams.kept``)."""
+        kept, released = [], []
         for p in self.params:
             p.active_users = max(0, p.active_users - 1)
             if not may_release(p, keep_frozen=keep_frozen):
                 continue  # in use, held, persistent or not whole; frozen ones: released at the end of the step
             use = next_use(p) if next_use is not None else None
-            if not release_if_unused(p, next_use=use, max_reuse_distance=max_reuse_distance):
+            if release_if_unused(p, next_use=use, max_reuse_distance=max_reuse_distance):
+                released.append(p)
+            else:
                 kept.append(p)
-        return kept
+        return kept, released
