@@ -33,8 +33,7 @@ from ..errors import RankDivergenceError
 from . import external
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
-from . import unit as _unit
-from .unit import LiveParams, NextUse, ParamUnit, release_if_unused
+from .unit import LiveParams, NextUse, ParamUnit, release_if_unused, releases
 
 log = logging.getLogger("zero_engine.coordinator")
 
@@ -245,14 +244,14 @@ class ParamCoordinator:
                 nxt = next_events[id(p)] = self.trace.next_event(p, fetched_at, after)
                 return self.trace.use_at(p, nxt, after)
         with profile_range(f"zero3::release {unit.name}"):
-            releases_before = _unit.releases()
+            releases_before = releases()
             kept, released = unit.reshard(next_use, self.max_reuse_distance, keep_frozen)
             for p in kept:  # reused soon: _make_room gives it up first when a fetch needs room
                 self.gathered.kept[id(p)] = p
             epoch, frontier = self._frontier
             if self._following and epoch == releases_before and all(
                     next_events[id(p)] is None or next_events[id(p)] >= frontier for p in released):
-                self._frontier = (_unit.releases(), frontier)  # none is used before the frontier: it holds
+                self._frontier = (releases(), frontier)  # none is used before the frontier: it holds
         if self.on_event is not None:
             self.on_event(f"release {unit.name}")
 
@@ -364,7 +363,7 @@ class ParamCoordinator:
         chosen: list[ShardedParam] = []
         size = 0
         start = index + 1
-        if self._frontier[0] == _unit.releases():
+        if self._frontier[0] == releases():
             start = max(start, self._frontier[1])
         stop = len(self.trace.params)
         for event, p in self._upcoming(start):
@@ -381,7 +380,7 @@ class ParamCoordinator:
                 break
             chosen.append(p)
             size += p.padded_numel
-        self._frontier = (_unit.releases(), stop)
+        self._frontier = (releases(), stop)
         if chosen:
             self.prefetch_count += len(chosen)
             self.gathered.issue(chosen, f"prefetch after {self.trace.events[index].module}")
