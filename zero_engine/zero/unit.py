@@ -43,7 +43,7 @@ import torch.nn as nn
 from .gather import GatherWork
 from .partition import ParamStatus, ShardedParam
 
-__all__ = ["LiveParams", "NextUse", "ParamUnit", "may_release", "release_if_unused"]
+__all__ = ["LiveParams", "NextUse", "ParamUnit", "may_release", "release_if_unused", "releases"]
 
 
 class NextUse(NamedTuple):
