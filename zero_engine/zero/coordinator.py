@@ -118,6 +118,9 @@ class ParamCoordinator:
         self.units = [ParamUnit(module, module_names[module], params, i, self.gathered)
                       for i, (module, params) in enumerate(module_params.items())]
         self._unit_of = {unit.module: unit for unit in self.units}
+        # views by module, for callers that index by module: each unit's own parameter list (it grows in place)
+        self.module_params = {unit.module: unit.params for unit in self.units}
+        self.module_names = {unit.module: unit.name for unit in self.units}
         self.trace: _Trace | None = None
         self._recording: list[tuple[TraceEvent, ParamUnit]] = []
         self._in_step = False
@@ -138,15 +141,6 @@ class ParamCoordinator:
         self.shard_swapper = shard_swapper
 
     # ---- views ---------------------------------------------------------------------------------------------------
-    @property
-    def module_params(self) -> dict[nn.Module, list[ShardedParam]]:
-        """Each unit's module -> the parameters it gathers (the unit's own list)."""
-        return {unit.module: unit.params for unit in self.units}
-
-    @property
-    def module_names(self) -> dict[nn.Module, str]:
-        return {unit.module: unit.name for unit in self.units}
-
     @property
     def live_numel(self) -> int:
         """Gathered elements counted against ``max_live_parameters`` now."""

@@ -115,13 +115,15 @@ class LiveParams:
         for work in list(self.inflight.values()):
             self.wait(work)
 
-    def acquire(self, params: list[ShardedParam]) -> None:
-        """Wait for the gathers in flight that cover ``params`` and count them (gathered and live)."""
+    def acquire(self, params: list[ShardedParam], users: int = 0) -> None:
+        """Wait for the gathers in flight that cover ``params``, count them (gathered and live) and ``users`` more
+        users of each."""
         for p in params:
             if p.status is ParamStatus.INFLIGHT:
                 self.wait(self.inflight[id(p)])
             if p.live_owner is None:  # gathered outside the coordinator (GatheredParameters): count it now
                 self.count(p)
+            p.active_users += users
 
     def count(self, p: ShardedParam) -> None:
         if p.live_owner is self:  # already counted (released behind our back and gathered again)
@@ -138,8 +140,9 @@ class LiveParams:
             self.numel -= p.padded_numel
 
     def unkeep(self, params: list[ShardedParam]) -> None:
-        for p in params:
-            self.kept.pop(id(p), None)
+        if self.kept:  # usually empty (max_reuse_distance 0, no shared weight): no walk
+            for p in params:
+                self.kept.pop(id(p), None)
 
     def issue_missing(self, params: list[ShardedParam], name: str) -> GatherWork | None:
         """Issue the gather of those of ``params`` that hold only their shard (None if there are none)."""
@@ -198,9 +201,7 @@ class ParamUnit:
         if self._work is not None:
             self.live.wait(self._work)
             self._work = None
-        self.live.acquire(self.params)
-        for p in self.params:
-            p.active_users += 1
+        self.live.acquire(self.params, users=1)
 
     def reshard(self, next_use=None, max_reuse_distance: int = 0,
                 keep_frozen: bool = False) -> tuple[list[ShardedParam], list[ShardedParam]]:
