@@ -1,25 +1,32 @@
-"""The one rule that decides whether the coordinator may free a gathered parameter (ShardedParam.releasable).
+"""The one rule that decides whether a gathered parameter may be freed (zero_engine/zero/unit.py, ``may_release``).
 
-A parameter is released only when it is available, not persistent, used by no running module and held by no
-``GatheredParameters`` block; every release site (end of step, a module's release, making room under
-``stage3_max_live_parameters``, a block's exit) asks that one predicate. Parity against one process: every rank
-trains on the same micro-batch (SGD, fp32), so at world 2 the averaged gradient is the reference's exactly and losses
-and parameters must be bitwise equal.
+A parameter is released only when it is whole, not persistent, used by no running module, held by no user (a
+``GatheredParameters`` block, the engine's hold to the end of the step) and, following the trace, not reused soon;
+every release site (end of step, a unit's reshard after its module ran, making room under
+``stage3_max_live_parameters``, the end of what a forward held, a block's exit) asks that one predicate.
+
+The distributed test: parity against one process, every rank trains on the same micro-batch (SGD, fp32), so at world
+2 the averaged gradient is the reference's exactly and losses and parameters must be bitwise equal. The others drive
+each release site of a coordinator on its own (test_zero_units.py's loopback communicator, no process group).
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import zero_engine
 from zero_engine.testing import run_ranks
-from zero_engine.zero import GatheredParameters
+from zero_engine.zero import GatheredParameters, unit
 from zero_engine.zero.partition import ParamStatus
 
 from test_zero3 import full_params
+from test_zero_units import build_coordinator, run_step
 
 TIMEOUT = 120
 
@@ -89,3 +96,193 @@ def test_parameter_held_by_gathered_parameters_is_not_freed_to_make_room():
         assert losses == ref_losses, (losses, ref_losses)  # bitwise at world 2
         assert same, "parameters differ from the one-process run"
         assert not leaks, f"still gathered after the step: {leaks}"
+
+
+# ---- every release site asks the one rule (a coordinator on its own) --------------------------------------------------
+PER_LAYER = 16 * 16 + 16  # build_coordinator's Linear(16, 16)
+
+
+def _release_by_module(coordinator, layers, sp, protect):
+    coordinator.begin_step()
+    coordinator.fetch(layers[0], "forward")
+    protect(sp)
+    coordinator.release(layers[0])
+
+
+def _release_at_end_of_step(coordinator, layers, sp, protect):
+    coordinator.begin_step()
+    coordinator.fetch(layers[0], "forward")
+    protect(sp)
+    coordinator.end_step(adopt_trace=False)
+
+
+def _release_to_make_room(coordinator, layers, sp, protect):
+    coordinator.begin_step()
+    coordinator.fetch(layers[0], "forward")
+    sp.active_users -= 1  # its module ran; the trace reuses it soon, so release() kept it:
+    coordinator.gathered.kept[id(sp)] = sp
+    protect(sp)
+    coordinator.fetch(layers[1], "forward")  # over max_live_parameters: gives up kept parameters first
+
+
+def _release_held_at_end_of_forward(coordinator, layers, sp, protect):
+    coordinator.begin_step()
+    coordinator.hold_for_step(sp)  # read by the model's forward outside every unit
+    protect(sp)
+    with torch.no_grad():
+        coordinator.end_model_forward()  # no backward follows: what the forward held ends here
+
+
+def _release_at_block_exit(coordinator, layers, sp, protect, monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the block gathers through the loopback comm
+    with GatheredParameters(sp.param, _comm=coordinator.comm):
+        protect(sp)
+
+
+SITES = {"module release": _release_by_module, "end of step": _release_at_end_of_step,
+         "make room": _release_to_make_room, "end of forward": _release_held_at_end_of_forward,
+         "block exit": _release_at_block_exit}
+
+
+def _persistent(sp):
+    sp.is_persistent = True
+
+
+def _held(sp):  # what a GatheredParameters block around this does
+    sp.held_by_user += 1
+
+
+def _in_use(sp):  # what an enclosing unit that also gathers it does
+    sp.active_users += 1
+
+
+def _nothing(sp):
+    pass
+
+
+def _run_site(site, sp_protect, monkeypatch):
+    coordinator, layers, _ = build_coordinator(n_layers=2, max_live_parameters=PER_LAYER)
+    sp = coordinator.unit_of(layers[0]).params[0]
+    args = (monkeypatch,) if site == "block exit" else ()
+    SITES[site](coordinator, layers, sp, sp_protect, *args)
+    return coordinator, sp
+
+
+@pytest.mark.parametrize("site", list(SITES))
+@pytest.mark.parametrize("protection", [_persistent, _held, _in_use, _nothing], ids=lambda f: f.__name__[1:])
+def test_no_release_site_frees_a_persistent_held_or_used_parameter(site, protection, monkeypatch):
+    if site == "end of step" and protection is _in_use:
+        pytest.skip("at the end of a step no module runs: end_step clears every use")
+    coordinator, sp = _run_site(site, protection, monkeypatch)
+    if protection is _nothing:  # the control: each site does release a parameter nothing keeps
+        assert sp.status is ParamStatus.NOT_AVAILABLE and sp.full.untyped_storage().size() == 0, site
+    else:
+        assert sp.status is ParamStatus.AVAILABLE, f"{site} released a {protection.__name__[1:]} parameter"
+        assert sp.full.untyped_storage().size() == sp.full_bytes
+    assert coordinator.live_numel >= 0
+
+
+@pytest.mark.parametrize("site", list(SITES))
+def test_every_release_site_consults_the_one_predicate(site, monkeypatch):
+    """With the rule refusing everything, no site releases anything: none decides on its own."""
+    asked = []
+
+    def refuse(p, *args, **kwargs):
+        asked.append(p)
+        return False
+
+    monkeypatch.setattr(unit, "may_release", refuse)
+    coordinator, sp = _run_site(site, _nothing, monkeypatch)
+    assert any(p is sp for p in asked), f"{site} did not ask the release rule"
+    assert sp.status is ParamStatus.AVAILABLE, f"{site} released a parameter the rule refused"
+
+
+# ---- the trace's next-use table ---------------------------------------------------------------------------------
+def _next_use_by_search(trace, p, after):
+    """What the coordinator computed before the table: a search of the parameter's uses."""
+    uses = [i for i, params in enumerate(trace.params) if any(q is p for q in params)]
+    k = bisect.bisect_right(uses, after)
+    if k == len(uses):
+        return unit.NextUse(None, False)
+    nxt = uses[k]
+    shared = len({trace.events[i].module for i in uses}) > 1
+    return unit.NextUse(trace.start_numel[nxt] - trace.start_numel[after + 1],
+                        shared and trace.events[nxt].phase == trace.events[after].phase)
+
+
+def test_trace_next_use_table_matches_a_search_of_the_trace():
+    """Nested units (the outer one ends after the inner ones) and a weight shared by two units (tied)."""
+    coordinator, layers, _ = build_coordinator(n_layers=4)
+    coordinator.unit_of(layers[3]).add_external(coordinator.unit_of(layers[0]).params[0])  # a tied weight
+    coordinator.begin_step()
+    order = [(layers[0], "forward", False), (layers[1], "forward", True), (layers[2], "forward", False),
+             (layers[1], "forward", "end"), (layers[3], "forward", False), (layers[3], "backward", False),
+             (layers[2], "backward", False), (layers[1], "backward", False), (layers[0], "backward", False)]
+    for layer, phase, nested in order:  # layers[1] encloses layers[2]
+        if nested != "end":
+            coordinator.fetch(layer, phase)
+        if nested is not True:
+            coordinator.release(layer)
+    coordinator.end_step()
+    trace = coordinator.trace
+    assert [e.module for e in trace.events] == ["layers.0", "layers.1", "layers.2", "layers.3", "layers.3",
+                                                "layers.2", "layers.1", "layers.0"]
+    assert [u.name for u in trace.units] == [e.module for e in trace.events]
+    for fetched_at, params in enumerate(trace.params):
+        for after in range(fetched_at, len(trace.events) - 1):
+            for p in params:
+                assert trace.next_use(p, fetched_at, after) == _next_use_by_search(trace, p, after), \
+                    (p.fqn, fetched_at, after)
+
+
+def test_units_are_listed_in_module_order_and_own_their_parameters():
+    coordinator, layers, _ = build_coordinator(n_layers=3)
+    assert [u.module for u in coordinator.units] == layers
+    assert [u.name for u in coordinator.units] == ["layers.0", "layers.1", "layers.2"]
+    first, last = coordinator.units[0], coordinator.units[-1]
+    tied = first.params[0]
+    assert tied in first and tied not in last
+    coordinator.add_external(layers[2], tied.param, gather_now=False)
+    assert tied in last and last.params[-1] is tied and coordinator.module_params[layers[2]] is last.params
+    run_step(coordinator, layers)  # the tied weight is gathered with both units, released after the step
+    assert tied.status is ParamStatus.NOT_AVAILABLE and coordinator.live_numel == 0
+    coordinator.remove_external(layers[2], tied.param)
+    assert tied not in last and tied in first
+
+
+class _CountedStatus:
+    """Counts how often the coordinator looks at a parameter's status (a class swapped onto the ShardedParams)."""
+
+    reads = 0
+
+    @property
+    def status(self):
+        _CountedStatus.reads += 1
+        return self._status
+
+    @status.setter
+    def status(self, value):
+        self._status = value
+
+
+def _status_reads_of_a_step(n_layers: int) -> int:
+    coordinator, layers, _ = build_coordinator(n_layers=n_layers, max_reuse_distance=10**9)
+    for p in [p for u in coordinator.units for p in u.params]:
+        status = p.status
+        p.__class__ = type("Counted", (_CountedStatus, type(p)), {})
+        p.status = status
+    run_step(coordinator, layers)  # records the trace
+    run_step(coordinator, layers)  # follows it
+    assert coordinator.prefetch_count > 0
+    _CountedStatus.reads = 0
+    run_step(coordinator, layers)
+    return _CountedStatus.reads
+
+
+def test_prefetch_does_not_walk_the_gathered_trace_ahead_again_at_every_fetch():
+    """With every parameter kept (a reuse distance larger than the model), each fetch once found nothing to prefetch
+    by walking the whole rest of the trace: status reads per step grew with the square of the trace's length (3.5x
+    for twice the layers). The look-ahead resumes where the last one stopped while nothing it passed was released
+    ([Note: the prefetch frontier]): linear (2x)."""
+    small, large = _status_reads_of_a_step(20), _status_reads_of_a_step(40)
+    assert large < 2.5 * small, (small, large)

@@ -317,6 +317,27 @@ def test_demo_model_twenty_times_in_the_pool():
     assert run_ranks(_demo_model_body, 2, 20, timeout=TIMEOUT) == [(20, [])] * 2
 
 
+def _gloo_threads_after_destroy_body():
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=nn.Linear(4, 4), config=_config(3, stall=20.0))
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.destroy()
+    dist.destroy_process_group()
+    # the group's C++ threads, which only the group's destruction ends (Linux names them in /proc)
+    return sorted(name for name in (open(f"/proc/self/task/{task}/comm").read().strip()
+                                    for task in os.listdir("/proc/self/task")) if "gloo" in name)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
+def test_destroy_process_group_after_destroy_ends_the_groups_threads():
+    """engine.destroy() then destroy_process_group() leaves no gloo thread: nothing (the engine, nor torch's
+    torch.distributed.nn defaults, which the engine's optimizer imports) still holds the group. A live gloo thread at
+    interpreter exit can abort the process (see [Note: clean shutdown]). Fresh ranks: the import order matters."""
+    discard_pool(2, get_pool(2))
+    assert run_ranks(_gloo_threads_after_destroy_body, 2, timeout=TIMEOUT) == [[], []]
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

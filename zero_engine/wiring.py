@@ -150,9 +150,10 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
         _choose_gather_per_bucket(engine)
     engine.refresh_gatherer = gatherer
     engine.coordinator = ParamCoordinator(module_params, module_names, gatherer, engine.comm, zc,
-                                          on_event=engine._record_timeline if engine.timeline else None)
-    engine.coordinator.shard_swapper = engine.param_swapper
-    engine.hooks = ModuleHooks(list(module_params), engine.coordinator, engine.backward_end, model)
+                                          on_event=engine._record_timeline if engine.timeline else None,
+                                          shard_swapper=engine.param_swapper)
+    engine.hooks = ModuleHooks([unit.module for unit in engine.coordinator.units], engine.coordinator,
+                               engine.backward_end, model)
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
 

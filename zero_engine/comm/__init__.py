@@ -11,6 +11,11 @@ It also has ``deepspeed.comm``'s functions (``get_rank``, ``get_world_size``, ``
 under ``deepspeed.comm``.
 """
 
+# Imported before any process group exists: torch.distributed.nn.functional's collectives take ``group=group.WORLD``
+# as a default argument, evaluated on first import, and the first torch optimizer imports it (through torch._dynamo);
+# imported after init_process_group, it would hold the world group for good. See [Note: clean shutdown].
+import torch.distributed.nn  # noqa: F401
+
 from zero_engine.comm import _deepspeed
 from zero_engine.comm._communicator import Communicator, Pending
 from zero_engine.comm._consistency import CollectiveMismatchError

@@ -56,6 +56,12 @@ heartbeat thread (joined), and drops the communicator's references to the group,
 A third holder was found later (a 1-in-20 abort in the two-host test): the thread that waits on gloo's
 reduce-scatter works for the main thread kept the last work it waited for in its frame, and a work keeps its group
 alive. It now drops each work when its wait ends, and the last watchdog to stop ends and joins that thread too.
+A fourth holder was outside the engine (1 in ~40 demo runs; CI once): torch.distributed.nn.functional's collectives
+take ``group=group.WORLD`` as a default argument, evaluated when the module is first imported, and the first
+``torch.optim.Optimizer`` imports it (through torch._dynamo, torch.distributed.fsdp). Built after
+``init_process_group``, as every engine's optimizer is, it kept the world group in those defaults for the life of the
+process. zero_engine/comm/__init__.py imports it first, before any group exists; a test checks that no gloo thread is
+left after ``destroy_process_group()``.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ import torch.nn as nn
 
 from ..errors import RankDivergenceError
 from . import external
-from .gather import GatherWork
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
+from .unit import LiveParams, NextUse, ParamUnit, release_if_unused, releases
 
 log = logging.getLogger("zero_engine.coordinator")
 
@@ -49,12 +49,16 @@ class TraceEvent:
 @dataclass
 class _Trace:
     events: list[TraceEvent]
-    params: list[list[ShardedParam]]
+    units: list[ParamUnit]
+    params: list[list[ShardedParam]] = field(default_factory=list)  # each event's unit's parameter list
     start_numel: list[int] = field(default_factory=list)  # gathered elements fetched before each event
+    # per event: id(p) -> the index of the next event that uses p (None: none), for each p of the event's unit
+    next_index: list[dict[int, int | None]] = field(default_factory=list)
     uses: dict[int, list[int]] = field(default_factory=dict)  # id(ShardedParam) -> event indices using it
     shared: set[int] = field(default_factory=set)  # id(ShardedParam) of parameters used by several modules
 
     def __post_init__(self):
+        self.params = [unit.params for unit in self.units]
         total = 0
         users: dict[int, set[str]] = {}
         for i, params in enumerate(self.params):
@@ -64,32 +68,45 @@ class _Trace:
                 self.uses.setdefault(id(p), []).append(i)
                 users.setdefault(id(p), set()).add(self.events[i].module)
         self.shared = {key for key, modules in users.items() if len(modules) > 1}
+        following: dict[int, int] = {}
+        self.next_index = [{} for _ in self.params]
+        for i in range(len(self.params) - 1, -1, -1):
+            self.next_index[i] = {id(p): following.get(id(p)) for p in self.params[i]}
+            following.update((id(p), i) for p in self.params[i])
 
-    def used_again_in_pass(self, p: ShardedParam, after: int) -> bool:
-        """A shared parameter used again by a later event of the same pass (forward or backward) as ``after``."""
-        if id(p) not in self.shared:
-            return False
-        uses = self.uses[id(p)]
+    def next_event(self, p: ShardedParam, fetched_at: int, after: int) -> int | None:
+        """The next event after event ``after`` that uses ``p``, which event ``fetched_at`` (<= ``after``) used."""
+        key = id(p)
+        table = self.next_index[fetched_at]
+        if key in table and fetched_at <= after:
+            nxt = table[key]
+            while nxt is not None and nxt <= after:  # used between (a unit nested in the one ending): rare
+                nxt = self.next_index[nxt][key]
+            return nxt
+        uses = self.uses.get(key, [])  # it joined the unit after the trace was recorded (external.py): search
         k = bisect.bisect_right(uses, after)
-        return k < len(uses) and self.events[uses[k]].phase == self.events[after].phase
+        return uses[k] if k < len(uses) else None
 
-    def reuse_distance(self, p: ShardedParam, after: int) -> int | None:
-        """Elements fetched between event ``after`` and the next event that uses ``p`` (None: not used again)."""
-        uses = self.uses.get(id(p), [])
-        k = bisect.bisect_right(uses, after)
-        if k == len(uses):
-            return None
-        nxt = uses[k]
-        return self.start_numel[nxt] - self.start_numel[after + 1] if nxt > after else 0
+    def next_use(self, p: ShardedParam, fetched_at: int, after: int) -> NextUse:
+        """When ``p``, used by event ``fetched_at``, is used next after event ``after`` (>= ``fetched_at``)."""
+        return self.use_at(p, self.next_event(p, fetched_at, after), after)
+
+    def use_at(self, p: ShardedParam, nxt: int | None, after: int) -> NextUse:
+        """``p``'s next use, at event ``nxt`` (None: none), seen from event ``after``."""
+        if nxt is None:
+            return NextUse(None, False)
+        return NextUse(self.start_numel[nxt] - self.start_numel[after + 1],
+                       id(p) in self.shared and self.events[nxt].phase == self.events[after].phase)
 
 
 class ParamCoordinator:
     live: "weakref.WeakSet[ParamCoordinator]" = weakref.WeakSet()  # for register_external_parameter after initialize
 
     def __init__(self, module_params: dict[nn.Module, list[ShardedParam]], module_names: dict[nn.Module, str],
-                 gatherer, comm, zero_config, on_event=None):
-        self.module_params = module_params
-        self.module_names = module_names
+                 gatherer, comm, zero_config, on_event=None, shard_swapper=None):
+        """``module_params``: each unit's module and the parameters it gathers (units.py's ``gather_units``),
+        ``module_names``: their qualified names; ``shard_swapper``: offload_param nvme reads shard buckets ahead
+        along the trace (offload/param_swap.py)."""
         self.gatherer = gatherer
         self.comm = comm
         self.prefetch_numel = int(zero_config.prefetch_bucket_size)
@@ -97,27 +114,48 @@ class ParamCoordinator:
         self.max_reuse_distance = int(zero_config.max_reuse_distance)
         self.on_event = on_event  # called with "fetch <module>" / "release <module>" (memory timeline)
 
+        self.gathered = LiveParams(gatherer)  # shared by the units: gathers in flight, live count, kept parameters
+        self.units = [ParamUnit(module, module_names[module], params, i, self.gathered)
+                      for i, (module, params) in enumerate(module_params.items())]
+        self._unit_of = {unit.module: unit for unit in self.units}
+        # views by module, for callers that index by module: each unit's own parameter list (it grows in place)
+        self.module_params = {unit.module: unit.params for unit in self.units}
+        self.module_names = {unit.module: unit.name for unit in self.units}
         self.trace: _Trace | None = None
-        self._recording: list[tuple[TraceEvent, list[ShardedParam]]] = []
+        self._recording: list[tuple[TraceEvent, ParamUnit]] = []
         self._in_step = False
         self._following = False  # this step matches the trace so far: prefetching is allowed
         self._pos = 0
-        self._inflight: dict[int, GatherWork] = {}  # id(ShardedParam) -> the work that gathers it
-        self._kept: dict[int, ShardedParam] = {}  # released by their modules but kept for a near reuse
+        self._frontier = (-1, 0)  # (releases() then, event index): see [Note: the prefetch frontier]
+        self._fetched_at = [0] * len(self.units)  # trace index of each unit's latest fetch while following
         self._warned_deviation = False
-        unique = {id(p): p for params in module_params.values() for p in params}
+        unique = {id(p): p for unit in self.units for p in unit.params}
         self._sharded_of = {id(p.param): p for p in unique.values()}  # nn.Parameter -> its state, this model only
-        self._unit_ids = {m: {id(p) for p in params} for m, params in module_params.items()}
-        self._externals: dict[nn.Module, set[int]] = {}  # ids a unit gathers without owning them (external.py)
-        self._held: dict[int, ShardedParam] = {}  # one more user until the end of the step (external.py)
+        self._held: dict[int, ShardedParam] = {}  # held by the engine until the end of the step (external.py)
         ParamCoordinator.live.add(self)
-        self.live_numel = self.peak_live_numel = 0
         for p in unique.values():
             if p.status is not ParamStatus.NOT_AVAILABLE:
-                self._count_live(p)
+                self.gathered.count(p)
         self.fetch_count = 0
         self.prefetch_count = 0
-        self.shard_swapper = None  # offload_param nvme: reads shard buckets ahead (offload/param_swap.py)
+        self.shard_swapper = shard_swapper
+
+    # ---- views ---------------------------------------------------------------------------------------------------
+    @property
+    def live_numel(self) -> int:
+        """Gathered elements counted against ``max_live_parameters`` now."""
+        return self.gathered.numel
+
+    @property
+    def peak_live_numel(self) -> int:
+        return self.gathered.peak_numel
+
+    @peak_live_numel.setter
+    def peak_live_numel(self, value: int) -> None:  # the engine resets the peak (memory_stats' reset)
+        self.gathered.peak_numel = value
+
+    def unit_of(self, module: nn.Module) -> ParamUnit | None:
+        return self._unit_of.get(module)
 
     # ---- step boundaries -----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -129,25 +167,26 @@ class ParamCoordinator:
         self._in_step = True
         self._recording = []
         self._pos = 0
+        self._frontier = (-1, 0)
         self._following = self.trace is not None
 
     def end_step(self, adopt_trace: bool = True) -> None:
         """End of backward: wait for stray prefetches, release everything not persistent, settle the trace."""
-        for work in list(self._inflight.values()):
-            self._wait(work)
-        self._held.clear()
-        for params in self.module_params.values():
-            for p in params:
+        self.gathered.wait_all()
+        self._drop_holds()
+        for unit in self.units:
+            for p in unit.params:
                 p.active_users = 0
-                if self._releasable(p):
-                    self._release(p)
+        for unit in self.units:
+            for p in unit.params:
+                release_if_unused(p)
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
             events = [e for e, _ in self._recording]
             self._check_same_on_all_ranks(events)
             if self.trace is not None:
                 self._log_deviation_once("the module order changed; prefetching re-recorded")
-            self.trace = _Trace(events, [ps for _, ps in self._recording])
+            self.trace = _Trace(events, [unit for _, unit in self._recording])
         self._in_step = False
         self._following = False
         if self.shard_swapper is not None:  # the next forward's first shard buckets, read ahead
@@ -160,12 +199,11 @@ class ParamCoordinator:
 
     # ---- hooks call these ----------------------------------------------------------------------------------------
     def fetch(self, module: nn.Module, phase: str) -> None:
-        params = self.module_params.get(module, [])
-        event = TraceEvent(self.module_names[module], phase)
+        unit = self._unit_of[module]
+        event = TraceEvent(unit.name, phase)
         self.comm.progress.module = event.module
-        recording = self._in_step
-        if recording:
-            self._recording.append((event, params))
+        if self._in_step:
+            self._recording.append((event, unit))
             if self._following and (self._pos >= len(self.trace.events) or self.trace.events[self._pos] != event):
                 self._following = False
                 self.comm.agree_before_next_collective()  # other ranks may not take this turn: no mismatched gather
@@ -173,35 +211,48 @@ class ParamCoordinator:
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
         with profile_range(f"zero3::fetch {event.module}"):
-            self._acquire(params, event.module)
+            self.gathered.unkeep(unit.params)  # in use again: not given up to make room below
+            self._make_room(unit.missing_numel())
+            unit.unshard(event.module)
+            unit.wait_for_unshard()
             self.fetch_count += 1
             if self.shard_swapper is not None:
                 trace = self.trace.params if self._following else []
                 self.shard_swapper.after_fetch(trace[i] for i in range(self._pos + 1, len(trace)))
             if self._following:
+                self._fetched_at[unit.index] = self._pos
                 self._prefetch_after(self._pos)
                 self._pos += 1
         if self.on_event is not None:
             self.on_event(f"fetch {event.module} ({phase})")
 
     def release(self, module: nn.Module, keep_frozen: bool = False) -> None:
-        """``keep_frozen``: leave gathered the parameters that need no gradient (activation recomputation in
-        backward saved them as they are; see [Note: frozen parameters in recomputation] in hooks.py)."""
-        params = self.module_params.get(module, [])
-        event_index = self._pos - 1 if self._following else None
-        with profile_range(f"zero3::release {self.module_names[module]}"):
-            for p in params:
-                p.active_users = max(0, p.active_users - 1)
-                if not p.releasable:
-                    continue
-                if keep_frozen and not p.param.requires_grad:
-                    continue  # released at the end of the step (see keep_frozen above)
-                if self._releasable(p, after_event=event_index):
-                    self._release(p)
-                else:
-                    self._kept[id(p)] = p  # reused soon: _make_room gives it up first when a fetch needs room
+        """The unit's module ran: reshard it. ``keep_frozen``: leave gathered the parameters that need no gradient
+        (activation recomputation in backward saved them as they are; see [Note: frozen parameters in
+        recomputation] in hooks.py).
+
+        [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept between its uses
+        inside one forward or one backward, so it is gathered once per pass; the live budget still rules: _make_room
+        gives kept parameters up first when a fetch needs room."""
+        unit = self._unit_of[module]
+        next_use, next_events = None, {}
+        if self._following:  # the trace says which parameters are used again soon
+            fetched_at, after = self._fetched_at[unit.index], self._pos - 1
+
+            def next_use(p):
+                nxt = next_events[id(p)] = self.trace.next_event(p, fetched_at, after)
+                return self.trace.use_at(p, nxt, after)
+        with profile_range(f"zero3::release {unit.name}"):
+            releases_before = releases()
+            kept, released = unit.reshard(next_use, self.max_reuse_distance, keep_frozen)
+            for p in kept:  # reused soon: _make_room gives it up first when a fetch needs room
+                self.gathered.kept[id(p)] = p
+            epoch, frontier = self._frontier
+            if self._following and epoch == releases_before and all(
+                    next_events[id(p)] is None or next_events[id(p)] >= frontier for p in released):
+                self._frontier = (releases(), frontier)  # none is used before the frontier: it holds
         if self.on_event is not None:
-            self.on_event(f"release {self.module_names[module]}")
+            self.on_event(f"release {unit.name}")
 
     # ---- parameters used outside their own unit (external.py) ---------------------------------------------------
     def on_read(self, param: nn.Parameter, reader: nn.Module | None) -> None:
@@ -210,9 +261,9 @@ class ParamCoordinator:
         p = self._sharded_of.get(id(param))
         if p is None or p.is_persistent:
             return
-        if reader is not None and id(p) in self._unit_ids[reader]:
+        if reader is not None and p in self._unit_of[reader]:
             return  # the unit's own parameter: the common case
-        if any(id(p) in self._unit_ids[m] for m in external.units_in_forward(self)):
+        if any(p in self._unit_of[m] for m in external.units_in_forward(self)):
             return  # an enclosing unit gathers it, and holds it longer than the reader runs
         if reader is None:
             self.hold_for_step(p)
@@ -224,31 +275,30 @@ class ParamCoordinator:
 
         The unit's list grows in place: a trace being recorded holds that list, so later steps prefetch it."""
         p = self._sharded_of.get(id(param))
-        params = self.module_params.get(module)
-        if p is None or params is None or id(p) in self._unit_ids[module]:
+        unit = self._unit_of.get(module)
+        if p is None or unit is None or not unit.add_external(p):
             return  # not this model's, not a unit (reads inside it join its innermost unit), or already there
-        params.append(p)
-        self._unit_ids[module].add(id(p))
-        self._externals.setdefault(module, set()).add(id(p))
         log.info("rank %d: %s is used in the forward of %s, which does not own it: gathered with %s from now on",
-                 self.comm.rank, p.fqn, self.module_names[module], self.module_names[module])
+                 self.comm.rank, p.fqn, unit.name, unit.name)
+        self._frontier = (-1, 0)  # the trace's events of this unit have one more parameter to gather
         if gather_now:
-            self._acquire([p], f"{self.module_names[module]} reads {p.fqn}")
+            self._gather_now(p, f"{unit.name} reads {p.fqn}")
+            p.active_users += 1  # one more user of the running unit: its reshard ends it
 
     def remove_external(self, module: nn.Module, param: nn.Parameter) -> None:
         p = self._sharded_of.get(id(param))
-        if p is not None and id(p) in self._externals.get(module, ()):
-            self._externals[module].discard(id(p))
-            self._unit_ids[module].discard(id(p))
-            self.module_params[module].remove(p)
+        unit = self._unit_of.get(module)
+        if p is not None and unit is not None:
+            unit.remove_external(p)
 
     def hold_for_step(self, p: ShardedParam) -> None:
-        """Keep ``p`` gathered (gather it if needed) until the end of the step: one more user, until end_step (or,
-        without gradients, the end of the model's forward: ``release_held``)."""
+        """Keep ``p`` gathered (gather it if needed) until the end of the step: held by one more user, until end_step
+        (or, without gradients, the end of the model's forward: ``release_held``)."""
         if p.is_persistent or id(p) in self._held:
             return
         self._held[id(p)] = p
-        self._acquire([p], f"hold {p.fqn}")
+        self._gather_now(p, f"hold {p.fqn}")
+        p.held_by_user += 1
 
     def hold_returned(self, param: nn.Parameter) -> None:
         """A module returned ``param``: its caller computes with it after the module ends (DeepSpeed keeps such
@@ -257,12 +307,15 @@ class ParamCoordinator:
         if p is not None and p.is_available:
             self.hold_for_step(p)
 
-    def _release_held(self) -> None:
+    def _drop_holds(self) -> list[ShardedParam]:
         held, self._held = list(self._held.values()), {}
         for p in held:
-            p.active_users = max(0, p.active_users - 1)
-            if self._releasable(p):
-                self._release(p)
+            p.held_by_user -= 1
+        return held
+
+    def _release_held(self) -> None:
+        for p in self._drop_holds():
+            release_if_unused(p)
 
     def end_model_forward(self) -> None:
         """The model's forward returned: without gradients no backward will use what it held."""
@@ -274,73 +327,21 @@ class ParamCoordinator:
         self.end_step(adopt_trace=False)
 
     # ---- internals -----------------------------------------------------------------------------------------------
-    def _acquire(self, params: list[ShardedParam], name: str) -> None:
-        """Gather what is missing of ``params``, wait for what is in flight, and count one more user of each."""
-        for p in params:
-            self._kept.pop(id(p), None)
-        missing = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE]
-        self._make_room(sum(p.padded_numel for p in missing))
-        if missing:
-            self._wait(self._issue(missing, name))
-        for p in params:
-            if p.status is ParamStatus.INFLIGHT:
-                self._wait(self._inflight[id(p)])
-            if p.live_owner is None:  # gathered outside the coordinator (GatheredParameters): count it now
-                self._count_live(p)
-            p.active_users += 1
-
-    def _issue(self, params: list[ShardedParam], name: str) -> GatherWork:
-        work = self.gatherer.issue(params, name=name)
-        for p in params:
-            self._inflight[id(p)] = work
-            self._count_live(p)
-        return work
-
-    def _count_live(self, p: ShardedParam) -> None:
-        if p.live_owner is self:  # already counted (released behind our back and gathered again)
-            return
-        p.live_owner = self
-        self.live_numel += p.padded_numel
-        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
-
-    def _wait(self, work: GatherWork) -> None:
-        work.wait()
-        for p in work.params:
-            self._inflight.pop(id(p), None)
-
-    def _release(self, p: ShardedParam) -> None:
-        p.release()
-        self._kept.pop(id(p), None)
-        if p.live_owner is self:
-            p.live_owner = None
-            self.live_numel -= p.padded_numel
-
-    def _releasable(self, p: ShardedParam, after_event: int | None = None) -> bool:
-        """The release rule (see [Note: the release rule] in partition.py), plus, after trace event ``after_event``
-        of a step that follows the trace, keeping a parameter used again soon.
-
-        [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept between its uses
-        inside one forward or one backward, so it is gathered once per pass; the live budget still rules: _make_room
-        gives kept parameters up first when a fetch needs room."""
-        if not p.releasable:
-            return False
-        if after_event is None:
-            return True
-        distance = self.trace.reuse_distance(p, after_event)
-        reused_soon = distance is not None and distance < self.max_reuse_distance
-        return not (reused_soon or self.trace.used_again_in_pass(p, after_event))
-
-    def release_param(self, p: ShardedParam) -> None:
-        """Release ``p`` on behalf of someone else (GatheredParameters' exit), keeping the live count right."""
-        self._release(p)
+    def _gather_now(self, p: ShardedParam, name: str) -> None:
+        """Gather ``p`` (one parameter outside a unit's fetch: an external read, a hold) and count it as live."""
+        self.gathered.unkeep([p])
+        self._make_room(p.padded_numel if p.status is ParamStatus.NOT_AVAILABLE else 0)
+        work = self.gathered.issue_missing([p], name)
+        if work is not None:
+            self.gathered.wait(work)
+        self.gathered.acquire([p])
 
     def _make_room(self, numel: int) -> None:
         """Give up parameters kept for reuse (oldest first) until ``numel`` more fits under max_live_parameters."""
-        for p in list(self._kept.values()):
+        for p in list(self.gathered.kept.values()):
             if self.live_numel + numel <= self.max_live:
                 return
-            if self._releasable(p):  # not one a GatheredParameters block holds, nor one a module uses
-                self._release(p)
+            release_if_unused(p)  # the release rule without the trace: kept only for reuse, never if used or held
 
     def _prefetch_after(self, index: int) -> None:
         """Issue gathers for the parameters of the events after ``index``, within the prefetch and live budgets.
@@ -348,34 +349,51 @@ class ParamCoordinator:
         Gathers already in flight count against the prefetch budget. A parameter gathered sequentially
         (``stage3_allgather_sequential``, or its bucket under "auto") is prefetched alone and only when nothing else
         is in flight, as the point of that strategy is a small transient footprint.
+
+        [Note: the prefetch frontier] The candidates are the parameters not gathered yet of the events after
+        ``index``, in order of first use. Every parameter of the events before the one where the last look-ahead
+        stopped (the frontier) was gathered, in flight or issued by it; only a release can undo that, so while no
+        parameter was released since (``unit.releases()``) but those a unit released that the trace uses next at or
+        after the frontier (``release``), the look-ahead starts at the frontier: the same candidates, without walking
+        again over the gathered events ahead (with everything kept, the whole rest of the trace at every fetch).
         """
-        in_flight = sum({id(w): w.numel for w in self._inflight.values()}.values())
+        in_flight = sum({id(w): w.numel for w in self.gathered.inflight.values()}.values())
         budget = self.prefetch_numel - in_flight
         chosen: list[ShardedParam] = []
         size = 0
-        for p in self._upcoming(index):
+        start = index + 1
+        if self._frontier[0] == releases():
+            start = max(start, self._frontier[1])
+        stop = len(self.trace.params)
+        for event, p in self._upcoming(start):
             if self.live_numel + size + p.padded_numel > self.max_live:
+                stop = event
                 break
             if p.gather_sequential:
                 if not chosen and not in_flight:
                     chosen.append(p)
+                stop = event
                 break
             if size + p.padded_numel > budget:
+                stop = event
                 break
             chosen.append(p)
             size += p.padded_numel
+        self._frontier = (releases(), stop)
         if chosen:
             self.prefetch_count += len(chosen)
-            self._issue(chosen, f"prefetch after {self.trace.events[index].module}")
+            self.gathered.issue(chosen, f"prefetch after {self.trace.events[index].module}")
 
-    def _upcoming(self, index: int):
-        """Not-yet-gathered parameters of the trace events after ``index``, in order of first use."""
+    def _upcoming(self, start: int):
+        """(event index, parameter) for the not-yet-gathered parameters of the trace events from ``start`` on, in
+        order of first use."""
         seen: set[int] = set()
-        for params in self.trace.params[index + 1:]:
-            for p in params:
+        params_of = self.trace.params
+        for i in range(start, len(params_of)):  # the caller stops at the first one over its budgets
+            for p in params_of[i]:
                 if p.status is ParamStatus.NOT_AVAILABLE and id(p) not in seen:
                     seen.add(id(p))
-                    yield p
+                    yield i, p
 
     def _check_same_on_all_ranks(self, events: list[TraceEvent]) -> None:
         if self.comm.world_size == 1:

@@ -28,6 +28,7 @@ from ..comm import Communicator, init_distributed
 from .external import register_external_parameter
 from .gather import SequentialGather
 from .partition import ParamStatus, ShardedParam, sharded_param_of
+from .unit import release_if_unused
 
 __all__ = ["GatheredParameters"]
 
@@ -120,12 +121,10 @@ class GatheredParameters:
         finally:
             for sp in self.sharded:
                 sp.held_by_user -= 1
+            # [Note: the release rule] in unit.py: kept if a running module or another block uses it; the engine
+            # call inside the block that counted it as live (live_owner) uncounts it
             for sp in self._gathered:
-                if sp.releasable:  # the one release rule: not used by a running module nor held by another block
-                    if sp.live_owner is not None:
-                        sp.live_owner.release_param(sp)  # an engine call inside the block counted it
-                    else:
-                        sp.release()
+                release_if_unused(sp)
         if edited and exc_type is None:
             raise RuntimeError(
                 f"GatheredParameters(modifier_rank=None): {', '.join(edited)} changed inside the block on rank "

@@ -195,7 +195,8 @@ class ShardedParam:
         self.world_size = world_size
         self.is_persistent = False  # kept gathered between uses (small params; stages 1 and 2: all params)
         self.active_users = 0  # modules between their pre- and post- (forward or backward) hooks
-        self.held_by_user = 0  # GatheredParameters blocks holding it gathered: the coordinator must not release it
+        self.held_by_user = 0  # GatheredParameters blocks and the engine's step holds keeping it gathered
+        # (when it may be released: [Note: the release rule] in unit.py)
         self.live_owner = None  # the coordinator counting its full data in its live budget, if any
         self.status = ParamStatus.NOT_AVAILABLE
         self.master: torch.Tensor | None = None  # the fp32 master shard, once an optimizer owns one
@@ -344,17 +345,6 @@ class ShardedParam:
     @property
     def is_available(self) -> bool:
         return self.status is ParamStatus.AVAILABLE
-
-    @property
-    def releasable(self) -> bool:
-        """[Note: the release rule] Whether freeing the full data now is safe: it is whole (not in flight, not
-        already released), not persistent, no running module uses it (``active_users``) and no
-        ``GatheredParameters`` block holds it (``held_by_user``). Every place that frees a parameter asks this one
-        predicate (the coordinator's end of step, a module's release, making room under the live budget, a
-        block's exit); the coordinator adds only its scheduling choice of keeping a parameter it will reuse soon
-        (``ParamCoordinator._releasable``)."""
-        return (self.status is ParamStatus.AVAILABLE and not self.is_persistent and self.active_users == 0
-                and self.held_by_user == 0)
 
     def local_slice(self) -> slice:
         """This rank's range in the flat (unpadded) parameter; empty on ranks that hold only padding."""

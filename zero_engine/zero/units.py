@@ -189,7 +189,7 @@ def gather_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Par
     whole subtree's parameters (no unit below it), any other module with its own parameters (and those of its
     ParameterList / ParameterDict children, which are never called), each with the parameters registered as its
     external ones (external.py). Modules that gather nothing are left out; each list is free of duplicates (a weight
-    tied inside a leaf is gathered once)."""
+    tied inside a leaf is gathered once). The coordinator makes a ``ParamUnit`` of each (unit.py)."""
     in_model = {id(p) for p in model.parameters()}
 
     def registered(module: nn.Module, name: str) -> list[nn.Parameter]:
