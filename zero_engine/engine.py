@@ -116,7 +116,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if self._step_started is None:
             self._step_started = time.perf_counter()
         if self.module.training and torch.is_grad_enabled():
-            self._snapshot.check(self.module)
+            self.snapshot.check(self.module)
             if self.coordinator is not None:
                 self.coordinator.begin_step()
         if self.compute_dtype != torch.float32:  # float inputs follow the parameters' dtype; outputs are as computed
@@ -151,7 +151,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                 discard_failed_backward(self)
                 raise
         if self.stage >= 2 and self._backward_ends == ends:
-            self._on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
+            self.on_backward_end()  # no hook fired in this pass (loss independent of the parameters)
         self._backwards_since_update += 1
         if not self._inside_no_sync:  # as in DeepSpeed, micro-batches under no_sync() are not counted
             self.micro_steps += 1
@@ -159,13 +159,14 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
         return loss / gas if gas > 1 else loss
 
-    def _on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:
+    # ---- what the parts call back (hooked up in wiring.py) --------------------------------------------------------
+    def on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:  # a parameter's gradient hook (stage >= 2)
         self.backward_end.queue_if_needed()
         if param.grad is not None:
             self.reducer.add(sp, param.grad)
             param.grad = None  # the full gradient is freed as soon as it is in its bucket
 
-    def _on_backward_end(self) -> None:
+    def on_backward_end(self) -> None:  # queued at the end of a backward pass (BackwardEndCallback)
         with profile_range("zero3::backward_end"):
             if self.stage >= 2:
                 self.reducer.finish()
@@ -231,7 +232,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.global_steps += 1
         self.progress.step = self.global_steps
         if self.timeline is not None:
-            self._record_timeline("step")
+            self.record_timeline("step")
             self.timeline.flush()
         if self._step_started is not None:
             self.last_step_time = time.perf_counter() - self._step_started
@@ -248,7 +249,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
                  ", ".join(f"{lr:.3g}" for lr in self.get_lr()), self.get_global_grad_norm() or 0.0,
                  self.last_step_time or 0.0, self.model_state_bytes(mem) / 2**20, mem["rss"] / 2**20)
 
-    def _record_timeline(self, event: str) -> None:
+    def record_timeline(self, event: str) -> None:  # the coordinator's events, with a memory timeline
         esize = self.compute_dtype.itemsize
         gathered = self.coordinator.live_numel * esize if self.coordinator is not None else 0
         self.timeline.record(self.global_steps, event, {

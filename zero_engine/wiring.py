@@ -39,7 +39,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
     undoes what came before (guards.undo_failed_initialize)."""
     zc = engine.config.zero_optimization
     broadcast_initial_state(model, engine.comm)
-    engine._snapshot = ModelSnapshot(model)
+    engine.snapshot = ModelSnapshot(model)
     engine.accounting = MemoryAccounting()
     engine.compute_dtype = compute_dtype_of(engine.config)
     engine.loss_scaler = make_loss_scaler(engine.config.fp16)
@@ -54,7 +54,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
     # No optimizer anywhere: forward and backward only (evaluation, inference, gradient inspection), as
     # DeepSpeed; no fp32 masters or optimizer states are made, and step() raises.
     trains = optimizer is not None or engine.config.optimizer is not None
-    engine.backward_end = BackwardEndCallback(engine._on_backward_end)
+    engine.backward_end = BackwardEndCallback(engine.on_backward_end)
     if engine.stage == 0:
         engine.sharded = []
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -104,8 +104,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
                                  accounting=engine.accounting, streams=engine.streams,
                                  grad_device=engine.placement.optimizer_device, pin_memory=engine.placement.pins)
     if engine.stage >= 2:
-        engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine._on_grad_ready, sp))
-                              for sp in trainable]
+        engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine.on_grad_ready, sp))
+                             for sp in trainable]
     if engine.stage < 3:
         for sp in engine.sharded:
             sp.is_persistent = True
@@ -150,7 +150,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
         _choose_gather_per_bucket(engine)
     engine.refresh_gatherer = gatherer
     engine.coordinator = ParamCoordinator(module_params, module_names, gatherer, engine.comm, zc,
-                                          on_event=engine._record_timeline if engine.timeline else None,
+                                          on_event=engine.record_timeline if engine.timeline else None,
                                           shard_swapper=engine.param_swapper)
     engine.hooks = ModuleHooks([unit.module for unit in engine.coordinator.units], engine.coordinator,
                                engine.backward_end, model)
