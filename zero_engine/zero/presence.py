@@ -78,9 +78,6 @@ def irregular_params(root: torch.Tensor, params: list[ShardedParam], comm, devic
     return {id(sp) for sp, n in zip(params, counts.tolist()) if 0 < n < world}
 
 
-_NEXT_TRACE = object()  # the walk ran in the recording pass: the trace recorded at its end is the walked one
-
-
 class GradientPresence:
     """The irregular set of the last walked pass, walked again only when the trace is (re)recorded; see
     [Note: when the presence walk runs]."""
@@ -90,19 +87,21 @@ class GradientPresence:
         self.comm = comm
         self.device = device
         self.coordinator = coordinator
-        self.irregular: set[int] = set()
+        self.irregular: frozenset[int] = frozenset()
         self.walks = 0  # how many passes walked the graph (tests read it)
         self._walked_trace = None  # the trace the irregular set belongs to
+        self._recorded_after = None  # walked while recording: the set belongs to the first trace recorded after this
 
-    def irregular_for(self, root: torch.Tensor) -> set[int]:
+    def irregular_for(self, root: torch.Tensor) -> frozenset[int]:
         """The irregular set for a backward from ``root``: walked (one all-reduce, one host sync) or reused."""
-        trace = self.coordinator.trace
-        if self._walked_trace is _NEXT_TRACE and self.coordinator.follows_trace:
-            self._walked_trace = trace  # recorded at the end of the walked pass
-        if not self.coordinator.follows_trace or trace is not self._walked_trace:
-            if self._walked_trace is not None:  # the ranks' decision rests on the trace: agree before the collective
+        trace, following = self.coordinator.trace, self.coordinator.follows_trace
+        if self._recorded_after is not None and following and trace is not self._recorded_after[0]:
+            self._walked_trace, self._recorded_after = trace, None  # recorded at the end of the walked pass
+        if not following or trace is not self._walked_trace:
+            if self.walks:  # the ranks' decision rests on the trace: agree before the collective
                 self.comm.agree_before_next_collective()
-            self.irregular = irregular_params(root, self.params, self.comm, self.device)
+            self.irregular = frozenset(irregular_params(root, self.params, self.comm, self.device))
             self.walks += 1
-            self._walked_trace = trace if self.coordinator.follows_trace else _NEXT_TRACE
+            # boxed: the trace before the first recording is None, which must differ from "nothing pending"
+            self._walked_trace, self._recorded_after = (trace, None) if following else (None, (trace,))
         return self.irregular
