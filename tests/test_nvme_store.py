@@ -271,3 +271,80 @@ def test_abandoned_swap_directories_are_reclaimed_and_live_ones_kept(tmp_path):
         live_job.kill()
         live_job.wait()
     assert sorted(os.listdir(tmp_path)) == sorted([alive.name, unrelated.name])
+
+
+# ---- another container on this host: same hostname, its own pids ([Note: provably abandoned]) -----------------------
+def _new_pid_namespace() -> list[str] | None:
+    """A command prefix that runs a program in a new pid namespace on this host and kernel (as a container with the
+    host's network: same hostname, its own pids), or None where this machine does not allow it."""
+    for prefix in (["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"],
+                   ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child"]):
+        try:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0:
+                return prefix
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+_OTHER_CONTAINER = """
+import os, sys, torch
+from zero_engine.offload.nvme import NvmeStore
+store = NvmeStore({path!r}, rank=0, purpose="optimizer")
+store.write("state", torch.ones(4096)).wait()
+print("ready", os.getpid(), flush=True)
+sys.stdin.read()  # runs until the test kills it
+"""
+
+
+def test_a_live_job_in_another_pid_namespace_keeps_its_swap(tmp_path):
+    """Two jobs on one host in containers with the host's network (same hostname, their own pids) share nvme_path.
+    The other job's owner pid means nothing here (it names no process, or one of ours started at another time: pid
+    1 here), so its swap must be kept while it runs, and after it was killed until nothing was written in it for a
+    day; it was reclaimed as "owner exited" while the job trained."""
+    from zero_engine._owned_dirs import STALE_S
+    from zero_engine.offload.swap_cleanup import reclaim_abandoned
+
+    prefix = _new_pid_namespace()
+    if prefix is None:
+        pytest.skip("this machine does not allow creating a pid namespace (unshare --pid)")
+    other = subprocess.Popen([*prefix, sys.executable, "-c", _OTHER_CONTAINER.format(path=str(tmp_path))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        word, pid = other.stdout.readline().split()
+        assert word == "ready" and int(pid) != other.pid  # its own pid namespace
+        [theirs] = os.listdir(tmp_path)
+        state = tmp_path / theirs / "optimizer" / "state"
+        mine = NvmeStore(str(tmp_path), rank=1, purpose="optimizer")  # reclaims abandoned directories first
+        try:
+            assert state.is_file(), "a live job's swap in another pid namespace was reclaimed"
+        finally:
+            mine.close()
+    finally:
+        other.kill()  # unshare --kill-child: the job in the namespace dies with it, as a container killed
+        other.wait()
+    assert reclaim_abandoned(str(tmp_path)) == [] and state.is_file()  # dead, but that cannot be checked from here
+    old = os.path.getmtime(state) - STALE_S - 60
+    for path in (state, state.parent, state.parent.parent, state.parent.parent / ".owner.json"):
+        os.utime(path, (old, old))
+    assert reclaim_abandoned(str(tmp_path)) == [theirs]
+
+
+def test_swap_of_this_host_before_a_restart_is_reclaimed(tmp_path):
+    """An owner file from an earlier boot of this host: every process of that boot is gone, whatever its pid names
+    now. One without boot id and namespace (an older version's) is checked by pid, as before."""
+    import json
+
+    from zero_engine import _owned_dirs
+    from zero_engine.offload.swap_cleanup import reclaim_abandoned
+
+    rebooted, legacy = tmp_path / "zero_engine-a-1-rank0", tmp_path / f"zero_engine-b-{os.getpid()}-rank0"
+    for directory in (rebooted, legacy):
+        (directory / "optimizer").mkdir(parents=True)
+    owner = _owned_dirs.write_owner(str(rebooted), os.getpid())  # this live process, but in another boot:
+    owner["boot"] = "00000000-0000-0000-0000-000000000000"
+    (rebooted / ".owner.json").write_text(json.dumps(owner))
+    (legacy / ".owner.json").write_text(json.dumps({"host": _owned_dirs._HOST, "pid": os.getpid(),
+                                                    "started": _owned_dirs.process_start_time(os.getpid())}))
+    assert "ran before the host restarted" in _owned_dirs.abandoned_because(str(rebooted))
+    assert reclaim_abandoned(str(tmp_path)) == [rebooted.name] and legacy.is_dir()

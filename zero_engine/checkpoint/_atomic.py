@@ -21,7 +21,8 @@ path). A save must never remove a staging directory another job is still writing
 after its job (``.<tag>.tmp-<host>-<pid>-<nonce>``, rank 0's process) and holds ``.owner.json`` (host, pid, the
 process's start time, nonce). A save removes another staging directory only when it is provably abandoned (see
 [Note: provably abandoned] in zero_engine/_owned_dirs.py, shared with NVMe swap directories): its owner ran on this
-host and that process is gone; or its owner ran elsewhere and nothing in it was modified for ``STALE_STAGING_S``.
+host, in this pid namespace, and that process is gone; or its owner ran elsewhere (another host, another container)
+and nothing in it was modified for ``STALE_STAGING_S``.
 Before the rename, rank 0 checks that every file the ranks reported is in the staging directory with the size they
 wrote, so a directory emptied by anything else is never published (the SHA-256 of each file is in metadata.json and
 checked at load). ``latest`` is replaced through a job-private temporary file.

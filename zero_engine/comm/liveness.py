@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from zero_engine._owned_dirs import process_start_time
+from zero_engine._owned_dirs import boot_id, pid_namespace, process_start_time
 from zero_engine.errors import DistributedError
 
 __all__ = ["post_failure", "failure_of", "clear_failure", "mark_read", "was_read", "posted_failure",
@@ -68,23 +68,11 @@ def default_store():
 
 
 # ---- process identity ---------------------------------------------------------------------------------------------
-def _read(path: str) -> str:
-    try:
-        with open(path) as file:
-            return file.read()
-    except OSError:
-        return ""
-
-
 def _machine() -> str:
     """Which kernel and pid namespace this process sees: two processes with the same value can check each other's
     pid; "-" where /proc cannot tell (another OS)."""
-    boot = _read("/proc/sys/kernel/random/boot_id").strip()
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return "-"
-    return f"{boot}:{namespace}" if boot else "-"
+    boot, namespace = boot_id(), pid_namespace()
+    return f"{boot}:{namespace}" if boot and namespace else "-"
 
 
 def process_identity() -> str:

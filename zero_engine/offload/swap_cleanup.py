@@ -10,8 +10,8 @@ A rank's swap files are GiBs; a job that dies must not leave them behind for the
   exits. With SIGTERM ignored, nothing is installed. The previous handler is restored when the last store closes.
 * SIGKILL, an OOM kill or a power loss run no code. So each run directory holds ``.owner.json`` and a new store
   removes the run directories under ``nvme_path`` that are provably abandoned (see [Note: provably abandoned] in
-  zero_engine/_owned_dirs.py, the rule checkpoint staging uses: owner process gone on this host, or another host's
-  directory untouched for a day), never another live job's.
+  zero_engine/_owned_dirs.py, the rule checkpoint staging uses: owner process gone on this host and in this pid
+  namespace, or another host's or another container's directory untouched for a day), never another live job's.
 """
 
 from __future__ import annotations
