@@ -387,6 +387,43 @@ def test_a_rank_holding_the_gil_longer_than_the_heartbeat_limit_is_not_lost():
     assert any("heartbeat has been silent" in m and "is alive" in m for m in logs0), logs0
 
 
+def test_a_silent_rank_on_another_machine_is_lost_only_with_a_broken_connection_or_a_long_silence():
+    """[Note: what makes a rank lost] for a rank whose process cannot be looked at (another machine): a heartbeat
+    silent past heartbeat_timeout_s is waited for (a long C call holding the GIL there); it is lost once the backend
+    reports a broken connection, or after UNREACHABLE_FACTOR times the limit (a machine that went down). A rank on
+    this machine whose process lives is never lost, however long it is silent. The decision on one watchdog, with
+    the identities the ranks would have posted."""
+    from torch.distributed import HashStore
+
+    from zero_engine.comm import liveness
+    from zero_engine.comm._records import ProgressLog
+    from zero_engine.comm.watchdog import StallWatchdog
+
+    limit = 1.0
+    store = HashStore()
+    watchdog = StallWatchdog(store, 0, 3, ProgressLog(), stall_timeout_s=1.0, collective_timeout_s=60.0,
+                             backend="gloo", heartbeat_timeout_s=limit)
+    try:
+        store.set(watchdog._key("proc", 1), "node7 4242 1700000000.0 another-boot-id:4026531836")  # elsewhere
+        store.set(watchdog._key("proc", 2), liveness.process_identity())  # here, and alive (this process)
+        for rank in (1, 2):
+            store.set(f"{liveness.HEARTBEAT_KEY}{rank}", "1 collective #3 all_gather of h.0 (forward, step 0)")
+        started = time.monotonic()
+        assert watchdog._lost(1) is None and watchdog._lost(2) is None  # heartbeats first seen now
+        time.sleep(limit * 1.5)
+        assert watchdog._lost(1) is None, "a silent rank on another machine was lost without a broken connection"
+        assert "connection broke" in watchdog._lost(1, connection_failed=True)
+        assert watchdog._lost(2, connection_failed=True) is None
+        time.sleep(max(0.0, started + liveness.UNREACHABLE_FACTOR * limit + 0.2 - time.monotonic()))
+        lost = watchdog._lost(1)
+        assert lost is not None and "its host cannot be checked" in lost and "collective #3" in lost, lost
+        assert watchdog._lost(2) is None
+        store.set(f"{liveness.HEARTBEAT_KEY}1", "2 collective #4 all_gather of h.1 (forward, step 0)")
+        assert watchdog._lost(1) is None  # it beat again: alive
+    finally:
+        watchdog.stop(mark=None)
+
+
 def _failing_rank_body(where: str, nvme_dir: str):
     """Rank 0 raises: a bad sample between steps, or inside initialize() (its nvme_path names a regular file, so
     the optimizer's NVMe store refuses it after the engine's communicator exists); rank 1 trains on."""
