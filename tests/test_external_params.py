@@ -125,6 +125,25 @@ def test_parameter_returned_from_forward_stays_available_until_the_step_ends(wor
         assert seen == [(ParamStatus.AVAILABLE, ParamStatus.AVAILABLE)] * 3, seen
 
 
+def _returned_without_grad_body():
+    """Evaluation: no backward follows, so the returned parameter is held only until the model's forward returns."""
+    torch.manual_seed(0)
+    model = _UsesReturnedBias()
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config=_config())
+    engine.eval()
+    x = torch.randn(2, 5, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        loss = engine(x)
+        expected = reference(x)
+    return model.seen_status, _all_released(engine), torch.equal(loss, expected)
+
+
+def test_parameter_returned_from_forward_without_gradients_is_released_when_the_model_returns():
+    for seen, leaks, equal in run_ranks(_returned_without_grad_body, 2, timeout=TIMEOUT):
+        assert seen is ParamStatus.AVAILABLE and not leaks and equal, (seen, leaks, equal)
+
+
 # ---- another module's parameter read through an attribute (DeepSpeed's automatic external parameters) -------------
 class _ReadsSibling(nn.Module):
     def __init__(self, owner: nn.Module):
