@@ -188,9 +188,12 @@ def sha256(path) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def test_conversion_called_on_every_rank_at_once_writes_each_file_once(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_conversion_called_on_every_rank_at_once_writes_each_file_once(tmp_path, world):
+    # With one shared temporary name (path + ".tmp") this fails at either world: a rank's rename finds the
+    # temporary already renamed by another (FileNotFoundError), as the issue reports.
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    for listing in run_ranks(_save_then_convert_everywhere_body, 3, str(ckpt), str(out), 4, timeout=TIMEOUT):
+    for listing in run_ranks(_save_then_convert_everywhere_body, world, str(ckpt), str(out), 4, timeout=TIMEOUT):
         assert listing == ["model.safetensors", "pytorch_model.bin", "w.safetensors"], listing  # no temporaries left
     # The same bytes as one writer alone: concurrent writers replace the file with identical content.
     from zero_engine.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict

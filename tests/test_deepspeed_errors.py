@@ -61,7 +61,14 @@ def _misuse_body():
         engine.backward(engine(x))
         got["step inside no_sync"] = outcome(engine.step)
     got["backward of a non-scalar"] = outcome(lambda: engine.backward(engine.module.a(x)))
-    got["no_sync at stage 2"] = outcome(lambda: engine_at(2).no_sync().__enter__())
+    engine.destroy()
+    for stage in (2, 3):  # destroyed after: a stage 2-3 engine's hooks keep it alive in the pooled rank process
+        engine = engine_at(stage)
+        got[f"no_sync at stage {stage}"] = outcome(lambda: engine.no_sync().__enter__())
+        engine.destroy()
+    # with a process group, as DeepSpeed's test calls it: refused before any collective, on every rank
+    got["initialize(model=None)"] = outcome(lambda: deepspeed.initialize(model=None, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
     return got
 
 
@@ -70,7 +77,9 @@ def test_misuse_deepspeed_asserts_on_is_an_assertion_error_of_our_type():
         "nested no_sync": ("UsageError", True, False, "cannot be nested"),
         "step inside no_sync": ("UsageError", True, False, "inside engine.no_sync()"),
         "no_sync at stage 2": ("UsageError", True, False, "ZeRO stage 2"),
+        "no_sync at stage 3": ("UsageError", True, False, "ZeRO stage 3"),
         "backward of a non-scalar": ("ArgumentError", False, True, "expected a scalar loss"),
+        "initialize(model=None)": ("ArgumentError", False, True, "model is required"),
     }
     for got in run_ranks(_misuse_body, 2, timeout=TIMEOUT):
         for name, (cls, runtime, value, words) in expected.items():
