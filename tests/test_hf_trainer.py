@@ -43,7 +43,9 @@ def _assert_ok(suites: str, tmp_path, **env) -> str:
 def test_stage3_matches_ddp_trainer_eval_predict_generate_save_resume(tmp_path):
     """Stage 3 (persistence 0): eval before train, GA 4 with an epoch remainder, clipping, warm-up + linear, eval and
     checkpoints every 2 steps, predict, generate with ranks stopping at different lengths (synced_gpus),
-    save_model -> from_pretrained, and a bitwise resume from checkpoint-2."""
+    save_model -> from_pretrained, that saved model loaded into the shards by zero_engine.hf.from_pretrained and
+    evaluated by a ZeroTrainer before any train(), examples/finetune_trainer.py on it, and a bitwise resume from
+    checkpoint-2."""
     _assert_ok("stage3", tmp_path)
 
 

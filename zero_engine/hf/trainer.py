@@ -163,6 +163,12 @@ class ZeroTrainerMixin:
         accelerator_args["mixed_precision"] = "no"  # the engine casts and scales (bf16/fp16 in zero_config)
         return accelerator_args
 
+    def _move_model_to_device(self, model, device) -> None:
+        """Nothing: ``initialize`` places the model on the rank's device (``zero_engine.device.place_module``). The
+        Trainer's ``model.to(device)`` would touch every parameter, which fails on one already partitioned by
+        ``zero_engine.hf.from_pretrained`` or ``zero.Init`` (its data is an empty placeholder)."""
+        return None
+
     def _build_engine(self, zero_config) -> None:
         import zero_engine
 
