@@ -98,6 +98,13 @@ def test_refusals_name_the_argument(tmp_path, monkeypatch):
         ZeroTrainer(model=_tiny(), args=_args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau",
                                                    eval_strategy="steps"),
                     zero_config=config)
+    # evaluation_loop would cast the model outside the engine (a RuntimeError about to() on a partitioned
+    # parameter at the first evaluate, without this refusal)
+    with pytest.raises(NotImplementedError, match="TrainingArguments.bf16_full_eval=True.*set bf16=True"):
+        ZeroTrainer(model=_tiny(), args=_args(tmp_path, bf16_full_eval=True), zero_config=config)
+    for optim in ("adafactor", "galore_adamw", "lomo", "schedule_free_adamw", "apollo_adamw"):
+        with pytest.raises(NotImplementedError, match=f"TrainingArguments.optim='{optim}' with ZeroTrainer"):
+            ZeroTrainer(model=_tiny(), args=_args(tmp_path, optim=optim), zero_config=config)
     with pytest.raises(NotImplementedError, match="model_init"):
         ZeroTrainer(model_init=_tiny, args=_args(tmp_path), zero_config=config)
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")  # the module the check imports
