@@ -138,6 +138,18 @@ def test_zero_config_completed_from_training_arguments(tmp_path):
         config_for_trainer(None, args, world_size=1)
 
 
+def test_hf_extra_pins_the_tested_transformers_range():
+    """pip install 'zero_engine[hf]' gets a transformers that ZeroTrainer accepts (and nothing it would refuse)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    from zero_engine.hf.trainer import TESTED_TRANSFORMERS
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        hf = tomllib.load(f)["project"]["optional-dependencies"]["hf"]
+    (pin,) = [r for r in hf if r.startswith("transformers")]
+    (low, high) = (".".join(map(str, v)) for v in TESTED_TRANSFORMERS)
+    assert pin == f"transformers>={low},<{high}", pin
+
+
 def test_importing_zero_engine_hf_does_not_import_transformers():
     code = "import sys, zero_engine.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
