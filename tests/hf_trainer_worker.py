@@ -21,6 +21,7 @@ import torch.distributed as dist
 import transformers
 from transformers import Trainer, TrainingArguments
 
+import zero_engine.hf
 from zero_engine.hf import ZeroTrainer, ZeroTrainerMixin
 from zero_engine.zero.partition import sharded_param_of
 
@@ -108,8 +109,11 @@ def suite_stage3(work):
     sp = sharded_param_of(zero.model.model.layers[0].mlp.up_proj.weight)
     check(sp is not None and sp.shard.numel() < sp.numel and not sp.is_available, "stage 3: not partitioned")
     zero.train()
-    close(history(zero), history(plain), 1e-4, "stage 3 log history")
+    full = history(zero)  # before the evaluations below add to it
+    close(full, history(plain), 1e-4, "stage 3 log history")
     check(len([h for h in history(zero) if "loss" in h]) == 4, f"expected 4 steps: {history(zero)}")
+    norms = [h["grad_norm"] for h in history(zero) if "grad_norm" in h]
+    check(max(norms) > 0.5, f"clipping never acted (max_grad_norm 0.5, norms {norms}): the parity would not test it")
     check(zero.state.total_flos == plain.state.total_flos > 0, f"total_flos {zero.state.total_flos} != "
           f"{plain.state.total_flos}")
 
@@ -136,12 +140,39 @@ def suite_stage3(work):
             close(reloaded(x).logits, plain.model(x).logits, 1e-4, "save_model -> from_pretrained logits")
     dist.barrier()
 
+    # A model loaded into the shards by zero_engine.hf.from_pretrained, evaluated before any train(); then the
+    # example (the two-line switch) fine-tunes it for a few steps from the same directory.
+    loaded = zero_engine.hf.from_pretrained(transformers.LlamaForCausalLM, f"{work}/s3-saved", config=STAGE3)
+    check(sharded_param_of(loaded.model.layers[0].mlp.up_proj.weight) is not None, "from_pretrained: not sharded")
+    evaluator = ZeroTrainer(model=loaded, args=training_args(f"{work}/s3-loaded"), eval_dataset=Tokens(8, seed=2),
+                            zero_config=STAGE3)
+    close(evaluator.evaluate()["eval_loss"], zero.evaluate()["eval_loss"], 1e-6, "from_pretrained, evaluate first")
+    evaluator.engine.destroy()
+    run_example(["--model", f"{work}/s3-saved", "--output", f"{work}/example", "--steps", "4", "--save-every", "2"])
+    check(os.path.isfile(f"{work}/example/final/model.safetensors")
+          and os.path.isdir(f"{work}/example/checkpoint-4/zero_engine"), "example: no final model or checkpoint-4")
+
     resumed = ZeroTrainer(model=tiny_llama(), args=training_args(f"{work}/s3-resumed", **every2),
                           train_dataset=Tokens(22), eval_dataset=Tokens(8, seed=2), zero_config=STAGE3)
     resumed.train(resume_from_checkpoint=ckpt)
     after = [h for h in history(resumed)]
-    full = history(zero)
     check(after == full[-len(after):] and len(after) >= 3, f"resume not bitwise:\n{after}\n{full}")
+
+
+def run_example(argv):
+    """examples/finetune_trainer.py's main() on these ranks, with these command-line arguments."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "finetune_trainer.py")
+    spec = importlib.util.spec_from_file_location("finetune_trainer", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    saved, sys.argv = sys.argv, [path, *argv]
+    try:
+        example.main()
+    finally:
+        sys.argv = saved
 
 
 def suite_stages12(work):

@@ -43,7 +43,9 @@ def _assert_ok(suites: str, tmp_path, **env) -> str:
 def test_stage3_matches_ddp_trainer_eval_predict_generate_save_resume(tmp_path):
     """Stage 3 (persistence 0): eval before train, GA 4 with an epoch remainder, clipping, warm-up + linear, eval and
     checkpoints every 2 steps, predict, generate with ranks stopping at different lengths (synced_gpus),
-    save_model -> from_pretrained, and a bitwise resume from checkpoint-2."""
+    save_model -> from_pretrained, that saved model loaded into the shards by zero_engine.hf.from_pretrained and
+    evaluated by a ZeroTrainer before any train(), examples/finetune_trainer.py on it, and a bitwise resume from
+    checkpoint-2."""
     _assert_ok("stage3", tmp_path)
 
 
@@ -96,6 +98,13 @@ def test_refusals_name_the_argument(tmp_path, monkeypatch):
         ZeroTrainer(model=_tiny(), args=_args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau",
                                                    eval_strategy="steps"),
                     zero_config=config)
+    # evaluation_loop would cast the model outside the engine (a RuntimeError about to() on a partitioned
+    # parameter at the first evaluate, without this refusal)
+    with pytest.raises(NotImplementedError, match="TrainingArguments.bf16_full_eval=True.*set bf16=True"):
+        ZeroTrainer(model=_tiny(), args=_args(tmp_path, bf16_full_eval=True), zero_config=config)
+    for optim in ("adafactor", "galore_adamw", "lomo", "schedule_free_adamw", "apollo_adamw"):
+        with pytest.raises(NotImplementedError, match=f"TrainingArguments.optim='{optim}' with ZeroTrainer"):
+            ZeroTrainer(model=_tiny(), args=_args(tmp_path, optim=optim), zero_config=config)
     with pytest.raises(NotImplementedError, match="model_init"):
         ZeroTrainer(model_init=_tiny, args=_args(tmp_path), zero_config=config)
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")  # the module the check imports
@@ -127,6 +136,18 @@ def test_zero_config_completed_from_training_arguments(tmp_path):
         config_for_trainer({"bf16": {"enabled": False}}, _args(tmp_path, bf16=True), world_size=1)
     with pytest.raises(ValueError, match="zero_config: required"):
         config_for_trainer(None, args, world_size=1)
+
+
+def test_hf_extra_pins_the_tested_transformers_range():
+    """pip install 'zero_engine[hf]' gets a transformers that ZeroTrainer accepts (and nothing it would refuse)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    from zero_engine.hf.trainer import TESTED_TRANSFORMERS
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        hf = tomllib.load(f)["project"]["optional-dependencies"]["hf"]
+    (pin,) = [r for r in hf if r.startswith("transformers")]
+    (low, high) = (".".join(map(str, v)) for v in TESTED_TRANSFORMERS)
+    assert pin == f"transformers>={low},<{high}", pin
 
 
 def test_importing_zero_engine_hf_does_not_import_transformers():

@@ -59,6 +59,23 @@ _REFUSED_ARGS = {
     "neftune_noise_alpha": "not supported yet with ZeroTrainer",
     # TRL's SFTConfig: its offloading context wraps training_step, which ZeroTrainerMixin replaces
     "activation_offloading": "not supported yet with ZeroTrainerMixin (it replaces training_step)",
+    # evaluation_loop casts the model (model.to(dtype)) outside the engine, whose shards and fp32 masters stay
+    "fp16_full_eval": "the engine computes in the zero_config's precision in evaluation too; set fp16=True instead",
+    "bf16_full_eval": "the engine computes in the zero_config's precision in evaluation too; set bf16=True instead",
+    "parallelism_config": "Accelerate's tensor/context parallelism wraps the model itself; zero_engine partitions "
+                          "over data-parallel ranks only here",
+}
+
+# TrainingArguments.optim values (prefixes) whose optimizer cannot run on the engine's flat fp32 shards.
+_REFUSED_OPTIMIZERS = {
+    "lomo": "LOMO updates the parameters inside backward; the engine updates its fp32 shards in step()",
+    "adalomo": "AdaLomo updates the parameters inside backward; the engine updates its fp32 shards in step()",
+    "galore_": "GaLore projects each 2-D gradient; the engine's optimizer sees flat 1-D shards",
+    "apollo_": "APOLLO projects each 2-D gradient; the engine's optimizer sees flat 1-D shards",
+    "adafactor": "Adafactor factors each 2-D parameter's second moment; on the engine's flat 1-D shards it would "
+                 "silently run unfactored",
+    "schedule_free_": "schedule-free optimizers swap the weights in optimizer.train()/eval(), which the engine's "
+                      "shards and the gathered parameters do not follow",
 }
 
 
@@ -82,6 +99,12 @@ def _refuse_unsupported(args) -> None:
     for name, why in _REFUSED_ARGS.items():
         if getattr(args, name, None):
             raise NotImplementedError(f"TrainingArguments.{name}={getattr(args, name)!r} with ZeroTrainer: {why}")
+    optim = getattr(args, "optim", None)
+    optim = str(getattr(optim, "value", optim))
+    for prefix, why in _REFUSED_OPTIMIZERS.items():
+        if optim == prefix or (prefix.endswith("_") and optim.startswith(prefix)):
+            raise NotImplementedError(f"TrainingArguments.optim={optim!r} with ZeroTrainer: {why}; use an element-wise "
+                                      "optimizer (adamw_torch, adamw_torch_fused, sgd, lion, 8-bit Adam...)")
     schedule = getattr(args, "lr_scheduler_type", None)
     if getattr(schedule, "value", schedule) == "reduce_lr_on_plateau":
         raise NotImplementedError("TrainingArguments.lr_scheduler_type='reduce_lr_on_plateau' with ZeroTrainer: "
@@ -162,6 +185,12 @@ class ZeroTrainerMixin:
         accelerator_args = super()._build_accelerator_args(**kwargs)
         accelerator_args["mixed_precision"] = "no"  # the engine casts and scales (bf16/fp16 in zero_config)
         return accelerator_args
+
+    def _move_model_to_device(self, model, device) -> None:
+        """Nothing: ``initialize`` places the model on the rank's device (``zero_engine.device.place_module``). The
+        Trainer's ``model.to(device)`` would touch every parameter, which fails on one already partitioned by
+        ``zero_engine.hf.from_pretrained`` or ``zero.Init`` (its data is an empty placeholder)."""
+        return None
 
     def _build_engine(self, zero_config) -> None:
         import zero_engine
