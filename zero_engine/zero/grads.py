@@ -53,6 +53,7 @@ class _Bucket:
     def __init__(self, params: list[ShardedParam], index: int, world: int):
         self.params = list(params)
         self.index = index
+        self.name = f"grads bucket {index}"  # its reduce-scatter's name (built once, not per collective)
         self.world = world
         self.offsets: dict[int, int] = {}  # id(p) -> offset of its shard in the [per_rank] gradient shards
         offset = 0
@@ -285,7 +286,7 @@ class GradReducer:
         and buffer lifetime] in streams.py)."""
         def issue():  # the send buffer is not read again: gloo may all-reduce it in place (see _backend.py)
             return self.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
-                                                   name=f"grads bucket {bucket.index}", input_is_scratch=True)
+                                                   name=bucket.name, input_is_scratch=True)
         return issue() if self.streams is None else self.streams.collective_on(self.streams.reduce_scatter, issue)
 
     def _complete(self, bucket: _Bucket) -> None:

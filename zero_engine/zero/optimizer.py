@@ -258,6 +258,7 @@ class ZeroOptimizer(_OptimizerWrapper):
             for sp in group:
                 self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
             self.optimizer.step()
+        shards, updated = [], []  # the compute shards refreshed from their masters, in one kernel below
         for sp in group:
             master = self.masters[id(sp.param)]
             master.grad = None
@@ -271,7 +272,10 @@ class ZeroOptimizer(_OptimizerWrapper):
                 source = staging if staging is not None else master.detach()
                 sp.shard.copy_(source, non_blocking=staging is not None or self.swapper is None)
             elif not self.fused_shard_copy or sp.dtype == torch.float32:
-                sp.shard.copy_(master.detach())
+                shards.append(sp.shard)
+                updated.append(master.detach())
+        if shards:  # one multi-tensor copy (rounding to the compute dtype as copy_ does), not one kernel each
+            torch._foreach_copy_(shards, updated)
 
     def _fp32_grad(self, sp: ShardedParam, coef: float) -> torch.Tensor | None:
         grad = self.reducer.shard_grad(sp)
