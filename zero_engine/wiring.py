@@ -107,10 +107,11 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
         for name, module, params in gather_units(model):
             module_params[module] = [by_param[id(p)] for p in params]
             module_names[module] = name or "<root>"
-        # Every per-rank grouping is a run of units: shard buckets here, optimizer sub-groups in ZeroOptimizer.
-        unit_groups = [*module_params.values(), *([sp] for sp in engine.sharded)]  # the rest: none, usually
+        unit_groups = _owned_groups(module_params.values(), engine.sharded)
     else:
         unit_groups = [[sp] for sp in engine.sharded]
+    # Shard buckets and the optimizer's sub-groups (ZeroOptimizer) are runs of whole units; gradient buckets are
+    # not (see [Note: gradient buckets are not runs of units] in zero/grads.py).
     engine.shard_buckets = flatten_shards(unit_groups, bucket)
     trainable = [sp for sp in reversed(engine.sharded) if sp.param.requires_grad]  # ~ the order backward goes
     engine.reducer = GradReducer(trainable, engine.comm, zc.reduce_bucket_size,
@@ -164,6 +165,19 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
     return unit_groups
+
+
+def _owned_groups(units, sharded: list[ShardedParam]) -> list[list[ShardedParam]]:
+    """Each unit's parameters that it owns: a parameter gathered by several units (a tied weight, an external one)
+    is owned by the first in module order, whose shard bucket holds it; parameters no unit gathers, each alone."""
+    owned: set[int] = set()
+    groups = []
+    for params in units:
+        mine = [p for p in params if id(p) not in owned]
+        owned.update(id(p) for p in mine)
+        if mine:
+            groups.append(mine)
+    return groups + [[sp] for sp in sharded if id(sp) not in owned]
 
 
 def _choose_gather_per_bucket(engine) -> None:

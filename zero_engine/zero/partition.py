@@ -398,12 +398,11 @@ class ShardBucket:
 def runs(groups: Iterable[list[ShardedParam]], limit: int) -> list[list[ShardedParam]]:
     """Consecutive runs of whole ``groups`` (gather units, or single parameters) of at most ``limit`` shard elements
     each, one dtype and device per run. A group is cut only where it alone exceeds ``limit`` (then at parameter
-    boundaries); a parameter in several groups (a tied weight in two units) goes with the first. The layout every
-    per-rank grouping of shards is made from: shard buckets, optimizer sub-groups."""
+    boundaries). The layout every per-rank grouping of shards is made from: shard buckets, gradient buckets,
+    optimizer sub-groups."""
     out: list[list[ShardedParam]] = []
     current: list[ShardedParam] = []
     size = 0
-    seen: set[int] = set()
 
     def cut() -> None:
         nonlocal current, size
@@ -412,8 +411,6 @@ def runs(groups: Iterable[list[ShardedParam]], limit: int) -> list[list[ShardedP
         current, size = [], 0
 
     for group in groups:
-        group = [p for p in group if id(p) not in seen]
-        seen.update(id(p) for p in group)
         if current and size + sum(p.shard_numel for p in group) > limit:
             cut()  # the whole group does not fit after what is there: start it afresh
         for p in group:
