@@ -27,7 +27,7 @@ def _buckets(numels, bucket_numel):
     params = [ShardedParam(nn.Parameter(torch.zeros(n)), f"p{i}", i, 0, 1) for i, n in enumerate(numels)]
     for sp in params:
         sp.release()
-    return flatten_shards(params, bucket_numel)
+    return flatten_shards([[p] for p in params], bucket_numel)
 
 
 def test_auto_gathers_only_the_buckets_that_do_not_fit(caplog):

@@ -232,7 +232,7 @@ def _swapper(tmp_path, **knobs):
     sharded = [ShardedParam(p, f"p{i}", i, rank=0, world_size=1) for i, p in enumerate(params)]
     for sp in sharded:
         sp.release()
-    buckets = flatten_shards(sharded, 500)  # [300, 200] [500] [100, 400]
+    buckets = flatten_shards([[sp] for sp in sharded], 500)  # [300, 200] [500] [100, 400]
     offload = SimpleNamespace(nvme_path=str(tmp_path), max_in_cpu=knobs.get("max_in_cpu", 10**9),
                               buffer_count=knobs.get("buffer_count", 2))
     values = [sp.shard.clone() for sp in sharded]
@@ -293,7 +293,7 @@ def test_swapper_refuses_shards_off_the_cpu(tmp_path):
     sp = ShardedParam(torch.nn.Parameter(torch.empty(64, device="meta")), "w", 0, rank=0, world_size=1)
     offload = SimpleNamespace(nvme_path=str(tmp_path), max_in_cpu=10**9, buffer_count=2)
     with pytest.raises(NotImplementedError, match="offload_param.device=nvme"):
-        ParamSwapper(flatten_shards([sp], 100), offload, rank=0)
+        ParamSwapper(flatten_shards([[sp]], 100), offload, rank=0)
     assert os.listdir(tmp_path) == []
 
 

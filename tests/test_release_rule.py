@@ -286,3 +286,58 @@ def test_prefetch_does_not_walk_the_gathered_trace_ahead_again_at_every_fetch():
     ([Note: the prefetch frontier]): linear (2x)."""
     small, large = _status_reads_of_a_step(20), _status_reads_of_a_step(40)
     assert large < 2.5 * small, (small, large)
+
+
+class _TwoParamLayer(nn.Module):
+    """A unit of a 200-element and a 100-element parameter (100 and 50 per rank at world 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(20, 10) * 0.1)
+        self.b = nn.Parameter(torch.randn(10, 10) * 0.1)
+
+    def forward(self, h):
+        return torch.tanh(h @ self.a.t())[:, :10] @ self.b.t()
+
+
+def _unit_layout_body():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_TwoParamLayer() for _ in range(3)])
+    reference = copy.deepcopy(model)
+    # 250 elements per rank: filled by size alone, a shard bucket would hold [0.a 0.b 1.a] [1.b 2.a 2.b] (and
+    # sub-groups alike), splitting the second unit; as runs of whole units, each unit (150) is a bucket and a
+    # sub-group.
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": 500, "sub_group_size": 250}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    units = [[p.fqn for p in u.params] for u in engine.coordinator.units]
+    buckets = [[p.fqn for p in b.params] for b in engine.shard_buckets]
+    sub_groups = [[p.fqn for p in g] for g in engine.optimizer.sub_groups]
+    one_tensor = all(u.params[0].bucket.run_view(u.params) is not None for u in engine.coordinator.units)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
+    same_losses = []
+    for _ in range(2):
+        ref_opt.zero_grad()
+        ref_loss = reference(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        same_losses.append(torch.equal(loss.detach(), ref_loss.detach()))
+    ours, ref = full_params(engine), dict(reference.named_parameters())
+    same_params = all(torch.equal(v, ref[n].detach()) for n, v in ours.items())
+    engine.destroy()
+    return units, buckets, sub_groups, one_tensor, same_losses, same_params
+
+
+def test_shard_buckets_and_optimizer_sub_groups_are_runs_of_whole_units():
+    for units, buckets, sub_groups, one_tensor, same_losses, same_params in run_ranks(_unit_layout_body, 2,
+                                                                                     timeout=TIMEOUT):
+        assert units == [["0.a", "0.b"], ["1.a", "1.b"], ["2.a", "2.b"]]
+        assert buckets == units and sub_groups == units
+        assert one_tensor  # each unit's all-gather input is a view of its bucket: no cat
+        assert all(same_losses) and same_params  # bitwise: the same micro-batch on every rank, SGD, fp32

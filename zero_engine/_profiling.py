@@ -19,6 +19,9 @@ _NO_RANGE = contextlib.nullcontext()
 _profiler_enabled = torch.autograd._profiler_enabled
 
 
-def profile_range(name: str):
-    """``record_function(name)`` while a profiler runs; a shared no-op context otherwise."""
-    return record_function(name) if _profiler_enabled() else _NO_RANGE
+def profile_range(name: str, detail: str = ""):
+    """``record_function(name)`` (``"name detail"`` when a detail is given) while a profiler runs; a shared no-op
+    context otherwise. Pass the parts apart on a hot path: they are joined only when a profiler collects."""
+    if not _profiler_enabled():
+        return _NO_RANGE
+    return record_function(f"{name} {detail}" if detail else name)

@@ -65,11 +65,12 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
         if engine.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
             cast_floating_(model, engine.compute_dtype)  # after the fp32 masters were taken
     else:
-        _partition(engine, model, zc, fp32_masters=trains)
+        unit_groups = _partition(engine, model, zc, fp32_masters=trains)
         engine.optimizer = ZeroOptimizer(engine.sharded, engine.reducer, engine.comm, engine.config.gradient_clipping,
                                          optimizer, engine.config.optimizer, groups, zc.sub_group_size,
                                          engine.placement, zc.offload_optimizer, engine.config.aio,
-                                         loss_scaler=engine.loss_scaler) if trains else None
+                                         loss_scaler=engine.loss_scaler, unit_groups=unit_groups) \
+            if trains else None
         if engine.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
             if engine.optimizer is not None:
                 engine.optimizer.param_swapper = engine.param_swapper
@@ -86,7 +87,9 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
     engine.placement.log_once(engine.comm.rank)
 
 
-def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
+def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[ShardedParam]]:
+    """Shards, buckets, the gradient reducer and (stage 3) the gathering; returns the parameters of each gather unit
+    (stages 1-2: each parameter alone), of which shard buckets and optimizer sub-groups are runs."""
     engine.sharded = [_sharded_param(engine, p, name, i, fp32_masters)
                       for i, (name, p) in enumerate(model.named_parameters())]
     cast_floating_(model, engine.compute_dtype, params=False)
@@ -96,7 +99,20 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
                  // engine.comm.world_size)
     if engine.placement.params == NVME:  # the swap unit: see offload/param_swap.py
         bucket = min(bucket, max(1, int(zc.offload_param.buffer_size)))
-    engine.shard_buckets = flatten_shards(engine.sharded, bucket)
+    if engine.stage == 3:  # See zero/units.py: which modules gather which parameters (leaf modules: their subtree)
+        if zc.module_granularity_threshold:
+            mark_by_granularity(model, zc.module_granularity_threshold, lambda p: by_param[id(p)].numel)
+        apply_leaf_module_config(model, zc.leaf_module)
+        module_params, module_names = {}, {}
+        for name, module, params in gather_units(model):
+            module_params[module] = [by_param[id(p)] for p in params]
+            module_names[module] = name or "<root>"
+        unit_groups = _owned_groups(module_params.values(), engine.sharded)
+    else:
+        unit_groups = [[sp] for sp in engine.sharded]
+    # Shard buckets and the optimizer's sub-groups (ZeroOptimizer) are runs of whole units; gradient buckets are
+    # not (see [Note: gradient buckets are not runs of units] in zero/grads.py).
+    engine.shard_buckets = flatten_shards(unit_groups, bucket)
     trainable = [sp for sp in reversed(engine.sharded) if sp.param.requires_grad]  # ~ the order backward goes
     engine.reducer = GradReducer(trainable, engine.comm, zc.reduce_bucket_size,
                                  reduce_dtype=engine.communication_data_type,
@@ -114,7 +130,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
         partitioned = [sp for sp in engine.sharded if not sp.is_available]  # built under zero.Init
         if partitioned:
             engine.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
-        return
+        return unit_groups
 
     persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
     for sp in engine.sharded:
@@ -123,14 +139,6 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
             persistent_budget -= sp.numel
         if not sp.is_persistent and sp.is_available:
             sp.release()
-    # See zero/units.py: which modules gather which parameters (leaf modules gather their whole subtree).
-    if zc.module_granularity_threshold:
-        mark_by_granularity(model, zc.module_granularity_threshold, lambda p: by_param[id(p)].numel)
-    apply_leaf_module_config(model, zc.leaf_module)
-    module_params, module_names = {}, {}
-    for name, module, params in gather_units(model):
-        module_params[module] = [by_param[id(p)] for p in params]
-        module_names[module] = name or "<root>"
     gatherer = make_gatherer(engine.comm, zc, engine.accounting, engine.streams)
     if engine.placement.params == NVME:
         from .offload.param_swap import ParamSwapper, SwapInGather
@@ -156,6 +164,20 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
                                engine.backward_end, model)
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
+    return unit_groups
+
+
+def _owned_groups(units, sharded: list[ShardedParam]) -> list[list[ShardedParam]]:
+    """Each unit's parameters that it owns: a parameter gathered by several units (a tied weight, an external one)
+    is owned by the first in module order, whose shard bucket holds it; parameters no unit gathers, each alone."""
+    owned: set[int] = set()
+    groups = []
+    for params in units:
+        mine = [p for p in params if id(p) not in owned]
+        owned.update(id(p) for p in mine)
+        if mine:
+            groups.append(mine)
+    return groups + [[sp] for sp in sharded if id(sp) not in owned]
 
 
 def _choose_gather_per_bucket(engine) -> None:

@@ -67,6 +67,19 @@ class Pending(NamedTuple):
         return self.tensor
 
 
+# Built once, not per collective: a collective's profiler range (joined with its name only while a profiler
+# collects) and its dtype as the progress records spell it ("bfloat16").
+_RANGE_NAMES = {kind: f"zero3::{kind}" for kind in _COUNTED_KINDS}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -156,7 +169,7 @@ class Communicator:
         if self._closed:
             raise RuntimeError(f"{kind} {name!r} on rank {self.rank}: this communicator was closed "
                                "(engine.destroy()); build a new engine to train again")
-        record = self.progress.record(kind, str(tensor.dtype)[6:] if tensor is not None else "", numel, name)
+        record = self.progress.record(kind, _dtype_name(tensor.dtype) if tensor is not None else "", numel, name)
         if self._agree_next:
             self._agree_next = False
             self.watchdog.agree(record)
@@ -250,7 +263,7 @@ class Communicator:
                       f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
         self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), name=name)
         record = self._record(kind, input, input.numel(), name)
-        with record_function(f"zero3::{kind} {name}"):
+        with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.all_gather(output, input, True)
         self._count(kind, _nbytes(output))
         return self._pending(issued, output, record, async_op)
@@ -275,7 +288,7 @@ class Communicator:
         self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), op=op, name=name)
         in_place = self._issuer.reduces_in_place(input_is_scratch)
         record = self._record("all_reduce" if in_place else kind, input, input.numel(), name)
-        with record_function(f"zero3::{kind} {name}"):
+        with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.reduce_scatter(output, input, op, True, input_is_scratch)
         self._count(kind, _nbytes(input))
         return self._pending(issued, output, record, async_op)
@@ -288,7 +301,7 @@ class Communicator:
         self._require_float_for_avg(kind, name, op, tensor)
         self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
         record = self._record(kind, tensor, tensor.numel(), name)
-        with record_function(f"zero3::{kind} {name}"):
+        with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.all_reduce(tensor, op, True)
         self._count(kind, _nbytes(tensor))
         return self._pending(issued, tensor, record, async_op)
@@ -301,7 +314,7 @@ class Communicator:
         self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
         self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
         record = self._record(kind, tensor, tensor.numel(), name)
-        with record_function(f"zero3::{kind} {name}"):
+        with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.broadcast(tensor, src, True)
         self._count(kind, _nbytes(tensor))
         return self._pending(issued, tensor, record, async_op)

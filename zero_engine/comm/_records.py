@@ -5,8 +5,9 @@ Every collective the Communicator issues gets the next sequence number and a sma
 count, name (module or bucket), and where the engine is -- phase (forward/backward/step/...) and global step, which
 the engine sets on ``ProgressLog.phase`` / ``ProgressLog.step`` as it goes (two attribute writes per phase, nothing
 more). The last ``capacity`` records stay in a ring buffer for the stall watchdog; with ``step_fingerprint`` (the
-engine's ``zero_engine.step_fingerprint``) the records of the current step are also folded into a CRC (the step
-fingerprint) and kept until the step's fingerprint is taken. Without it nothing takes them, so none are kept (a
+engine's ``zero_engine.step_fingerprint``) the records of the current step are also kept until the step's
+fingerprint is taken, and folded into a CRC then (once a step, not per collective: no string is formatted on the
+collective's path). Without it nothing takes them, so none are kept (a
 list nobody drains would grow by every collective of every step). All of it is
 local: the normal path exchanges nothing. Collectives pair up across ranks by order, so in a healthy job rank r's
 record number n describes the same collective on every rank; the first number at which records differ is where
@@ -72,15 +73,13 @@ class ProgressLog:
         self.recent: collections.deque[CollectiveRecord] = collections.deque(maxlen=capacity)
         self.step_fingerprint = step_fingerprint  # keep this step's records and CRC for take_step_fingerprint
         self.step_records: list[CollectiveRecord] = []
-        self._crc = 0
 
     def record(self, kind: str, dtype: str, numel: int, name: str) -> CollectiveRecord:
         self.seq += 1
         rec = CollectiveRecord(self.seq, kind, dtype, numel, name, self.phase, self.step)
         self.recent.append(rec)
         if self.step_fingerprint:
-            self.step_records.append(rec)
-            self._crc = zlib.crc32(f"{kind}|{dtype}|{numel}|{name}|{self.phase}|{self.step};".encode(), self._crc)
+            self.step_records.append(rec)  # folded into the CRC when the fingerprint is taken, not per collective
         return rec
 
     @property
@@ -93,8 +92,10 @@ class ProgressLog:
             raise RuntimeError("take_step_fingerprint: this rank's progress log keeps no step records; create the "
                                "Communicator with step_fingerprint=True (the engine does when "
                                "zero_engine.step_fingerprint is true)")
-        crc, records = self._crc, self.step_records
-        self._crc, self.step_records = 0, []
+        records, self.step_records = self.step_records, []
+        crc = 0
+        for r in records:
+            crc = zlib.crc32(f"{r.kind}|{r.dtype}|{r.numel}|{r.name}|{r.phase}|{r.step};".encode(), crc)
         return crc, records
 
     def position(self) -> str:

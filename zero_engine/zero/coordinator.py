@@ -210,7 +210,7 @@ class ParamCoordinator:
                 self._log_deviation_once(
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
-        with profile_range(f"zero3::fetch {event.module}"):
+        with profile_range("zero3::fetch", event.module):
             self.gathered.unkeep(unit.params)  # in use again: not given up to make room below
             self._make_room(unit.missing_numel())
             unit.unshard(event.module)
@@ -242,7 +242,7 @@ class ParamCoordinator:
             def next_use(p):
                 nxt = next_events[id(p)] = self.trace.next_event(p, fetched_at, after)
                 return self.trace.use_at(p, nxt, after)
-        with profile_range(f"zero3::release {unit.name}"):
+        with profile_range("zero3::release", unit.name):
             releases_before = releases()
             kept, released = unit.reshard(next_use, self.max_reuse_distance, keep_frozen)
             for p in kept:  # reused soon: _make_room gives it up first when a fetch needs room
@@ -382,7 +382,7 @@ class ParamCoordinator:
         self._frontier = (releases(), stop)
         if chosen:
             self.prefetch_count += len(chosen)
-            self.gathered.issue(chosen, f"prefetch after {self.trace.events[index].module}")
+            self.gathered.issue(chosen, self.trace.units[index].prefetch_name)
 
     def _upcoming(self, start: int):
         """(event index, parameter) for the not-yet-gathered parameters of the trace events from ``start`` on, in

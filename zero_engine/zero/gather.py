@@ -37,7 +37,7 @@ class GatherWork:
     # [Note: coalesced gather buffer lifetime] the staging buffers of small parameters live exactly from issue to
     # wait(): they are dropped as soon as every parameter has been copied out, so the transient peak is one run of
     # small parameters, never a whole bucket of large ones (those are gathered in place).
-    flat: list[tuple[torch.Tensor, list[tuple[ShardedParam, int]]]] = field(default_factory=list)
+    flat: list[tuple[torch.Tensor, list[ShardedParam]]] = field(default_factory=list)
     accounting: object = None  # MemoryAccounting: the staging buffers count as comm_buffers while they live
     numel: int = 0  # gathered elements this work makes live
     done: bool = False
@@ -55,9 +55,12 @@ class GatherWork:
         for handle in self.pending:
             handle.wait()
         for out, layout in self.flat:
-            rows = out.view(-1, sum(p.shard_numel for p, _ in layout))  # [world, elements per rank]
-            for p, offset in layout:
-                p.alloc_full().view(rows.shape[0], p.shard_numel).copy_(rows[:, offset: offset + p.shard_numel])
+            # One copy-out kernel per staged run (as FSDP2's): the [world, elements per rank] rows split by columns,
+            # each column block written into its parameter's own storage, viewed [world, shard_numel].
+            sizes = [p.shard_numel for p in layout]
+            rows = out.view(-1, sum(sizes))
+            torch.split_with_sizes_copy(rows, sizes, dim=1,
+                                        out=[p.alloc_full().view(rows.shape[0], p.shard_numel) for p in layout])
         if self.flat and self.accounting is not None:
             self.accounting.add("comm_buffers", -self.flat_bytes)
         self.flat.clear()
@@ -127,11 +130,7 @@ class CoalescedGather:
                 inp = torch.cat([p.shard for p in run])
             out = torch.empty(inp.numel() * self.comm.world_size, dtype=inp.dtype, device=inp.device)
             _all_gather(self.comm, self.streams, work, out, inp, name)
-            layout, offset = [], 0
-            for p in run:
-                layout.append((p, offset))
-                offset += p.shard_numel
-            work.flat.append((out, layout))
+            work.flat.append((out, run))  # the run's shards lie back to back in each rank's row
         if work.flat and self.accounting is not None:
             self.accounting.add("comm_buffers", work.flat_bytes)
         return work

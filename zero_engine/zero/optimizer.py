@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from .._profiling import profile_range
 from .grads import GradReducer, all_reduce_grads
-from .partition import ShardedParam
+from .partition import ShardedParam, runs
 
 log = logging.getLogger("zero_engine.optimizer")
 
@@ -169,7 +169,7 @@ class ZeroOptimizer(_OptimizerWrapper):
 
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
                  optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9, placement=None,
-                 offload=None, aio=None, loss_scaler=None):
+                 offload=None, aio=None, loss_scaler=None, unit_groups: list[list[ShardedParam]] | None = None):
         self.loss_scaler = loss_scaler
         self.reducer = reducer
         self.comm = comm
@@ -177,6 +177,11 @@ class ZeroOptimizer(_OptimizerWrapper):
         self.device = next((sp.compute_device for sp in sharded), torch.device("cpu"))
         self.gradient_clipping = float(gradient_clipping or 0.0)
         self.sharded = [sp for sp in sharded if sp.param.requires_grad]
+        # Sub-groups (see [Note: sub-groups]) are runs of whole gather units (unit_groups: each unit's parameters;
+        # None: each parameter alone, as at stages 1-2), so a unit's masters and states are updated, and swapped,
+        # together.
+        groups_in = [[sp] for sp in sharded] if unit_groups is None else unit_groups
+        self.sub_groups = runs([[sp for sp in g if sp.param.requires_grad] for g in groups_in], sub_group_size)
         # offload with an accelerator: masters on the host, and host staging for the updated compute shards
         self.host_copies = placement is not None and placement.offloads_optimizer and placement.has_separate_host
         pin = placement is not None and placement.pins
@@ -192,7 +197,6 @@ class ZeroOptimizer(_OptimizerWrapper):
             master = nn.Parameter(value)
             sp.master, sp.master_is_shard, sp.master_init = master.data, value is sp.shard, None
             self.masters[id(sp.param)] = master
-        self.sub_groups = _sub_groups(self.sharded, sub_group_size)
         self.optimizer = bind_optimizer(optimizer, opt_config, groups, self.masters)
         self.global_grad_norm: float | None = None
         if offload is not None and hasattr(self.optimizer, "num_threads"):  # CPUAdam
@@ -258,6 +262,7 @@ class ZeroOptimizer(_OptimizerWrapper):
             for sp in group:
                 self.masters[id(sp.param)].grad = self._fp32_grad(sp, coef)
             self.optimizer.step()
+        shards, updated = [], []  # the compute shards refreshed from their masters, in one kernel below
         for sp in group:
             master = self.masters[id(sp.param)]
             master.grad = None
@@ -271,7 +276,10 @@ class ZeroOptimizer(_OptimizerWrapper):
                 source = staging if staging is not None else master.detach()
                 sp.shard.copy_(source, non_blocking=staging is not None or self.swapper is None)
             elif not self.fused_shard_copy or sp.dtype == torch.float32:
-                sp.shard.copy_(master.detach())
+                shards.append(sp.shard)
+                updated.append(master.detach())
+        if shards:  # one multi-tensor copy (rounding to the compute dtype as copy_ does), not one kernel each
+            torch._foreach_copy_(shards, updated)
 
     def _fp32_grad(self, sp: ShardedParam, coef: float) -> torch.Tensor | None:
         grad = self.reducer.shard_grad(sp)
@@ -402,17 +410,6 @@ def _cpu_adam_threads(cores_perc: float) -> int:
     """offload_optimizer.cpuadam_cores_perc of this process's cores, never more than torch's thread count."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(torch.get_num_threads(), round(cores * cores_perc)))
-
-
-def _sub_groups(sharded: list[ShardedParam], sub_group_size: int) -> list[list[ShardedParam]]:
-    groups, current, size = [], [], 0
-    for sp in sharded:
-        if current and size + sp.shard_numel > sub_group_size:
-            groups.append(current)
-            current, size = [], 0
-        current.append(sp)
-        size += sp.shard_numel
-    return groups + [current] if current else groups
 
 
 class DataParallelOptimizer(_OptimizerWrapper):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -48,7 +49,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["GatheredZeroParameter", "ParamStatus", "ShardBucket", "ShardedParam", "ZeroParameter", "DIRECT_GATHER_NUMEL", "flatten_shards",
-           "shard_numel_for", "sharded_param_of"]
+           "runs", "shard_numel_for", "sharded_param_of"]
 
 # A parameter at least this large is gathered by its own collective straight into its storage; smaller ones are
 # coalesced through a staging buffer (see [Note: flat shard storage]): measured crossover, bench/gather_probe.py.
@@ -394,18 +395,36 @@ class ShardBucket:
         return self.flat[params[0].bucket_offset: offset]
 
 
-def flatten_shards(params: list[ShardedParam], bucket_numel: int) -> list[ShardBucket]:
-    """Move the shards of ``params`` into flat buckets of consecutive parameters of one dtype and device."""
-    buckets: list[ShardBucket] = []
+def runs(groups: Iterable[list[ShardedParam]], limit: int) -> list[list[ShardedParam]]:
+    """Consecutive runs of whole ``groups`` (gather units, or single parameters) of at most ``limit`` shard elements
+    each, one dtype and device per run. A group is cut only where it alone exceeds ``limit`` (then at parameter
+    boundaries). The layout every per-rank grouping of shards is made from: shard buckets, gradient buckets,
+    optimizer sub-groups."""
+    out: list[list[ShardedParam]] = []
     current: list[ShardedParam] = []
     size = 0
-    for p in params:
-        if current and (size + p.shard_numel > bucket_numel or p.shard.dtype != current[0].shard.dtype
-                        or p.shard.device != current[0].shard.device):
-            buckets.append(ShardBucket(current, len(buckets)))
-            current, size = [], 0
-        current.append(p)
-        size += p.shard_numel
-    if current:
-        buckets.append(ShardBucket(current, len(buckets)))
-    return buckets
+
+    def cut() -> None:
+        nonlocal current, size
+        if current:
+            out.append(current)
+        current, size = [], 0
+
+    for group in groups:
+        if current and size + sum(p.shard_numel for p in group) > limit:
+            cut()  # the whole group does not fit after what is there: start it afresh
+        for p in group:
+            if current and (size + p.shard_numel > limit or p.shard.dtype != current[0].shard.dtype
+                            or p.shard.device != current[0].shard.device):
+                cut()
+            current.append(p)
+            size += p.shard_numel
+    cut()
+    return out
+
+
+def flatten_shards(groups: Iterable[list[ShardedParam]], bucket_numel: int) -> list[ShardBucket]:
+    """Move the shards into flat buckets, each a run of whole ``groups`` (see ``runs``): at stage 3 the gather
+    units in module order, so that a unit's shards are one tensor (the input of its all-gather, no ``cat``) and an
+    offloader moves or swaps units whole."""
+    return [ShardBucket(run, i) for i, run in enumerate(runs(groups, bucket_numel))]

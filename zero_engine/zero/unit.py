@@ -156,6 +156,7 @@ class ParamUnit:
     def __init__(self, module: nn.Module, name: str, params: list[ShardedParam], index: int, live: LiveParams):
         self.module = module
         self.name = name
+        self.prefetch_name = f"prefetch after {name}"  # the name of the gathers issued after it ran (built once)
         self.index = index  # position in coordinator.units
         self.params = params  # own parameters first, then the external ones that joined (grows in place)
         self.live = live
