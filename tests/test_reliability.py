@@ -261,6 +261,42 @@ def test_changes_after_initialize_are_clear_errors(stage, change, expected):
         assert message is not None and expected in message, (kind, message)
 
 
+def test_the_forward_check_walks_the_model_only_after_a_registration(monkeypatch):
+    """The check runs at every training forward: it must not walk the module tree while nothing was registered
+    (issue 22: no per-step walk over every parameter), and its global hooks must go with it."""
+    import gc
+
+    from torch.nn.modules import module as torch_module
+
+    from zero_engine.guards import ModelSnapshot
+
+    hooks_before = (len(torch_module._global_parameter_registration_hooks),
+                    len(torch_module._global_module_registration_hooks))
+    model = GPT(GPTConfig())
+    snapshot = ModelSnapshot(model)
+    walks = []
+    monkeypatch.setattr(snapshot, "_walk", lambda m, walk=snapshot._walk: (walks.append(1), walk(m)))
+    for _ in range(3):
+        snapshot.check(model)
+    assert walks == []
+    nn.Linear(2, 2)  # a parameter registered elsewhere: walked once, nothing of ours changed
+    snapshot.check(model)
+    snapshot.check(model)
+    assert walks == [1]
+    model.blocks[0].mlp.fc.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad changed from True to False"):
+        snapshot.check(model)
+    model.blocks[0].mlp.fc.weight.requires_grad_(True)
+    model.extra = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="extra.weight was added to the model after initialize"):
+        snapshot.check(model)
+    del snapshot, walks
+    monkeypatch.undo()
+    gc.collect()
+    assert (len(torch_module._global_parameter_registration_hooks),
+            len(torch_module._global_module_registration_hooks)) == hooks_before
+
+
 # ---- item 6: an exception inside backward ------------------------------------------------------------------------
 def _failed_backward_body(stage, precision, gas, fail_at_micro):
     """Train steps 0..3; in run "failed" a backward of step 1 raises midway. Step 1 is then redone from scratch

@@ -51,7 +51,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     destroyed = False  # destroy() ran (or initialize failed): the engine refuses to train
     grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
     # Parts an engine may lack (by its config, or construction failed before them): destroy() reads these defaults.
-    coordinator = reducer = hooks = optimizer = backward_end = None
+    coordinator = reducer = hooks = optimizer = backward_end = snapshot = None
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
     presence = None  # stage 3, world > 1: which parameters get a gradient on some ranks only (zero/presence.py)
