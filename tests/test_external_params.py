@@ -392,22 +392,9 @@ def test_trl_fused_lm_head_on_llama_trains_as_one_process():
 
 
 # ---- leaf modules whose inputs need no gradient --------------------------------------------------------------------
-class _ChooseByCounter(nn.Module):
-    """A leaf root (DeepSpeed's unit-test model) whose inputs are data: its post-backward hook never fires."""
-
-    def __init__(self):
-        super().__init__()
-        self.linears = nn.ModuleList([nn.Linear(5, 5, bias=False), nn.Linear(5, 5, bias=False)])
-        self.counter = 0
-
-    def forward(self, x):
-        y = torch.relu(self.linears[self.counter % 2](x))
-        self.counter += 1
-        return y.square().mean()
-
-
 class _Experts(nn.Module):
-    """The same choice as a first block: a leaf that is not the root, reading the data, its output used further."""
+    """A leaf that chooses one of its linears by a counter (DeepSpeed's unit-test model); as a first block: not the
+    root, reading the data, its output used further."""
 
     def __init__(self):
         super().__init__()
@@ -418,6 +405,13 @@ class _Experts(nn.Module):
         y = torch.relu(self.linears[self.counter % 2](x))
         self.counter += 1
         return y
+
+
+class _ChooseByCounter(_Experts):
+    """The same choice as the leaf root, whose inputs are data: its post-backward hook never fires."""
+
+    def forward(self, x):
+        return super().forward(x).square().mean()
 
 
 class _ExpertsThenHead(nn.Module):
