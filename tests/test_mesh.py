@@ -1,0 +1,236 @@
+"""ZeRO across a hierarchy (zero_engine/mesh.py): MiCS / HSDP at world 4 as 2 replicas x shard groups of 2.
+
+Bodies named ``_*_body`` run on every rank of the simulated world (module level, so the rank pool imports them).
+
+Tolerances. Parity is against one process training on the full batch, as in test_zero3.py: every rank sees its own
+micro-batch and gradients are averaged by a reduce-scatter over the shard group, then an all-reduce over the
+replicas, so sums run in another order than the reference: losses within 1e-5 relative, parameters within 1e-5
+relative L2 with SGD (linear in the gradient) and 2e-4 with AdamW (its division by sqrt(v) amplifies a 1e-7
+difference of a near-zero gradient). Checkpoint round trips are bitwise: they move values, they compute nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero_engine
+from zero_engine.config import ConfigError, load_config
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+TIMEOUT = 120
+WORLD = 4
+K = 2  # ranks per shard group: world 4 = dp_replicate 2 x dp_shard 2
+
+
+def ds_config(stage, seq=False, gas=2, micro=2, optimizer="AdamW", lr=1e-3, mics=K, bf16=False, **zero):
+    zero_section = {"stage": stage, "stage3_allgather_sequential": seq, "reduce_bucket_size": 700,
+                    "stage3_prefetch_bucket_size": 3000, "stage3_param_persistence_threshold": 40,
+                    "stage3_max_reuse_distance": 2000, "overlap_comm": True, "mics_shard_size": mics}
+    zero_section.update(zero)
+    params = {"lr": lr, "weight_decay": 0.1} if optimizer == "AdamW" else {"lr": lr, "momentum": 0.9}
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+              "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero_section}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def shard_group_gather(engine, tensor_of, params=None) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value from the shards, gathered by the test itself over the engine's shard group."""
+    out = {}
+    for sp in engine.sharded if params is None else params:
+        shard = tensor_of(sp)
+        buf = torch.empty(sp.padded_numel, dtype=shard.dtype)
+        dist.all_gather_into_tensor(buf, shard.contiguous(), group=engine.shard_comm.group)
+        out[sp.fqn] = buf[: sp.numel].view(sp.shape)
+    return out
+
+
+class DataParallelOnly:
+    """DeepSpeed's mpu as Megatron-style code passes it: model-parallel size 1, data parallel over every rank."""
+
+    def get_data_parallel_group(self):
+        return dist.group.WORLD
+
+    def get_data_parallel_world_size(self):
+        return dist.get_world_size()
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank()
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+
+class TensorParallel2(DataParallelOnly):
+    def get_model_parallel_world_size(self):
+        return 2
+
+
+def _init_kwargs(how: str) -> dict:
+    if how == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return {"mesh": init_device_mesh("cpu", (WORLD // K, K), mesh_dim_names=("dp_replicate", "dp_shard"))}
+    if how == "mpu":
+        return {"mpu": DataParallelOnly()}
+    return {}
+
+
+# ---- parity with one process ----------------------------------------------------------------------------------------
+def _parity_body(stage, seq, optimizer, how):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(frozen_param=True, reuse_block=True)
+    lr = 1e-3 if optimizer == "AdamW" else 0.05
+    config = ds_config(stage, seq, optimizer=optimizer, lr=lr, mics=K if how == "config" else -1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config=config, **_init_kwargs(how))
+    params = [p for p in reference.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1) if optimizer == "AdamW" else \
+        torch.optim.SGD(params, lr=lr, momentum=0.9)
+    gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
+    worst_loss, norms = 0.0, []
+    for x, y in make_batches(cfg, 4, world * micro * gas):
+        ref_opt.zero_grad()
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        ref_opt.step()
+        total = torch.zeros(())
+        for m in range(gas):
+            lo = (m * world + rank) * micro
+            loss = engine(x[lo: lo + micro], y[lo: lo + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        dist.all_reduce(total)
+        worst_loss = max(worst_loss, abs(total.item() / (world * gas) - ref_loss.item()) / abs(ref_loss.item()))
+        norms.append(abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)  # replicas not counted twice
+    ours = shard_group_gather(engine, lambda sp: sp.shard)
+    ref = dict(reference.named_parameters())
+    diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
+    shapes = (engine.mesh.shard_size, engine.mesh.replicate_size,
+              all(sp.shard_numel == -(-sp.numel // engine.mesh.shard_size) for sp in engine.sharded))
+    engine.destroy()
+    return worst_loss, (diff / norm).item(), max(norms), shapes
+
+
+PARITY = [(1, False, "AdamW", "config"), (2, False, "SGD", "config"), (3, False, "AdamW", "config"),
+          (3, True, "SGD", "config"), (3, False, "SGD", "mesh"), (2, False, "AdamW", "mpu")]
+
+
+@pytest.mark.parametrize("stage,seq,optimizer,how", PARITY)
+def test_parity_with_one_process(stage, seq, optimizer, how):
+    tolerance = 2e-4 if optimizer == "AdamW" else 1e-5
+    for loss_err, param_err, norm_err, (shard, replicas, one_over_k) in run_ranks(
+            _parity_body, WORLD, stage, seq, optimizer, how, timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < tolerance and norm_err < 1e-5, (loss_err, param_err, norm_err)
+        assert (shard, replicas) == ((K, WORLD // K) if how != "mpu" else (WORLD, 1))
+        assert one_over_k  # each parameter cut into shard_size pieces, not world pieces
+
+
+# ---- collectives per group -------------------------------------------------------------------------------------------
+def _comm_body():
+    torch.manual_seed(0)
+    sizes = [(37, 29), (29, 41), (41, 23)]
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in sizes])
+    config = ds_config(3, gas=1, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                       stage3_prefetch_bucket_size=10**6)
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    per_step = []
+    for _ in range(2):
+        engine.reset_comm_stats()
+        out = engine(torch.randn(4, 37))
+        engine.backward(out.pow(2).mean())
+        engine.step()
+        per_step.append(engine.comm_stats(by_group=True))
+    total = engine.comm_stats()
+    padded_bytes = sum(sp.padded_numel * 4 for sp in engine.sharded)  # padded over the shard group of K
+    buckets = len(engine.reducer.buckets)
+    engine.destroy()
+    return per_step, total, padded_bytes, buckets
+
+
+def test_collectives_per_group_match_the_formula():
+    """Per step, with Psi the padded parameter bytes over a shard group of k: dp_shard all-gathers 2 Psi (forward and
+    backward) and reduce-scatters Psi, as flat ZeRO-3 over k ranks; dp_replicate all-reduces each bucket's shard once
+    (Psi / k bytes, one call per bucket); the world carries only the step fingerprint (and the gradient presence in
+    the step that records the trace); the grad norm is one all-reduce on dp_shard."""
+    for per_step, total, psi, buckets in run_ranks(_comm_body, WORLD, timeout=TIMEOUT):
+        for step, groups in enumerate(per_step):
+            shard, replicate, world = groups["dp_shard"], groups["dp_replicate"], groups["world"]
+            assert shard["all_gather"]["bytes"] == 2 * psi
+            assert shard["reduce_scatter"]["bytes"] == psi
+            assert shard["reduce_scatter"]["calls"] == buckets
+            assert (shard["all_reduce"]["calls"], shard["all_reduce"]["bytes"]) == (1, 8)  # the fp64 grad norm
+            assert replicate["all_reduce"]["calls"] == buckets
+            assert replicate["all_reduce"]["bytes"] == psi // K
+            assert replicate["all_gather"]["calls"] == replicate["reduce_scatter"]["calls"] == 0
+            assert world["all_gather"]["calls"] == world["reduce_scatter"]["calls"] == 0
+            assert world["all_reduce"]["calls"] == (2 if step == 0 else 1)  # + presence while recording
+        assert total["all_gather"]["bytes"] == 2 * psi  # comm_stats() sums the groups
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------------
+def test_bad_config_input_names_the_key_and_the_fix():
+    base = {"train_micro_batch_size_per_gpu": 1}
+    cases = [({"stage": 3, "mics_shard_size": 3}, "3 does not divide the data-parallel world of 4 ranks; use one of "
+                                                  "1, 2, 4"),
+             ({"stage": 0, "mics_shard_size": 2}, "needs zero_optimization.stage 1, 2 or 3"),
+             ({"stage": 3, "mics_shard_size": 0}, "0 ranks per shard group"),
+             ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}, "not supported yet"),
+             ({"stage": 3, "zero_hpz_partition_size": 2}, "not supported yet"),
+             ({"stage": 3, "zero_quantized_weights": True}, "not supported yet"),
+             ({"stage": 3, "zero_quantized_gradients": True}, "not supported yet")]
+    for zero, message in cases:
+        with pytest.raises(ConfigError, match="zero_optimization.") as caught:
+            load_config({**base, "zero_optimization": zero}, world_size=WORLD)
+        assert message in str(caught.value), (zero, str(caught.value))
+    with pytest.raises(NotImplementedError, match="model-parallel world size of 2 is not supported yet"):
+        zero_engine.initialize(model=nn.Linear(2, 2), config={**base}, mpu=TensorParallel2())
+    with pytest.raises(ValueError, match="has no get_data_parallel_rank"):
+        zero_engine.initialize(model=nn.Linear(2, 2), config={**base}, mpu=type("Half", (), {
+            "get_data_parallel_group": lambda self: None, "get_data_parallel_world_size": lambda self: 1})())
+
+
+def _bad_mesh_body():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = ds_config(3, gas=1, mics=-1)
+    errors = []
+
+    def attempt(**kwargs):
+        try:
+            zero_engine.initialize(model=nn.Linear(4, 4), config=kwargs.pop("config", config), **kwargs)
+        except Exception as error:  # noqa: BLE001 -- the test compares the types and messages
+            errors.append((type(error).__name__, str(error)))
+        else:
+            errors.append(("no error", ""))
+
+    attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "dp_replicate")))
+    attempt(mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), config=ds_config(3, gas=1, mics=K))
+    attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))["dp_shard"])
+    return errors
+
+
+def test_bad_mesh_input_is_refused_clearly():
+    for errors in run_ranks(_bad_mesh_body, WORLD, timeout=TIMEOUT):
+        (tp_kind, tp), (order_kind, order), (both_kind, both), (size_kind, size) = errors
+        assert tp_kind == "NotImplementedError" and "'tp' (tensor parallelism) is not supported yet" in tp
+        assert order_kind == "ValueError" and "(\"dp_replicate\", \"dp_shard\") for HSDP / MiCS, in that order" in order
+        assert both_kind == "ConfigError" and both.startswith("zero_optimization.mics_shard_size: 2 given together "
+                                                              "with initialize(mesh=...)")
+        assert size_kind == "ValueError" and "multiply to 2 ranks, the world has 4" in size
