@@ -183,6 +183,82 @@ def test_collectives_per_group_match_the_formula():
         assert total["all_gather"]["bytes"] == 2 * psi  # comm_stats() sums the groups
 
 
+# ---- checkpoints: saved flat, loaded hierarchical, and back ----------------------------------------------------------
+def _whole_states(engine) -> dict[str, torch.Tensor]:
+    """Compute-dtype parameters, fp32 masters and Adam moments, whole, gathered by the test over the shard group."""
+    optimizer = engine.optimizer.optimizer
+    out = {}
+    for kind, tensor_of in (("param", lambda sp: sp.shard), ("master", lambda sp: sp.master),
+                            ("exp_avg", lambda sp: optimizer.state[engine.optimizer.masters[id(sp.param)]]
+                             ["exp_avg"].reshape(-1)),
+                            ("exp_avg_sq", lambda sp: optimizer.state[engine.optimizer.masters[id(sp.param)]]
+                             ["exp_avg_sq"].reshape(-1))):
+        params = [sp for sp in engine.sharded if sp.param.requires_grad or kind == "param"]
+        out.update({f"{kind}/{name}": value for name, value in shard_group_gather(engine, tensor_of, params).items()})
+    return out
+
+
+def _train(engine, cfg, steps, seed):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for x, y in make_batches(cfg, steps, world * 2, seed=seed):
+        loss = engine(x[rank * 2: rank * 2 + 2], y[rank * 2: rank * 2 + 2])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _checkpoint_body(directory):
+    cfg = GPTConfig()
+    results = {}
+    torch.manual_seed(0)
+    flat, *_ = zero_engine.initialize(model=GPT(cfg), config=ds_config(3, gas=1, mics=-1, bf16=True))
+    _train(flat, cfg, 2, seed=1)
+    flat.save_checkpoint(directory, tag="flat")
+    saved_flat = _whole_states(flat)
+    next_flat = _train(flat, cfg, 1, seed=2)
+    flat.destroy()
+
+    torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
+    mics, *_ = zero_engine.initialize(model=GPT(cfg), config=ds_config(3, gas=1, mics=K, bf16=True))
+    mics.load_checkpoint(directory, tag="flat")
+    loaded = _whole_states(mics)
+    results["flat->mics equal"] = saved_flat.keys() == loaded.keys() and all(
+        torch.equal(saved_flat[k], loaded[k]) for k in saved_flat)
+    results["next loss equal"] = _train(mics, cfg, 1, seed=2) == next_flat  # same parameters, same micro-batch
+    results["global_steps"] = mics.global_steps
+    mics.save_checkpoint(directory, tag="mics")
+    saved_mics = _whole_states(mics)
+    mics.destroy()
+
+    torch.manual_seed(2)
+    back, *_ = zero_engine.initialize(model=GPT(cfg), config=ds_config(3, gas=1, mics=-1, bf16=True))
+    back.load_checkpoint(directory, tag="mics")
+    loaded = _whole_states(back)
+    results["mics->flat equal"] = all(torch.equal(saved_mics[k], loaded[k]) for k in saved_mics)
+    back.destroy()
+    masters = {k.removeprefix("master/"): v for k, v in saved_mics.items() if k.startswith("master/")}
+    return results, masters
+
+
+def test_checkpoint_saved_flat_loads_hierarchical_and_back(tmp_path):
+    from zero_engine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+    from zero_engine.checkpoint._metadata import read_metadata
+
+    outcomes = run_ranks(_checkpoint_body, WORLD, str(tmp_path), timeout=TIMEOUT)
+    for results, _ in outcomes:
+        assert results == {"flat->mics equal": True, "next loss equal": True, "global_steps": 3,
+                           "mics->flat equal": True}, results
+    meta = read_metadata(str(tmp_path / "mics"))
+    # written by every rank (RNG states), model states by replica 0 only, partitioned over its K ranks
+    assert (meta.world_size, meta.partition_world_size) == (WORLD, K)
+    assert all(p.shard_numel == -(-p.numel // K) for p in meta.params)
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="mics")  # offline, no ranks
+    masters = outcomes[0][1]
+    assert all(torch.equal(consolidated[name].reshape(-1), value.reshape(-1)) for name, value in masters.items())
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------------
 def test_bad_config_input_names_the_key_and_the_fix():
     base = {"train_micro_batch_size_per_gpu": 1}
