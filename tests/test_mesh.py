@@ -259,6 +259,43 @@ def test_checkpoint_saved_flat_loads_hierarchical_and_back(tmp_path):
     assert all(torch.equal(consolidated[name].reshape(-1), value.reshape(-1)) for name, value in masters.items())
 
 
+# ---- memory: 16 Psi / k per rank, and the estimator agrees -----------------------------------------------------------
+def _memory_body():
+    from zero_engine.memory.estimator import estimate_zero3_model_states_mem_needs_all_live
+
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    config = ds_config(3, gas=1)
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+    _train(engine, cfg, 1, seed=0)
+    stats = engine.memory_stats()
+    elements = sum(-(-sp.numel // K) for sp in engine.sharded)
+    zc = load_config(config, world_size=WORLD).zero_optimization
+    with torch.device("meta"):
+        estimate = estimate_zero3_model_states_mem_needs_all_live(GPT(cfg), num_ranks_per_node=WORLD,
+                                                                  zero_config=zc, print_table=False,
+                                                                  stages=(3,), precisions=("fp32",))
+    row = estimate.get(3, "fp32")
+    # GatheredParameters and safe_get_full_fp32_param gather over the shard group
+    from zero_engine.utils import safe_get_full_fp32_param
+
+    weight = max(engine.sharded, key=lambda sp: sp.numel).param  # partitioned (not persistent)
+    with zero_engine.zero.GatheredParameters([weight]):
+        gathered = weight.detach().clone()
+    full = safe_get_full_fp32_param(weight)
+    engine.destroy()
+    return (stats["params_sharded"], stats["optimizer_states"], elements, row.params_sharded, row.optimizer_states,
+            estimate.partition_size, torch.equal(gathered, full))
+
+
+def test_model_states_are_one_over_k_and_the_estimator_agrees():
+    for sharded, states, elements, est_sharded, est_states, partition, same in run_ranks(_memory_body, WORLD,
+                                                                                          timeout=TIMEOUT):
+        assert sharded == 4 * elements and states == 8 * elements  # fp32 AdamW: 4 + 8 bytes a shard element
+        assert (est_sharded, est_states, partition) == (sharded, states, K)
+        assert same
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------------
 def test_bad_config_input_names_the_key_and_the_fix():
     base = {"train_micro_batch_size_per_gpu": 1}

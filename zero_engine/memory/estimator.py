@@ -385,6 +385,12 @@ class MemoryEstimate:
     num_nodes: int
     policy: GatherPolicy
     rows: tuple[RankMemory, ...] = field(repr=False)
+    shard_size: int | None = None  # MiCS / HSDP (zero_optimization.mics_shard_size): states sharded over this many
+
+    @property
+    def partition_size(self) -> int:
+        """Ranks each model state is sharded over: the world, or the MiCS shard group (16 Psi / k per rank)."""
+        return self.shard_size or self.world_size
 
     @property
     def world_size(self) -> int:
@@ -405,7 +411,10 @@ class MemoryEstimate:
                 f"largest layer {c.largest_layer_params / 1e6:.1f}M params"
                 + (f" ({c.largest_layer_name})" if c.largest_layer_name else "") + ".",
                 f"Setup: {self.num_nodes} node(s) x {self.num_ranks_per_node} rank(s) per node = "
-                f"{self.world_size} rank(s). Stage 3 gather policy: persistence_threshold="
+                f"{self.world_size} rank(s)"
+                + (f", model states sharded within groups of {self.shard_size} (MiCS / HSDP) and replicated "
+                   f"{self.world_size // self.shard_size} times" if self.shard_size else "")
+                + f". Stage 3 gather policy: persistence_threshold="
                 f"{self.policy.persistence_threshold}, prefetch={self.policy.prefetch_numel}, "
                 f"max_live={self.policy.max_live_numel}, reuse_distance={self.policy.reuse_numel}.",
                 "model states = params (sharded) + master + grads + optimizer; peak = model states + gathered "
@@ -468,11 +477,12 @@ def _estimate(counts: ModelCounts, num_ranks_per_node: int, num_nodes: int, stag
     if unknown:
         raise ValueError(f"precisions: unknown {unknown}; choose from {sorted(PRECISIONS)}")
     world = num_ranks_per_node * num_nodes
-    rows = tuple(estimate_rank_memory(counts, world, stage, PRECISIONS[p], policy, optimizer_states_per_param,
+    shard_size = _mics_shard_size(zero_config, world)
+    rows = tuple(estimate_rank_memory(counts, shard_size or world, stage, PRECISIONS[p], policy, optimizer_states_per_param,
                                       offload_optimizer=(offload_optimizer or "none") if stage else "none",
                                       offload_param=offload_param or "none", accelerator=accelerator, **swap_knobs)
                  for stage in stages for p in precisions)
-    result = MemoryEstimate(counts, num_ranks_per_node, num_nodes, policy, rows)
+    result = MemoryEstimate(counts, num_ranks_per_node, num_nodes, policy, rows, shard_size)
     if print_table:
         print(result.table())  # the documented output of this function, as DeepSpeed's, not debugging
     return result
@@ -485,6 +495,18 @@ def _ranks_per_node(num_ranks_per_node: int, num_gpus_per_node: int | None) -> i
         raise ValueError(f"num_gpus_per_node={num_gpus_per_node} (DeepSpeed's name) and num_ranks_per_node="
                          f"{num_ranks_per_node} disagree; give only num_ranks_per_node")
     return num_gpus_per_node
+
+
+def _mics_shard_size(zero_config, world: int) -> int | None:
+    """The MiCS shard group size a zero_config asks for (None: flat). Each rank then holds 1/k of every state, as on
+    a flat world of k ranks: the rows are those of k ranks ([Note: what runs on which group] in mesh.py)."""
+    k = getattr(zero_config, "mics_shard_size", -1) if zero_config is not None else -1
+    if k in (-1, world):
+        return None
+    if k < 1 or world % k:
+        raise ValueError(f"zero_config.mics_shard_size={k} does not divide the {world} ranks (num_nodes x "
+                         "num_ranks_per_node); use a divisor of the world, or -1")
+    return k
 
 
 def estimate_zero3_model_states_mem_needs_all_live(
@@ -501,7 +523,8 @@ def estimate_zero3_model_states_mem_needs_all_live(
     pads it. ``zero_config`` (a ``ZeroConfig``, e.g. ``load_config(path).zero_optimization``) sets the stage-3
     gather policy -- persistence threshold, prefetch bucket, max live parameters, reuse distance -- and defaults
     to DeepSpeed's defaults; pass ``policy=GatherPolicy()`` for the bare minimum (largest layer only, as
-    DeepSpeed's estimator). ``optimizer_states_per_param``: 2 for Adam/AdamW, 1 for SGD with momentum.
+    DeepSpeed's estimator). ``optimizer_states_per_param``: 2 for Adam/AdamW, 1 for SGD with momentum. A
+    zero_config with ``mics_shard_size: k`` (MiCS / HSDP) estimates a rank of a shard group of k: 16 Psi / k.
 
     Offload: ``offload_optimizer`` / ``offload_param`` ("none", "cpu", "nvme"; default: the zero_config's, else
     none), or DeepSpeed's ``cpu_offload=True`` / ``cpu_offload_params=True``; each row then splits its bytes into
