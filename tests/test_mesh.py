@@ -296,6 +296,47 @@ def test_model_states_are_one_over_k_and_the_estimator_agrees():
         assert same
 
 
+# ---- the corpus MiCS config ------------------------------------------------------------------------------------------
+from test_dsconfigs import DSCONFIGS  # noqa: E402  ../shared/dsconfigs
+
+VILA = "NVlabs__VILA__scripts__zero3_mics_tiny_fixed.json"
+
+
+def _vila_body(path):
+    import json
+
+    raw = json.loads(open(path).read())
+    raw["zero_optimization"]["mics_shard_size"] = K  # the file's 16 needs 16 ranks; the same config at world 4
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=raw,
+                                        optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3))
+    micro = engine.train_micro_batch_size_per_gpu()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for x, y in make_batches(cfg, 6, world * micro):
+        loss = engine(x[rank * micro: (rank + 1) * micro], y[rank * micro: (rank + 1) * micro])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    shape = (engine.mesh.shard_size, engine.mesh.replicate_size)
+    engine.destroy()
+    return losses, shape
+
+
+def test_vila_mics_config_trains():
+    if not (DSCONFIGS / VILA).is_file():
+        pytest.skip(f"{VILA} not present")
+    with pytest.raises(ConfigError, match=r"^zero_optimization.mics_shard_size: 16 does not divide the data-parallel "
+                                          r"world of 4 ranks; use one of 1, 2, 4"):
+        load_config(DSCONFIGS / VILA, world_size=4)
+    for losses, shape in run_ranks(_vila_body, WORLD, str(DSCONFIGS / VILA), timeout=TIMEOUT):
+        assert shape == (K, WORLD // K)
+        assert losses[-1] < losses[0], losses  # it learns
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------------
 def test_bad_config_input_names_the_key_and_the_fix():
     base = {"train_micro_batch_size_per_gpu": 1}
