@@ -345,7 +345,9 @@ def test_bad_config_input_names_the_key_and_the_fix():
              ({"stage": 0, "mics_shard_size": 2}, "needs zero_optimization.stage 1, 2 or 3"),
              ({"stage": 3, "mics_shard_size": 0}, "0 ranks per shard group"),
              ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}, "not supported yet"),
-             ({"stage": 3, "zero_hpz_partition_size": 2}, "not supported yet"),
+             ({"stage": 2, "zero_hpz_partition_size": 2}, "2 needs zero_optimization.stage 3"),
+             ({"stage": 3, "zero_hpz_partition_size": 3}, "3 does not divide the data-parallel world of 4 ranks"),
+             ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, "not supported yet"),
              ({"stage": 3, "zero_quantized_weights": True}, "not supported yet"),
              ({"stage": 3, "zero_quantized_gradients": True}, "not supported yet")]
     for zero, message in cases:
@@ -377,17 +379,30 @@ def _bad_mesh_body():
     attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "dp_replicate")))
     attempt(mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), config=ds_config(3, gas=1, mics=K))
     attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))["dp_shard"])
+    import os
+
+    before = os.environ.get("LOCAL_WORLD_SIZE")  # the rank pool sets it to the world size
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # one rank per node: an hpZ group of 2 would span nodes
+    try:
+        attempt(config=ds_config(3, gas=1, mics=-1, zero_hpz_partition_size=K))
+    finally:
+        if before is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
     return errors
 
 
 def test_bad_mesh_input_is_refused_clearly():
     for errors in run_ranks(_bad_mesh_body, WORLD, timeout=TIMEOUT):
-        (tp_kind, tp), (order_kind, order), (both_kind, both), (size_kind, size) = errors
+        (tp_kind, tp), (order_kind, order), (both_kind, both), (size_kind, size), (node_kind, node) = errors
         assert tp_kind == "NotImplementedError" and "'tp' (tensor parallelism) is not supported yet" in tp
         assert order_kind == "ValueError" and "(\"dp_replicate\", \"dp_shard\") for HSDP / MiCS, in that order" in order
         assert both_kind == "ConfigError" and both.startswith("zero_optimization.mics_shard_size: 2 given together "
                                                               "with initialize(mesh=...)")
         assert size_kind == "ValueError" and "multiply to 2 ranks, the world has 4" in size
+        assert node_kind == "ConfigError" and node.startswith("zero_optimization.zero_hpz_partition_size: 2 is larger "
+                                                              "than a node (LOCAL_WORLD_SIZE=1)")
 
 
 # ---- the step fingerprint sees sub-group collectives -----------------------------------------------------------------
@@ -414,3 +429,60 @@ def _fingerprint_body():
 def test_step_fingerprint_covers_sub_group_collectives():
     for message in run_ranks(_fingerprint_body, WORLD, timeout=TIMEOUT):
         assert "probe 0" in message and "probe 1" in message, message
+
+
+# ---- ZeRO++ hpZ: the secondary partition -----------------------------------------------------------------------------
+def _hpz_body(seq):
+    """The same run under flat ZeRO-3 and under hpZ (secondary within K ranks): bitwise equal, since backward gathers
+    the same bits from the secondary as forward from the primary shards, and the reductions are the same."""
+    cfg = GPTConfig(frozen_param=True)
+    runs = {}
+    for hpz in (1, K):
+        torch.manual_seed(0)  # no reuse distance: every parameter gathered once in forward, once in backward
+        config = ds_config(3, seq, gas=2, mics=-1, bf16=True, zero_hpz_partition_size=hpz,
+                           stage3_max_reuse_distance=0)
+        engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+        losses, stats = [], []
+        for step in range(3):
+            engine.reset_comm_stats()
+            losses += _train(engine, cfg, 2, seed=step)  # two micro-steps: one optimizer step
+            stats.append(engine.comm_stats(by_group=True))
+        psi = sum(sp.padded_numel * 2 for sp in engine.sharded if not sp.is_persistent)  # bf16 bytes gathered
+        persistent = sum(sp.padded_numel * 2 for sp in engine.sharded if sp.is_persistent)
+        runs[hpz] = (losses, shard_group_gather(engine, lambda sp: sp.shard), stats, (psi, persistent),
+                     engine.memory_stats()["params_secondary"])
+        engine.destroy()
+    (flat_losses, flat_params, flat_stats, (psi, persistent), none), (losses, params, stats, _, secondary) = \
+        runs[1], runs[K]
+    same = losses == flat_losses and all(torch.equal(params[n], flat_params[n]) for n in params)
+    return same, psi, persistent, none, secondary, flat_stats[-1], stats[-1]
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_hpz_is_bitwise_flat_zero3_with_backward_gathers_within_the_group(seq):
+    for same, psi, persistent, none, secondary, flat, hpz in run_ranks(_hpz_body, WORLD, seq, timeout=TIMEOUT):
+        assert same  # losses and parameters bitwise those of flat ZeRO-3
+        assert (none, secondary) == (0, psi // K)  # 2 Psi / k bytes more per rank (bf16)
+        # per optimizer step (2 micro-steps): flat gathers 2 Psi per micro-step over the world; hpZ gathers Psi over
+        # the world (forward) and Psi within its group (backward) -- the cross-group all-gather bytes halve
+        # (+ P: the persistent parameters, whole on every rank, re-gathered over the world after the step)
+        assert flat["world"]["all_gather"]["bytes"] == 2 * 2 * psi + persistent
+        assert hpz["world"]["all_gather"]["bytes"] == 2 * psi + persistent
+        assert hpz["hpz"]["all_gather"]["bytes"] == 2 * psi
+        assert hpz["world"]["reduce_scatter"] == flat["world"]["reduce_scatter"]
+
+
+def test_hpz_estimate_adds_two_psi_over_k():
+    from zero_engine.memory.estimator import estimate_from_counts
+
+    base = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}
+    zero = load_config({**base, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+                       world_size=512).zero_optimization
+    hpz = load_config({**base, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                     "zero_hpz_partition_size": 8}}, world_size=512).zero_optimization
+    flat, secondary = (estimate_from_counts(7 * 2**30, 2**27, num_ranks_per_node=8, num_nodes=64, zero_config=z,
+                                            print_table=False, stages=(3,), precisions=("bf16",)).get(3, "bf16")
+                       for z in (zero, hpz))
+    assert secondary.params_secondary == 2 * 7 * 2**30 // 8  # 2 Psi / k in bf16 (the flat tensor pads to 512)
+    assert secondary.model_states == flat.model_states + secondary.params_secondary
+    assert secondary.by_location()["device"]["params_secondary"] == secondary.params_secondary

@@ -35,7 +35,7 @@ from .errors import ArgumentError, UsageError
 from .guards import (claim_model, client_optimizer_restorer, discard_failed_backward, refuse_after_destroy,
                      refuse_partitioned_at_stage0, tear_down, undo_failed_initialize, warn_backward_without_step)
 from .memory import reset_rss_peak, rss_bytes, rss_peak_bytes
-from .mesh import mesh_communicators, resolve_mesh
+from .mesh import hpz_communicator, mesh_communicators, resolve_mesh
 from .offload.placement import Placement
 from .wiring import build_parts
 from .zero.partition import ShardedParam, sharded_param_of
@@ -56,6 +56,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     # the mesh's communicators (mesh.py): parameters are sharded over shard_comm (the world's when flat), gradient
     # shards averaged across replicas over replicate_comm (None when flat)
     shard_comm = replicate_comm = None
+    hpz_comm = hpz = None  # ZeRO++ hpZ: the secondary partition's group and gatherer (zero/hpz.py)
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
     presence = None  # stage 3, world > 1: which parameters get a gradient on some ranks only (zero/presence.py)
@@ -109,6 +110,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         try:
             self.mesh = resolve_mesh(zc, self._device.type, mesh, mpu)  # collective when it creates groups
             self.shard_comm, self.replicate_comm = mesh_communicators(self.mesh, self.comm)
+            self.hpz_comm = hpz_communicator(self.mesh, self.comm)
             claim_model(model, self)
             build_parts(self, model, optimizer, model_parameters)  # wiring.py
         except BaseException:
@@ -125,6 +127,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.snapshot.check(self.module)
             if self.coordinator is not None:
                 self.coordinator.begin_step()
+        if self.hpz is not None:
+            self.hpz.invalidate()  # [Note: when a secondary shard may be read] in zero/hpz.py
         if self.compute_dtype != torch.float32:  # float inputs follow the parameters' dtype; outputs are as computed
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         return self.module(*args, **kwargs)
@@ -330,6 +334,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             found["dp_shard"] = self.shard_comm
         if self.replicate_comm is not None:
             found["dp_replicate"] = self.replicate_comm
+        if self.hpz_comm is not None:
+            found["hpz"] = self.hpz_comm
         return found
 
     def memory_stats(self) -> dict:
@@ -363,6 +369,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             "grads_peak": grads_peak,
             "optimizer_states": self.optimizer.state_bytes if self.optimizer is not None else 0,
             "comm_buffers_peak": self.accounting.peak["comm_buffers"],
+            "params_secondary": self.hpz.bytes if self.hpz is not None else 0,  # ZeRO++ hpZ (zero/hpz.py)
             "rss": rss_bytes(),
             "rss_peak": rss_peak_bytes(),
         }
@@ -374,6 +381,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             buffer_bytes += self.param_swapper.resident_bytes  # shard buckets in memory now
         stats["by_location"] = self.placement.by_location(stats, nvme_bytes=nvme_bytes,
                                                           swap_buffer_bytes=buffer_bytes)
+        if self.hpz is not None:  # hpZ's secondary partition lives beside the gathered parameters (zero/hpz.py)
+            stats["by_location"]["device"]["params_secondary"] = self.hpz.bytes
+            stats["by_location"]["device"]["total"] += self.hpz.bytes
         return stats
 
     @staticmethod
@@ -387,7 +397,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         included here (at stage 3 that figure is the transient gathered working set).
         """
         return (stats["params_sharded"] + stats["master_params"] + stats.get("grads_peak", stats["grads"])
-                + stats["optimizer_states"])
+                + stats["optimizer_states"] + stats.get("params_secondary", 0))  # hpZ: 16 Psi / N + 2 Psi / k
 
     def reset_memory_peaks(self) -> None:
         if self.coordinator is not None:

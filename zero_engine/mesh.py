@@ -35,7 +35,9 @@ read like a flat checkpoint over k ranks (checkpoint/_save.py). A DeviceMesh wit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,6 +70,8 @@ class ZeroMesh:
     replicate_group: Any = None
     source: str = "flat"
     device_mesh: Any = None
+    hpz_size: int = 1  # ZeRO++ hpZ: the secondary partition's group size (1: off); see zero/hpz.py
+    hpz_group: Any = None
 
     @property
     def is_hierarchical(self) -> bool:
@@ -99,7 +103,31 @@ def flat_mesh(world_size: int, rank: int, source: str = "flat") -> ZeroMesh:
 
 def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
     """The groups of an engine, from (in this order) a DeviceMesh, DeepSpeed's mpu, or the config's
-    ``mics_shard_size``; flat when none is given. Collective when it creates groups (every rank calls it)."""
+    ``mics_shard_size``; flat when none is given; plus hpZ's group (``zero_hpz_partition_size``). Collective when
+    it creates groups (every rank calls it)."""
+    found = _resolve_dp(zero_config, device_type, mesh, mpu)
+    k = zero_config.zero_hpz_partition_size
+    if k in (1, found.world_size):
+        return found
+    key = "zero_optimization.zero_hpz_partition_size"
+    if found.is_hierarchical:
+        raise ConfigError(f"{key}: {k} with a hierarchical mesh ({found.describe()}) is not supported yet; use hpZ "
+                          "(states sharded over every rank) or MiCS / HSDP, not both")
+    if found.world_size % k:
+        raise ConfigError(f"{key}: {k} does not divide the data-parallel world of {found.world_size} ranks; use a "
+                          "divisor (the ranks per node), or 1 (off)")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit() and k > int(local):
+        raise ConfigError(f"{key}: {k} is larger than a node (LOCAL_WORLD_SIZE={local}): the secondary partition "
+                          f"exists to keep backward all-gathers within a node; use {local} or a divisor of it")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    groups = init_device_mesh(device_type, (found.world_size // k, k), mesh_dim_names=("hpz_replicate", "hpz_shard"))
+    return dataclasses.replace(found, hpz_size=k, hpz_group=groups.get_group("hpz_shard"),
+                               source=f"{found.source}; hpZ secondary within {k} ranks")
+
+
+def _resolve_dp(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     k = zero_config.mics_shard_size
     if (mesh is not None or mpu is not None) and k not in (-1, world):
@@ -193,6 +221,16 @@ def _model_parallel_world_size(mpu) -> int:
             pipeline = getattr(mpu, "get_pipeline_model_parallel_world_size", None)
             return size * (int(pipeline()) if callable(pipeline) else 1)
     return 1
+
+
+def hpz_communicator(mesh: ZeroMesh, world_comm):
+    """The communicator of hpZ's secondary partition (zero/hpz.py), or None when hpZ is off."""
+    if mesh.hpz_size == 1:
+        return None
+    from .comm import Communicator
+
+    return Communicator(mesh.hpz_group, debug=world_comm.debug, collective_timeout_s=world_comm.collective_timeout_s,
+                        share_records_with=world_comm)
 
 
 def mesh_communicators(mesh: ZeroMesh, world_comm) -> tuple[Any, Optional[Any]]:

@@ -17,7 +17,7 @@ from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
-from .offload.placement import HOST, NVME
+from .offload.placement import DEVICE, HOST, NVME
 from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .utils import register_engine
 from .zero.coordinator import ParamCoordinator
@@ -144,6 +144,14 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> None:
         engine.host_params = HostShards(engine.shard_buckets, engine.placement.device, engine.placement.pins_params,
                                         engine.placement.offloads_optimizer)
         gatherer = DeviceCopyGather(gatherer, engine.host_params)
+    if engine.hpz_comm is not None:
+        if engine.placement.params != DEVICE or engine.param_swapper is not None or engine.host_params is not None:
+            raise NotImplementedError("zero_optimization.zero_hpz_partition_size with offload_param is not supported "
+                                      "yet; drop one of the two")
+        from .zero.hpz import HpzGather
+
+        engine.hpz = gatherer = HpzGather(gatherer, engine.hpz_comm, engine.sharded,
+                                          engine.accounting, engine.streams)
     if zc.allgather_sequential is True:
         for sp in engine.sharded:
             sp.gather_sequential = True

@@ -304,6 +304,7 @@ class EngineConfig(Section):
                 {"detail": "true together with bf16.enabled true; enable at most one", "subpath": "fp16.enabled"},
             )
         _check_mics_shard_size(self.zero_optimization, self.world_size)
+        _check_hpz_partition_size(self.zero_optimization, self.world_size)
         expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
         if self.train_batch_size != expected:
             raise PydanticCustomError(
@@ -338,3 +339,23 @@ def _check_mics_shard_size(zc, world_size: int) -> None:
     if fix is not None:
         raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}",
                                   {"detail": fix, "subpath": "zero_optimization.mics_shard_size"})
+
+
+def _check_hpz_partition_size(zc, world_size: int) -> None:
+    """zero_hpz_partition_size against the stage, MiCS and the world (LOCAL_WORLD_SIZE: zero_engine/mesh.py)."""
+    k = zc.zero_hpz_partition_size
+    if k == 1:
+        return
+    fix = None
+    if zc.stage != 3:
+        fix = f"{k} needs zero_optimization.stage 3 (it partitions gathered parameters); set stage 3 or 1 (off)"
+    elif zc.mics_shard_size not in (-1, world_size):
+        fix = (f"{k} together with mics_shard_size {zc.mics_shard_size} is not supported yet; use one of the two "
+               "(hpZ keeps states sharded over every rank, MiCS within groups)")
+    elif world_size % k:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        fix = (f"{k} does not divide the data-parallel world of {world_size} ranks; use one of "
+               f"{', '.join(map(str, divisors))} (the ranks per node), or 1 (off)")
+    if fix is not None:
+        raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}",
+                                  {"detail": fix, "subpath": "zero_optimization.zero_hpz_partition_size"})
