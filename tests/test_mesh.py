@@ -141,6 +141,41 @@ def test_parity_with_one_process(stage, seq, optimizer, how):
         assert one_over_k  # each parameter cut into shard_size pieces, not world pieces
 
 
+def _one_rank_branch_body(stage):
+    """Only rank 0 (of shard group 0, replica 0) uses ``head.extra``: its gradient exists on one rank of four and is
+    reduced on its own at the end of backward (see [Note: a gradient on some ranks only] in zero/presence.py), within
+    the shard group and then across replicas like any bucket."""
+    from test_reliability import _TwoHeads
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20, "stage3_param_persistence_threshold": 0,
+                              "mics_shard_size": K}})
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(world, 4, 8, generator=g)
+        engine.backward(engine(x[rank], use_extra=rank == 0))
+        engine.step()
+        ref_opt.zero_grad()
+        torch.stack([reference(x[r], use_extra=r == 0) for r in range(world)]).mean().backward()
+        ref_opt.step()
+    ours, ref = shard_group_gather(engine, lambda sp: sp.shard), dict(reference.named_parameters())
+    engine.destroy()
+    return {n: (ours[n] - ref[n].detach()).abs().max().item() for n in ours}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_gradient_on_one_rank_only_is_averaged_across_replicas_too(stage):
+    # The same sums in another order than the reference: fp32 rounding, 1e-6 absolute on values of order 0.1.
+    for diffs in run_ranks(_one_rank_branch_body, WORLD, stage, timeout=TIMEOUT):
+        assert max(diffs.values()) < 1e-6, diffs
+
+
 # ---- collectives per group -------------------------------------------------------------------------------------------
 def _comm_body():
     torch.manual_seed(0)
@@ -260,12 +295,12 @@ def test_checkpoint_saved_flat_loads_hierarchical_and_back(tmp_path):
 
 
 # ---- memory: 16 Psi / k per rank, and the estimator agrees -----------------------------------------------------------
-def _memory_body():
+def _memory_body(directory):
     from zero_engine.memory.estimator import estimate_zero3_model_states_mem_needs_all_live
 
     cfg = GPTConfig()
     torch.manual_seed(0)
-    config = ds_config(3, gas=1)
+    config = ds_config(3, gas=1, stage3_gather_16bit_weights_on_model_save=True)
     engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
     _train(engine, cfg, 1, seed=0)
     stats = engine.memory_stats()
@@ -276,21 +311,24 @@ def _memory_body():
                                                                   zero_config=zc, print_table=False,
                                                                   stages=(3,), precisions=("fp32",))
     row = estimate.get(3, "fp32")
-    # GatheredParameters and safe_get_full_fp32_param gather over the shard group
+    # GatheredParameters, safe_get_full_fp32_param and save_16bit_model gather over the shard group
     from zero_engine.utils import safe_get_full_fp32_param
 
     weight = max(engine.sharded, key=lambda sp: sp.numel).param  # partitioned (not persistent)
     with zero_engine.zero.GatheredParameters([weight]):
         gathered = weight.detach().clone()
     full = safe_get_full_fp32_param(weight)
+    whole = shard_group_gather(engine, lambda sp: sp.shard)
+    engine.save_16bit_model(directory)  # each shard group gathers, world rank 0 writes
+    saved = torch.load(f"{directory}/pytorch_model.bin") if dist.get_rank() == 0 else whole
     engine.destroy()
     return (stats["params_sharded"], stats["optimizer_states"], elements, row.params_sharded, row.optimizer_states,
-            estimate.partition_size, torch.equal(gathered, full))
+            estimate.partition_size, torch.equal(gathered, full) and all(torch.equal(saved[n], whole[n]) for n in whole))
 
 
-def test_model_states_are_one_over_k_and_the_estimator_agrees():
-    for sharded, states, elements, est_sharded, est_states, partition, same in run_ranks(_memory_body, WORLD,
-                                                                                          timeout=TIMEOUT):
+def test_model_states_are_one_over_k_and_the_estimator_agrees(tmp_path):
+    for sharded, states, elements, est_sharded, est_states, partition, same in run_ranks(
+            _memory_body, WORLD, str(tmp_path), timeout=TIMEOUT):
         assert sharded == 4 * elements and states == 8 * elements  # fp32 AdamW: 4 + 8 bytes a shard element
         assert (est_sharded, est_states, partition) == (sharded, states, K)
         assert same
