@@ -524,3 +524,45 @@ def test_hpz_estimate_adds_two_psi_over_k():
     assert secondary.params_secondary == 2 * 7 * 2**30 // 8  # 2 Psi / k in bf16 (the flat tensor pads to 512)
     assert secondary.model_states == flat.model_states + secondary.params_secondary
     assert secondary.by_location()["device"]["params_secondary"] == secondary.params_secondary
+
+
+# ---- shape-only at scale: 8 x 8 and 64 x 8 on the fake process group ------------------------------------------------
+@pytest.mark.parametrize("world,zero", [(64, {"mics_shard_size": 8}), (512, {"mics_shard_size": 8}),
+                                        (512, {"zero_hpz_partition_size": 8})])
+def test_per_group_bytes_and_states_at_scale_shape_only(world, zero):
+    """A step of a bf16 GPT (meta tensors, no values) as rank 9 of 64 or 512. With Psi the padded bf16 parameter
+    bytes: MiCS gathers 2 Psi within its group of 8, reduce-scatters the fp32 gradients (2 Psi bytes) there and
+    all-reduces 2 Psi / 8 across replicas, whatever the number of replicas; hpZ gathers Psi over the world (forward)
+    and Psi within its group of 8 (backward)."""
+    from zero_engine.testing import fake_world
+
+    cfg = GPTConfig()
+    with torch.device("meta"):
+        model = GPT(cfg)
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0, **zero}}
+    with fake_world(world, rank=9):
+        engine, *_ = zero_engine.initialize(model=model, config=config)
+        idx = torch.zeros(1, cfg.block_size, dtype=torch.long, device="meta")
+        for _ in range(2):  # the second step follows the recorded trace
+            engine.reset_comm_stats()
+            engine.backward(engine(idx, idx))
+            engine.step()
+        stats, memory = engine.comm_stats(by_group=True), engine.memory_stats()
+        psi = sum(sp.padded_numel * 2 for sp in engine.sharded)
+        numels = [sp.numel for sp in engine.sharded]
+        engine.destroy()
+    if "mics_shard_size" in zero:
+        assert set(stats) == {"world", "dp_shard", "dp_replicate"}
+        assert stats["dp_shard"]["all_gather"]["bytes"] == 2 * psi
+        assert stats["dp_shard"]["reduce_scatter"]["bytes"] == 2 * psi  # fp32 reduction of the bf16 gradients
+        assert stats["dp_replicate"]["all_reduce"]["bytes"] == 2 * psi // 8
+        assert stats["world"]["all_gather"]["calls"] == stats["world"]["reduce_scatter"]["calls"] == 0
+        assert memory["params_sharded"] == 2 * sum(-(-n // 8) for n in numels)  # 2 Psi / k
+    else:
+        assert stats["world"]["all_gather"]["bytes"] == psi
+        assert stats["hpz"]["all_gather"]["bytes"] == psi
+        assert memory["params_sharded"] == 2 * sum(-(-n // world) for n in numels)  # 2 Psi / N
+        assert memory["params_secondary"] == psi // 8  # 2 Psi / k
