@@ -58,7 +58,7 @@ DEEPSPEED_DEFAULTS = {
         "model_persistence_threshold": sys.maxsize, "max_live_parameters": 1_000_000_000,
         "max_reuse_distance": 1_000_000_000, "allgather_sequential": False,
         "gather_16bit_weights_on_model_save": False, "round_robin_gradients": False,
-        "module_granularity_threshold": 0,
+        "module_granularity_threshold": 0, "mics_shard_size": -1, "zero_hpz_partition_size": 1,
     },
     "zero_optimization.leaf_module": {  # deepspeed/runtime/zero/leaf_module_config.py
         "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
@@ -533,8 +533,10 @@ def test_several_bad_values_are_reported_together():
     ({"zero_optimization": {"zero_quantized_weights": True}},
      "zero_optimization.zero_quantized_weights: true is not supported yet (ZeRO++ quantized weights); "
      "accepted: only false"),
-    ({"zero_optimization": {"zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size: 8 is not"),
-    ({"zero_optimization": {"mics_shard_size": 4}}, "zero_optimization.mics_shard_size: 4 is not supported yet"),
+    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients: true is"
+     " not supported yet (ZeRO++ quantized gradients)"),
+    ({"zero_optimization": {"mics_hierarchical_params_gather": True}},
+     "zero_optimization.mics_hierarchical_params_gather: true is not supported yet (MiCS hierarchical (two-level)"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      "zero_optimization.offload_optimizer.ratio: 0.5 is not supported yet (partial optimizer offload)"),
     ({"amp": {"enabled": True}}, 'amp: {"enabled": true} is not supported yet (Apex AMP; use fp16 or bf16)'),

@@ -35,6 +35,7 @@ from .errors import ArgumentError, UsageError
 from .guards import (claim_model, client_optimizer_restorer, discard_failed_backward, refuse_after_destroy,
                      refuse_partitioned_at_stage0, tear_down, undo_failed_initialize, warn_backward_without_step)
 from .memory import reset_rss_peak, rss_bytes, rss_peak_bytes
+from .mesh import hpz_communicator, mesh_communicators, resolve_mesh
 from .offload.placement import Placement
 from .wiring import build_parts
 from .zero.partition import ShardedParam, sharded_param_of
@@ -52,6 +53,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
     grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
     # Parts an engine may lack (by its config, or construction failed before them): destroy() reads these defaults.
     coordinator = reducer = hooks = optimizer = backward_end = snapshot = None
+    # the mesh's communicators (mesh.py): parameters are sharded over shard_comm (the world's when flat), gradient
+    # shards averaged across replicas over replicate_comm (None when flat)
+    shard_comm = replicate_comm = None
+    hpz_comm = hpz = None  # ZeRO++ hpZ: the secondary partition's group and gatherer (zero/hpz.py)
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
     presence = None  # stage 3, world > 1: which parameters get a gradient on some ranks only (zero/presence.py)
@@ -67,7 +72,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     _step_started: float | None = None
     last_step_time: float | None = None
 
-    def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None):
+    def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, mesh=None, mpu=None):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -103,6 +108,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
         restore_client_optimizer = client_optimizer_restorer(optimizer)
         try:
+            self.mesh = resolve_mesh(zc, self._device.type, mesh, mpu)  # collective when it creates groups
+            self.shard_comm, self.replicate_comm = mesh_communicators(self.mesh, self.comm)
+            self.hpz_comm = hpz_communicator(self.mesh, self.comm)
             claim_model(model, self)
             build_parts(self, model, optimizer, model_parameters)  # wiring.py
         except BaseException:
@@ -119,6 +127,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.snapshot.check(self.module)
             if self.coordinator is not None:
                 self.coordinator.begin_step()
+        if self.hpz is not None:
+            self.hpz.invalidate()  # [Note: when a secondary shard may be read] in zero/hpz.py
         if self.compute_dtype != torch.float32:  # float inputs follow the parameters' dtype; outputs are as computed
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         return self.module(*args, **kwargs)
@@ -297,8 +307,36 @@ class ZeroEngine(DeepSpeedEngineAPI):
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
-    def comm_stats(self) -> dict:
-        return self.comm.stats()
+    def comm_stats(self, by_group: bool = False) -> dict:
+        """Collectives this rank issued since the last reset, per kind: ``{"all_gather": {"calls", "bytes"}, ...}``
+        (see [Note: byte counting convention] in comm/_communicator.py), summed over every group. ``by_group``:
+        one such dict per group instead: ``{"world": ..., "dp_shard": ..., "dp_replicate": ...}`` (the two
+        sub-groups only under a hierarchical mesh; see [Note: what runs on which group] in mesh.py)."""
+        per_group = {name: comm.stats() for name, comm in self.communicators().items()}
+        if by_group:
+            return per_group
+        total = {kind: {"calls": 0, "bytes": 0} for kind in per_group["world"]}
+        for stats in per_group.values():
+            for kind, counts in stats.items():
+                total[kind]["calls"] += counts["calls"]
+                total[kind]["bytes"] += counts["bytes"]
+        return total
+
+    def reset_comm_stats(self) -> None:
+        for comm in self.communicators().values():
+            comm.reset_stats()
+
+    def communicators(self) -> dict:
+        """The engine's communicators by group name: "world", and "dp_shard" / "dp_replicate" under a hierarchical
+        mesh."""
+        found = {"world": self.comm}
+        if self.shard_comm is not None and self.shard_comm is not self.comm:
+            found["dp_shard"] = self.shard_comm
+        if self.replicate_comm is not None:
+            found["dp_replicate"] = self.replicate_comm
+        if self.hpz_comm is not None:
+            found["hpz"] = self.hpz_comm
+        return found
 
     def memory_stats(self) -> dict:
         """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs).
@@ -331,6 +369,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
             "grads_peak": grads_peak,
             "optimizer_states": self.optimizer.state_bytes if self.optimizer is not None else 0,
             "comm_buffers_peak": self.accounting.peak["comm_buffers"],
+            "params_secondary": self.hpz.bytes if self.hpz is not None else 0,  # ZeRO++ hpZ (zero/hpz.py)
             "rss": rss_bytes(),
             "rss_peak": rss_peak_bytes(),
         }
@@ -342,6 +381,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
             buffer_bytes += self.param_swapper.resident_bytes  # shard buckets in memory now
         stats["by_location"] = self.placement.by_location(stats, nvme_bytes=nvme_bytes,
                                                           swap_buffer_bytes=buffer_bytes)
+        if self.hpz is not None:  # hpZ's secondary partition lives beside the gathered parameters (zero/hpz.py)
+            stats["by_location"]["device"]["params_secondary"] = self.hpz.bytes
+            stats["by_location"]["device"]["total"] += self.hpz.bytes
         return stats
 
     @staticmethod
@@ -355,7 +397,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         included here (at stage 3 that figure is the transient gathered working set).
         """
         return (stats["params_sharded"] + stats["master_params"] + stats.get("grads_peak", stats["grads"])
-                + stats["optimizer_states"])
+                + stats["optimizer_states"] + stats.get("params_secondary", 0))  # hpZ: 16 Psi / N + 2 Psi / k
 
     def reset_memory_peaks(self) -> None:
         if self.coordinator is not None:

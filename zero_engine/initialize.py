@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from .engine import ZeroEngine
 from .errors import ArgumentError
+from .mesh import check_mpu
 from .guards import client_optimizer_restorer, undo_failed_initialize
 from .zero.optimizer import DataParallelOptimizer
 
@@ -19,7 +20,7 @@ __all__ = ["initialize", "add_config_arguments"]
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               mesh_param=None, config_params=None):
+               mesh_param=None, config_params=None, mesh=None):
     """Wrap ``model`` for training with partitioned model states.
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)``, as DeepSpeed: the optimizer is the partitioned one
@@ -40,7 +41,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
       starts it unless it is.
     * ``distributed_port``: the rendezvous port when torch.distributed is started here and ``MASTER_ADDR`` is set
       without ``MASTER_PORT``.
-    * ``mpu`` and ``mesh_param`` (model / sequence parallelism) are refused: zero_engine is data-parallel only.
+    * ``mpu``: DeepSpeed's model-parallel unit; its data-parallel group becomes ZeRO's group (zero_engine/mesh.py).
+      A model-parallel world size above 1 is not supported yet (issue 25). ``mesh_param`` (DeepSpeed's sequence /
+      data-parallel mesh sizes) is refused.
+
+    And one of zero_engine's (torchtitan's and FSDP2's way to say it):
+
+    * ``mesh``: a ``torch.distributed.DeviceMesh`` over every rank with dim names ``("dp",)`` (flat ZeRO, the
+      default) or ``("dp_replicate", "dp_shard")`` (HSDP / MiCS: model states sharded within each dp_shard group,
+      replicated across dp_replicate; the same as ``zero_optimization.mics_shard_size``). See README's "ZeRO across
+      a hierarchy".
 
     The first positional argument is ``args`` as in DeepSpeed; an ``nn.Module`` given there is taken as ``model``.
     """
@@ -48,16 +58,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args, model = None, args
     if model is None:
         raise ArgumentError("initialize: model is required (model= your torch.nn.Module)")
+    if mpu is not None and mesh is not None:
+        raise ArgumentError("initialize: give the data-parallel groups once, as mesh= or as mpu=, not both")
     if mpu is not None:
-        raise NotImplementedError("initialize(mpu=...): model parallelism is not supported by zero_engine (data "
-                                  "parallel ZeRO only); pass mpu=None")
+        check_mpu(mpu)  # before any process group is started for it
     if mesh_param is not None:
         raise NotImplementedError("initialize(mesh_param=...): sequence/data-parallel meshes are not supported by "
                                   "zero_engine; pass mesh_param=None")
     config = _config_from(args, config, config_params)
     _init_distributed_if_needed(dist_init_required, distributed_port)
     restore_client_optimizer = client_optimizer_restorer(optimizer)  # before the engine re-points its groups
-    engine = ZeroEngine(model, config, optimizer=optimizer, model_parameters=model_parameters)
+    engine = ZeroEngine(model, config, optimizer=optimizer, model_parameters=model_parameters, mesh=mesh, mpu=mpu)
     try:
         engine.lr_scheduler = _make_scheduler(engine, lr_scheduler)
         engine.training_dataloader = _make_dataloader(engine, training_data, collate_fn)

@@ -17,7 +17,7 @@ from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
-from .offload.placement import HOST, NVME
+from .offload.placement import DEVICE, HOST, NVME
 from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .utils import register_engine
 from .zero.coordinator import ParamCoordinator
@@ -79,8 +79,8 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
     engine.training_dataloader = None
     register_engine(engine)  # zero_engine.utils.safe_get_* find the engine from a parameter
     if engine.comm.rank == 0:
-        log.info("zero_engine: stage %d, world %d, %d parameters (%d elements), gather %s",
-                 engine.stage, engine.comm.world_size, sum(1 for _ in model.parameters()),
+        log.info("zero_engine: stage %d, world %d, mesh %s, %d parameters (%d elements), gather %s",
+                 engine.stage, engine.comm.world_size, engine.mesh.describe(), sum(1 for _ in model.parameters()),
                  sum(p.numel() for p in model.parameters()) if engine.stage == 0 else
                  sum(sp.numel for sp in engine.sharded),
                  getattr(getattr(engine.coordinator, "gatherer", None), "name", "none (params whole)"))
@@ -96,7 +96,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     by_param = {id(sp.param): sp for sp in engine.sharded}
     # See [Note: flat shard storage]: shards become views of flat per-bucket buffers, before any master aliases them.
     bucket = max(1, int(zc.prefetch_bucket_size if engine.stage == 3 else zc.allgather_bucket_size)
-                 // engine.comm.world_size)
+                 // engine.shard_comm.world_size)
     if engine.placement.params == NVME:  # the swap unit: see offload/param_swap.py
         bucket = min(bucket, max(1, int(zc.offload_param.buffer_size)))
     if engine.stage == 3:  # See zero/units.py: which modules gather which parameters (leaf modules: their subtree)
@@ -114,7 +114,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     # not (see [Note: gradient buckets are not runs of units] in zero/grads.py).
     engine.shard_buckets = flatten_shards(unit_groups, bucket)
     trainable = [sp for sp in reversed(engine.sharded) if sp.param.requires_grad]  # ~ the order backward goes
-    engine.reducer = GradReducer(trainable, engine.comm, zc.reduce_bucket_size,
+    engine.reducer = GradReducer(trainable, engine.shard_comm, zc.reduce_bucket_size,
+                                 replicate_comm=engine.replicate_comm,
                                  reduce_dtype=engine.communication_data_type,
                                  grad_dtype=engine.compute_dtype, async_op=zc.overlap_comm,
                                  accounting=engine.accounting, streams=engine.streams,
@@ -125,7 +126,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     if engine.stage < 3:
         for sp in engine.sharded:
             sp.is_persistent = True
-        engine.refresh_gatherer = CoalescedGather(engine.comm, zc.allgather_bucket_size, engine.accounting,
+        engine.refresh_gatherer = CoalescedGather(engine.shard_comm, zc.allgather_bucket_size, engine.accounting,
                                                   engine.streams)
         partitioned = [sp for sp in engine.sharded if not sp.is_available]  # built under zero.Init
         if partitioned:
@@ -139,7 +140,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
             persistent_budget -= sp.numel
         if not sp.is_persistent and sp.is_available:
             sp.release()
-    gatherer = make_gatherer(engine.comm, zc, engine.accounting, engine.streams)
+    gatherer = make_gatherer(engine.shard_comm, zc, engine.accounting, engine.streams)
     if engine.placement.params == NVME:
         from .offload.param_swap import ParamSwapper, SwapInGather
 
@@ -151,6 +152,14 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
         engine.host_params = HostShards(engine.shard_buckets, engine.placement.device, engine.placement.pins_params,
                                         engine.placement.offloads_optimizer)
         gatherer = DeviceCopyGather(gatherer, engine.host_params)
+    if engine.hpz_comm is not None:
+        if engine.placement.params != DEVICE or engine.param_swapper is not None or engine.host_params is not None:
+            raise NotImplementedError("zero_optimization.zero_hpz_partition_size with offload_param is not supported "
+                                      "yet; drop one of the two")
+        from .zero.hpz import HpzGather
+
+        engine.hpz = gatherer = HpzGather(gatherer, engine.hpz_comm, engine.sharded,
+                                          engine.accounting, engine.streams)
     if zc.allgather_sequential is True:
         for sp in engine.sharded:
             sp.gather_sequential = True
@@ -196,10 +205,11 @@ def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_mast
     dtype = engine.compute_dtype if param.is_floating_point() else param.dtype
     sp = sharded_param_of(param)
     if sp is None:
-        return ShardedParam(param, name, index, engine.comm.rank, engine.comm.world_size, dtype=dtype,
+        return ShardedParam(param, name, index, engine.shard_comm.rank, engine.shard_comm.world_size, dtype=dtype,
                             fp32_master=fp32_master)
-    if sp.world_size != engine.comm.world_size:
-        raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine runs on "
-                         f"{engine.comm.world_size}")
+    if sp.world_size != engine.shard_comm.world_size:
+        raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine shards over "
+                         f"{engine.shard_comm.world_size} (mesh: {engine.mesh.describe()}). Build the model without "
+                         "zero.Init, or without a hierarchical mesh (mics_shard_size)")
     sp.adopt(name, index, dtype, fp32_master)
     return sp

@@ -43,7 +43,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     rendezvous(comm, "save_16bit_model", comm.collective_timeout_s)
     from ..utils import shards_in_memory_of
     values: dict[str, torch.Tensor] = {}
-    gatherer = SequentialGather(comm)
+    gatherer = SequentialGather(engine.shard_comm or comm)  # each shard group gathers; world rank 0 writes
     if engine.stage == 0 and comm.rank == 0:
         values = {name: to_host(p) for name, p in engine.module.named_parameters()}
     for sp in engine.sharded:

@@ -142,8 +142,14 @@ def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> t
     file_meta = {"format": FORMAT, "rank": str(rank)}
     optimizer = engine.optimizer.optimizer
     values: dict[str, dict] = {}
+    # [Note: checkpoints of a hierarchical mesh] Under MiCS / HSDP every replica holds the same model states, so only
+    # replica 0 writes them: its shard rank r is world rank r (see [Note: rank layout of a hierarchical mesh] in
+    # mesh.py), so rank files 0..k-1 hold the k shards exactly as a flat run over k ranks would, and the metadata says
+    # partition_world_size k. Every rank still writes its own file (RNG states, stage 0-1 local gradients), so the
+    # checkpoint loads at any world and any mesh by the usual ranges (_partition.py).
+    saves_shards = engine.mesh.saves_shards
     for v in views:
-        if v.shard is None:  # stage 0: only rank 0 saves the (replicated) parameters and optimizer state
+        if v.shard is None or not saves_shards:  # stage 0: only rank 0 saves the (replicated) parameters and optimizer state
             continue
         name = v.info.name
         tensors[f"param/{name}"] = v.shard
@@ -158,7 +164,7 @@ def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> t
                 _require_json(value, f"optimizer state {key!r} of {name}")
                 values.setdefault(name, {})[key] = value
     mode = _gradient_mode(engine, views)
-    if mode == GRADS_SHARDED:
+    if mode == GRADS_SHARDED and saves_shards:
         for bucket in engine.reducer.buckets:
             if bucket.has_grads:
                 for sp in bucket.params:
@@ -227,7 +233,8 @@ def _finish(engine, views, reports, save_dir: str, staging: str, tag: str, save_
     files = {d.name: {"bytes": d.nbytes, "sha256": d.sha256} for digests, _ in reports for d in digests}
     world = engine.comm.world_size
     meta = CheckpointMeta(
-        tag=tag, world_size=world, partition_world_size=1 if engine.stage == 0 else world, stage=engine.stage,
+        tag=tag, world_size=world, partition_world_size=1 if engine.stage == 0 else engine.shard_comm.world_size,
+        stage=engine.stage,
         compute_dtype=engine.config.compute_dtype_name, params=tuple(v.info for v in views),
         buffers=tuple(info for info, _ in buffer_items(engine.module)),
         state_dict_keys=tuple(state_dict_layout(engine.module)),

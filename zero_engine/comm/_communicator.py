@@ -99,6 +99,10 @@ class Communicator:
             records and raise ``RankDivergenceError`` / ``RankLostError`` instead of hanging. 0 or None: plain waits.
         step_fingerprint: keep each step's collective records for ``check_step_fingerprint`` (watchdog.py), which
             must then be called once a step to drain them; False (the default): no step records are kept.
+        share_records_with: the world communicator of a device mesh; this one (on a sub-group of it) then records
+            its collectives in that one's progress log and waits through its watchdog, so the step fingerprint and
+            stall diagnosis cover sub-group collectives too (they must be issued symmetrically by every sub-group:
+            zero_engine/mesh.py). ``close()`` of this one never waits: the world communicator's does.
         collective_timeout_s: with the watchdog, a wait longer than this raises ``DistributedError`` whoever created
             the process group (the group's own timeout still applies too). None: the group's own timeout
             (``group_timeout_s``), so a group made with ``timeout=1h`` waits an hour. Resolved in
@@ -110,7 +114,8 @@ class Communicator:
     """
 
     def __init__(self, group=None, debug: bool = False, stall_timeout_s: Optional[float] = None,
-                 collective_timeout_s: Optional[float] = None, step_fingerprint: bool = False) -> None:
+                 collective_timeout_s: Optional[float] = None, step_fingerprint: bool = False,
+                 share_records_with: Optional["Communicator"] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "Communicator needs an initialized torch.distributed process group; call "
@@ -129,8 +134,16 @@ class Communicator:
         self.reset_stats()
         self.progress = ProgressLog(step_fingerprint=step_fingerprint)
         self.watchdog: Optional[StallWatchdog] = None
-        self._agree_next = False
+        if share_records_with is not None:  # a sub-group of a mesh: see [Note: what runs on which group] in mesh.py
+            self.progress = share_records_with.progress
+            self.watchdog = share_records_with.watchdog
+            stall_timeout_s = None
+        # whether the next collective, on this group or on any sub-group sharing these records, is held back:
+        # one flag shared by them (a mesh's gathers run on a sub-group; agree_before_next_collective is asked of the
+        # world communicator)
+        self._agree_next = share_records_with._agree_next if share_records_with is not None else [False]
         self._closed = False
+        self._shares_records = share_records_with is not None
         store = default_store() if self.group is dist.group.WORLD and self.world_size > 1 else None
         if stall_timeout_s and store is not None and self.backend in ("gloo", "nccl"):
             self.watchdog = StallWatchdog(store, self.rank, self.world_size, self.progress, stall_timeout_s,
@@ -140,7 +153,7 @@ class Communicator:
         """Make the next collective wait until every rank is about to issue the same one (store only, nothing
         exchanged on the group); see [Note: holding back a collective that may not match] in watchdog.py. For the
         rare points where ranks may legitimately or mistakenly take different paths."""
-        self._agree_next = self.watchdog is not None
+        self._agree_next[0] = self.watchdog is not None
 
     def close(self, wait: bool = True) -> None:
         """This rank is done with the group: wait until every rank is (store only with the watchdog, which then
@@ -150,6 +163,10 @@ class Communicator:
         ``wait=False`` (a failed initialize): stop at once and tell the other ranks nothing; they may not be
         closing, and the ones that failed the same way go on too (a "left" key or a failure note would be stale)."""
         if self._closed:
+            return
+        if self._shares_records:  # the world communicator waits for every rank; this one only lets go
+            self._closed = True
+            self.group = self._issuer = None
             return
         try:
             if self.watchdog is not None:
@@ -170,8 +187,8 @@ class Communicator:
             raise RuntimeError(f"{kind} {name!r} on rank {self.rank}: this communicator was closed "
                                "(engine.destroy()); build a new engine to train again")
         record = self.progress.record(kind, _dtype_name(tensor.dtype) if tensor is not None else "", numel, name)
-        if self._agree_next:
-            self._agree_next = False
+        if self._agree_next[0]:
+            self._agree_next[0] = False
             self.watchdog.agree(record)
         return record
 

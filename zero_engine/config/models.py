@@ -303,6 +303,8 @@ class EngineConfig(Section):
                 CONFIG_ERROR_TYPE, "{detail}",
                 {"detail": "true together with bf16.enabled true; enable at most one", "subpath": "fp16.enabled"},
             )
+        _check_mics_shard_size(self.zero_optimization, self.world_size)
+        _check_hpz_partition_size(self.zero_optimization, self.world_size)
         expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
         if self.train_batch_size != expected:
             raise PydanticCustomError(
@@ -317,3 +319,43 @@ class EngineConfig(Section):
     def compute_dtype_name(self) -> Literal["fp16", "bf16", "fp32"]:
         """The dtype forward and backward run in."""
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+
+def _check_mics_shard_size(zc, world_size: int) -> None:
+    """mics_shard_size against the stage and the world the batch rule used (the mesh checks it again against the
+    process group: zero_engine/mesh.py)."""
+    k = zc.mics_shard_size
+    if k == -1:
+        return
+    fix = None
+    if k == 0:
+        fix = "0 ranks per shard group; use a divisor of the data-parallel world, or -1 (off)"
+    elif zc.stage == 0:
+        fix = "needs zero_optimization.stage 1, 2 or 3 (stage 0 shards nothing); raise the stage or set -1"
+    elif world_size % k:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        fix = (f"{k} does not divide the data-parallel world of {world_size} ranks; use one of "
+               f"{', '.join(map(str, divisors))} (the ranks per shard group, e.g. GPUs per node), or -1 (off)")
+    if fix is not None:
+        raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}",
+                                  {"detail": fix, "subpath": "zero_optimization.mics_shard_size"})
+
+
+def _check_hpz_partition_size(zc, world_size: int) -> None:
+    """zero_hpz_partition_size against the stage, MiCS and the world (LOCAL_WORLD_SIZE: zero_engine/mesh.py)."""
+    k = zc.zero_hpz_partition_size
+    if k == 1:
+        return
+    fix = None
+    if zc.stage != 3:
+        fix = f"{k} needs zero_optimization.stage 3 (it partitions gathered parameters); set stage 3 or 1 (off)"
+    elif zc.mics_shard_size not in (-1, world_size):
+        fix = (f"{k} together with mics_shard_size {zc.mics_shard_size} is not supported yet; use one of the two "
+               "(hpZ keeps states sharded over every rank, MiCS within groups)")
+    elif world_size % k:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        fix = (f"{k} does not divide the data-parallel world of {world_size} ranks; use one of "
+               f"{', '.join(map(str, divisors))} (the ranks per node), or 1 (off)")
+    if fix is not None:
+        raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}",
+                                  {"detail": fix, "subpath": "zero_optimization.zero_hpz_partition_size"})

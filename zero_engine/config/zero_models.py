@@ -255,6 +255,26 @@ class ZeroConfig(Section):
         "first module whose parameter elements per layer (its subtree's elements / (1 + its non-container "
         "descendant layers)) is at most this becomes a leaf. 0: off.",
     )
+    mics_shard_size: ConfigInt = Field(
+        -1,
+        ge=-1,
+        description="MiCS / HSDP (stages 1-3): shard model states within groups of this many consecutive ranks and "
+        "replicate them across the world / k groups (the mesh dp_replicate x dp_shard, zero_engine/mesh.py). "
+        "Model states per rank 16 bytes x params / k instead of / N; parameter all-gathers and the gradient "
+        "reduce-scatter stay within the group (within a node when k is the GPUs per node), and each gradient "
+        "bucket's shard is then all-reduced across the replicas (one collective per bucket, of its "
+        "shard: 1/k of the bucket's bytes). Must divide the data-parallel world. -1: off (shard over every rank); the world size: the same.",
+    )
+    zero_hpz_partition_size: ConfigInt = Field(
+        1,
+        ge=1,
+        description="ZeRO++ hpZ (stage 3): besides the model states sharded over every rank, keep a secondary copy "
+        "of the compute-dtype parameters sharded within groups of this many consecutive ranks (a node), refreshed "
+        "by each forward's gather; backward all-gathers read it within the group, so the cross-group all-gather "
+        "bytes of a step drop from 2 x to 1 x the parameter bytes. Costs 2 bytes x params / k more per rank "
+        "(memory_stats' params_secondary). Must divide the world and be at most the ranks per node "
+        "(LOCAL_WORLD_SIZE). 1: off.",
+    )
     gather_16bit_weights_on_model_save: ConfigBool = Field(
         False, description="Stage 3: gather full 16-bit weights when saving the model."
     )
@@ -277,10 +297,8 @@ class ZeroConfig(Section):
         "zero_quantized_weights": NotSupported(False, "ZeRO++ quantized weights"),
         "zero_quantized_nontrainable_weights": NotSupported(False, "ZeRO++ quantized non-trainable weights"),
         "zero_quantized_gradients": NotSupported(False, "ZeRO++ quantized gradients"),
-        "zero_hpz_partition_size": NotSupported(1, "ZeRO++ hierarchical partitioning (hpZ)"),
         "zeropp_loco_param": NotSupported(None, "LoCo-ZeRO++", is_off=_is_empty),
-        "mics_shard_size": NotSupported(-1, "MiCS sharding"),
-        "mics_hierarchical_params_gather": NotSupported(False, "MiCS hierarchical gather"),
+        "mics_hierarchical_params_gather": NotSupported(False, "MiCS hierarchical (two-level) parameter gather; mics_shard_size gathers within the shard group in one collective"),
         "zenflow": NotSupported(None, "ZenFlow", is_off=_is_empty),
         "use_multi_rank_bucket_allreduce": NotSupported(True, "multi-rank bucket all-reduce switch"),
         "load_from_fp32_weights": NotSupported(True, "loading master weights from 16-bit copies"),

@@ -129,10 +129,14 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
     with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
         source = _source_shard(sp, out_dtype)
         local = source if source.dtype == out_dtype else source.to(out_dtype)
-        if comm.world_size == 1:
+        shard_comm = engine.shard_comm  # the world, or a mesh's dp_shard group (MiCS / HSDP: zero_engine/mesh.py)
+        if shard_comm.world_size == 1:
             return local[: sp.numel].view(sp.shape).to("cpu", copy=True)
+        if not engine.mesh.saves_shards:  # another replica: replica 0's group (world rank 0's) gathers
+            return None
         full = torch.empty(sp.padded_numel, dtype=out_dtype, device=local.device) if comm.rank == 0 else None
-        dist.gather(local, list(full.chunk(comm.world_size)) if full is not None else None, dst=0, group=comm.group)
+        dist.gather(local, list(full.chunk(shard_comm.world_size)) if full is not None else None, dst=0,
+                    group=shard_comm.group)
         return full[: sp.numel].view(sp.shape).to("cpu") if full is not None else None
 
 

@@ -51,6 +51,8 @@ fp32 masters stay the compute shards and nothing is staged, as in the engine.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -214,6 +216,7 @@ class RankMemory:
     offload_param: str = "none"
     host_staging: int = 0  # 16-bit host copy of the shards the offloaded step writes (accelerator only)
     swap_buffers: int = 0  # NVMe: host buffers the optimizer step streams sub-groups through
+    params_secondary: int = 0  # ZeRO++ hpZ: the secondary partition within its group (zero/hpz.py)
 
     def placement(self) -> Placement:
         return Placement.of(self.stage, self.offload_optimizer, self.offload_param)
@@ -227,6 +230,9 @@ class RankMemory:
                                            swap_buffer_bytes=self.swap_buffers)
         out["host"]["host_staging"] = self.host_staging
         out["host"]["total"] += self.host_staging
+        if self.params_secondary:  # hpZ: beside the gathered parameters, as engine.memory_stats() reports it
+            out["device"]["params_secondary"] = self.params_secondary
+            out["device"]["total"] += self.params_secondary
         return out
 
     @property
@@ -251,8 +257,9 @@ class RankMemory:
 
     @property
     def model_states(self) -> int:
-        """As ``ZeroEngine.model_state_bytes``: sharded params + masters + gradient shards + optimizer states."""
-        return self.params_sharded + self.master_params + self.grads + self.optimizer_states
+        """As ``ZeroEngine.model_state_bytes``: sharded params + masters + gradient shards + optimizer states, and
+        hpZ's secondary partition when there is one (16 Psi / N + 2 Psi / k in bf16)."""
+        return self.params_sharded + self.master_params + self.grads + self.optimizer_states + self.params_secondary
 
     @property
     def model_states_and_gathered(self) -> int:
@@ -266,7 +273,8 @@ class RankMemory:
 
     def as_dict(self) -> dict[str, int]:
         return {"params_sharded": self.params_sharded, "master_params": self.master_params, "grads": self.grads,
-                "optimizer_states": self.optimizer_states, "model_states": self.model_states,
+                "optimizer_states": self.optimizer_states, "params_secondary": self.params_secondary,
+                "model_states": self.model_states,
                 "params_gathered_min": self.params_gathered_min, "params_gathered_peak": self.params_gathered_peak,
                 "unsharded_grads_peak": self.unsharded_grads_peak, "peak": self.peak,
                 "padding_numel": self.padding_numel, "device_bytes": self.device_bytes,
@@ -385,6 +393,12 @@ class MemoryEstimate:
     num_nodes: int
     policy: GatherPolicy
     rows: tuple[RankMemory, ...] = field(repr=False)
+    shard_size: int | None = None  # MiCS / HSDP (zero_optimization.mics_shard_size): states sharded over this many
+
+    @property
+    def partition_size(self) -> int:
+        """Ranks each model state is sharded over: the world, or the MiCS shard group (16 Psi / k per rank)."""
+        return self.shard_size or self.world_size
 
     @property
     def world_size(self) -> int:
@@ -405,7 +419,10 @@ class MemoryEstimate:
                 f"largest layer {c.largest_layer_params / 1e6:.1f}M params"
                 + (f" ({c.largest_layer_name})" if c.largest_layer_name else "") + ".",
                 f"Setup: {self.num_nodes} node(s) x {self.num_ranks_per_node} rank(s) per node = "
-                f"{self.world_size} rank(s). Stage 3 gather policy: persistence_threshold="
+                f"{self.world_size} rank(s)"
+                + (f", model states sharded within groups of {self.shard_size} (MiCS / HSDP) and replicated "
+                   f"{self.world_size // self.shard_size} times" if self.shard_size else "")
+                + f". Stage 3 gather policy: persistence_threshold="
                 f"{self.policy.persistence_threshold}, prefetch={self.policy.prefetch_numel}, "
                 f"max_live={self.policy.max_live_numel}, reuse_distance={self.policy.reuse_numel}.",
                 "model states = params (sharded) + master + grads + optimizer; peak = model states + gathered "
@@ -468,11 +485,17 @@ def _estimate(counts: ModelCounts, num_ranks_per_node: int, num_nodes: int, stag
     if unknown:
         raise ValueError(f"precisions: unknown {unknown}; choose from {sorted(PRECISIONS)}")
     world = num_ranks_per_node * num_nodes
-    rows = tuple(estimate_rank_memory(counts, world, stage, PRECISIONS[p], policy, optimizer_states_per_param,
-                                      offload_optimizer=(offload_optimizer or "none") if stage else "none",
-                                      offload_param=offload_param or "none", accelerator=accelerator, **swap_knobs)
-                 for stage in stages for p in precisions)
-    result = MemoryEstimate(counts, num_ranks_per_node, num_nodes, policy, rows)
+    shard_size = _mics_shard_size(zero_config, world)
+    hpz = getattr(zero_config, "zero_hpz_partition_size", 1) if zero_config is not None else 1
+    if hpz > 1 and world % hpz:
+        raise ValueError(f"zero_config.zero_hpz_partition_size={hpz} does not divide the {world} ranks; use a divisor "
+                         "of the world, or 1")
+    rows = tuple(_with_secondary(estimate_rank_memory(
+        counts, shard_size or world, stage, PRECISIONS[p], policy, optimizer_states_per_param,
+        offload_optimizer=(offload_optimizer or "none") if stage else "none", offload_param=offload_param or "none",
+        accelerator=accelerator, **swap_knobs), counts, policy, hpz if hpz not in (1, world) else 1)
+        for stage in stages for p in precisions)
+    result = MemoryEstimate(counts, num_ranks_per_node, num_nodes, policy, rows, shard_size)
     if print_table:
         print(result.table())  # the documented output of this function, as DeepSpeed's, not debugging
     return result
@@ -485,6 +508,28 @@ def _ranks_per_node(num_ranks_per_node: int, num_gpus_per_node: int | None) -> i
         raise ValueError(f"num_gpus_per_node={num_gpus_per_node} (DeepSpeed's name) and num_ranks_per_node="
                          f"{num_ranks_per_node} disagree; give only num_ranks_per_node")
     return num_gpus_per_node
+
+
+def _with_secondary(row: RankMemory, counts: ModelCounts, policy: GatherPolicy, hpz: int) -> RankMemory:
+    """ZeRO++ hpZ at stage 3: each partitioned (not persistent) parameter's padded data over ``hpz`` ranks, in the
+    compute dtype (zero/hpz.py)."""
+    if hpz == 1 or row.stage != 3:
+        return row
+    per_element = PRECISIONS[row.precision].compute_bytes
+    secondary = sum(_padded(n, row.world_size) // hpz for n in counts.numels if n > policy.persistence_threshold)
+    return dataclasses.replace(row, params_secondary=secondary * per_element)
+
+
+def _mics_shard_size(zero_config, world: int) -> int | None:
+    """The MiCS shard group size a zero_config asks for (None: flat). Each rank then holds 1/k of every state, as on
+    a flat world of k ranks: the rows are those of k ranks ([Note: what runs on which group] in mesh.py)."""
+    k = getattr(zero_config, "mics_shard_size", -1) if zero_config is not None else -1
+    if k in (-1, world):
+        return None
+    if k < 1 or world % k:
+        raise ValueError(f"zero_config.mics_shard_size={k} does not divide the {world} ranks (num_nodes x "
+                         "num_ranks_per_node); use a divisor of the world, or -1")
+    return k
 
 
 def estimate_zero3_model_states_mem_needs_all_live(
@@ -501,7 +546,8 @@ def estimate_zero3_model_states_mem_needs_all_live(
     pads it. ``zero_config`` (a ``ZeroConfig``, e.g. ``load_config(path).zero_optimization``) sets the stage-3
     gather policy -- persistence threshold, prefetch bucket, max live parameters, reuse distance -- and defaults
     to DeepSpeed's defaults; pass ``policy=GatherPolicy()`` for the bare minimum (largest layer only, as
-    DeepSpeed's estimator). ``optimizer_states_per_param``: 2 for Adam/AdamW, 1 for SGD with momentum.
+    DeepSpeed's estimator). ``optimizer_states_per_param``: 2 for Adam/AdamW, 1 for SGD with momentum. A
+    zero_config with ``mics_shard_size: k`` (MiCS / HSDP) estimates a rank of a shard group of k: 16 Psi / k.
 
     Offload: ``offload_optimizer`` / ``offload_param`` ("none", "cpu", "nvme"; default: the zero_config's, else
     none), or DeepSpeed's ``cpu_offload=True`` / ``cpu_offload_params=True``; each row then splits its bytes into

@@ -74,6 +74,16 @@ def _with_states_in_memory(fn):
     return wrapper
 
 
+def shard_comm_of(sharded: list):
+    """The communicator the parameters of ``sharded`` are partitioned over when their engine shards within a mesh's
+    sub-group (MiCS / HSDP, zero_engine/mesh.py); None when flat (the world) or not an engine's."""
+    ref = _ENGINES.get(sharded[0].param) if sharded else None
+    engine = ref() if ref is not None else None
+    if engine is None or engine.shard_comm is None or engine.shard_comm is engine.comm:
+        return None
+    return engine.shard_comm
+
+
 def register_engine(engine) -> None:
     ref = weakref.ref(engine)
     for p in engine.module.parameters():
@@ -122,7 +132,8 @@ def _loss_scale(engine) -> float:
 def _gather(engine, sp: ShardedParam, shard: torch.Tensor, what: str) -> torch.Tensor:
     """The whole parameter-shaped fp32 tensor from every rank's ``shard`` (one all-gather)."""
     out = torch.empty(sp.padded_numel, dtype=torch.float32, device=shard.device)
-    engine.comm.all_gather_into_tensor(out, shard.detach().float().contiguous(), name=f"{what} {sp.fqn}").wait()
+    engine.shard_comm.all_gather_into_tensor(out, shard.detach().float().contiguous(),  # over its shard group
+                                             name=f"{what} {sp.fqn}").wait()
     return out[: sp.numel].view(sp.shape)
 
 

@@ -92,10 +92,13 @@ class GatheredParameters:
                 raise RuntimeError(f"GatheredParameters: {sp.fqn} is being gathered by the engine right now")
         self._gathered = [sp for sp in self.sharded if sp.status is ParamStatus.NOT_AVAILABLE]
         if self._gathered:
-            from ..utils import shards_in_memory_of
+            from ..utils import shard_comm_of, shards_in_memory_of
 
+            # gathered over the group they are sharded on (a mesh's dp_shard under MiCS / HSDP; else the world);
+            # modifier_rank's broadcast below is over the world
+            gather_comm = shard_comm_of(self._gathered) or self.comm
             with shards_in_memory_of(self._gathered):  # NVMe parameter offload: the shards read in for the gather
-                SequentialGather(self.comm).issue(self._gathered, name="GatheredParameters").wait()
+                SequentialGather(gather_comm).issue(self._gathered, name="GatheredParameters").wait()
         for sp in self.sharded:
             sp.held_by_user += 1
         if self.modifier_rank is None:

@@ -93,8 +93,10 @@ class GradReducer:
 
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
                  grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None, streams=None,
-                 grad_device: torch.device | None = None, pin_memory: bool = False):
-        self.comm = comm
+                 grad_device: torch.device | None = None, pin_memory: bool = False, replicate_comm=None):
+        self.comm = comm  # the group the gradient shards are partitioned over (a mesh's dp_shard; the world if flat)
+        # the replicas of those shards (a mesh's dp_replicate), or None: see [Note: gradients across replicas]
+        self.replicate_comm = replicate_comm
         # None: gradient shards on the parameters' device; else see [Note: gradient shards on the host]
         self.grad_device = grad_device
         self.pin_memory = pin_memory
@@ -194,6 +196,7 @@ class GradReducer:
                 recv = torch.empty(p.shard_numel, dtype=self.reduce_dtype, device=send.device)
                 self.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)",
                                                 input_is_scratch=True)
+                self._average_across_replicas(recv, f"grads of {p.fqn} (some ranks only)")
                 offset = bucket.offsets[id(p)]
                 bucket.shard_grads[offset: offset + p.shard_numel].add_(recv.to(bucket.shard_grads.device))
             bucket.irregular = 0
@@ -301,6 +304,7 @@ class GradReducer:
         if bucket.pending is None:
             return
         bucket.pending.wait()
+        self._average_across_replicas(bucket.recv, f"grads bucket {bucket.index}")
         if bucket.recv is not bucket.shard_grads:
             recv = bucket.recv
             if bucket.has_grads:
@@ -313,6 +317,15 @@ class GradReducer:
         self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
         bucket.send = bucket.recv = bucket.pending = None
         bucket.received.clear()
+
+    def _average_across_replicas(self, shard: torch.Tensor, name: str) -> None:
+        """[Note: gradients across replicas] Under a hierarchical mesh (MiCS / HSDP, zero_engine/mesh.py) the
+        reduce-scatter averaged a bucket over its shard group only; this rank's reduced shard is then averaged with
+        the same shard of every replica: one all-reduce per bucket on dp_replicate, of the bucket's shard (1/k of
+        its bytes), before anything accumulates it. avg over k then avg over N/k is the average over N (up to fp32
+        rounding: a different summation order than the flat reduce-scatter)."""
+        if self.replicate_comm is not None:
+            self.replicate_comm.all_reduce(shard, op="avg", name=name)
 
     def _track(self, category: str, nbytes: int) -> None:
         if category == "grads":

@@ -301,7 +301,9 @@ class ZeroOptimizer(_OptimizerWrapper):
         for bucket in self.reducer.buckets:
             if bucket.shard_grads is not None:  # fp32 accumulation per bucket, as clip_grad_norm_; no copy
                 sq += (torch.linalg.vector_norm(bucket.shard_grads, dtype=torch.float32).double() ** 2).to(sq.device)
-        self.comm.all_reduce(sq, op="sum", name="grad norm")
+        # over the group the gradient shards are partitioned on: under a hierarchical mesh the replicas hold the same
+        # shards (averaged across them, grads.py), so the world would count each one replicate_size times
+        self.reducer.comm.all_reduce(sq, op="sum", name="grad norm")
         value = read_step_values(sq, fingerprint)
         return math.sqrt(value) if math.isfinite(value) else float("inf")
 

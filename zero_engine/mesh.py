@@ -1,0 +1,248 @@
+"""The process groups an engine's collectives run on, described once: which ranks shard the model states, and which
+hold replicas of them.
+
+    engine, *_ = zero_engine.initialize(model=model, config=cfg)                    # flat: shard over every rank
+    cfg["zero_optimization"]["mics_shard_size"] = 8                                 # MiCS / HSDP from the config
+    mesh = init_device_mesh("cuda", (nodes, 8), mesh_dim_names=("dp_replicate", "dp_shard"))
+    engine, *_ = zero_engine.initialize(model=model, config=cfg, mesh=mesh)         # or the same from a DeviceMesh
+    engine, *_ = zero_engine.initialize(model=model, config=cfg, mpu=mpu)           # DeepSpeed's mpu (dp only)
+
+Dim names are torchtitan's: ``dp`` (every data-parallel rank: ZeRO as it always was), or ``dp_replicate`` x
+``dp_shard`` (HSDP / MiCS: model states sharded within each ``dp_shard`` group of k ranks, replicated across the
+``dp_replicate`` groups). ``tp`` and ``ep`` belong to model parallelism (issue 25) and are refused for now.
+
+[Note: what runs on which group]
+* ``dp_shard`` (``ZeroMesh.shard_group``; the world when flat): every all-gather of parameters (forward, backward,
+  the refresh after a step at stages 1-2, GatheredParameters, safe_get_full_*), the gradient reduce-scatter, and
+  the gradient-norm all-reduce: after the replica all-reduce every replica holds the same gradient shards, so the
+  sum of squares over one shard group is the global one, with nothing counted twice.
+* ``dp_replicate`` (``replicate_group``; absent when flat): one all-reduce (average) of each gradient bucket's shard
+  after its reduce-scatter. Reduce-scatter (avg over k) then all-reduce (avg over N/k) is the average over N.
+* the world: everything that must agree across every rank: the initial broadcast of the model, the step fingerprint,
+  gradient presence (a parameter with a gradient on some ranks only), the module-order check, the non-finite-loss
+  exchange, checkpoint agreement, the auto gather budget.
+The sub-group communicators share the world communicator's progress records and stall watchdog: every shard group
+issues the same collectives (same kinds, sizes and names) in the same order, so the records of all ranks of the world
+still line up, the step fingerprint compares them across the world, and a stall in a sub-group collective is
+diagnosed by the same watchdog.
+
+[Note: rank layout of a hierarchical mesh]
+Ranks are laid out with ``dp_shard`` innermost: world rank = replica x k + shard rank, as torchtitan's and
+``init_device_mesh`` lay out a ``(dp_replicate, dp_shard)`` mesh (consecutive ranks, so a shard group of k = GPUs per
+node stays within a node). A checkpoint is written by replica 0, whose shard rank r is world rank r, so the files
+read like a flat checkpoint over k ranks (checkpoint/_save.py). A DeviceMesh with another rank order is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+log = logging.getLogger("zero_engine.mesh")
+
+__all__ = ["ZeroMesh", "resolve_mesh", "check_mpu", "DP", "DP_REPLICATE", "DP_SHARD"]
+
+DP, DP_REPLICATE, DP_SHARD = "dp", "dp_replicate", "dp_shard"
+_MODEL_PARALLEL_DIMS = {"tp": "tensor parallelism", "ep": "expert parallelism", "cp": "context parallelism",
+                        "pp": "pipeline parallelism", "sp": "sequence parallelism"}
+
+
+@dataclass(frozen=True)
+class ZeroMesh:
+    """The data-parallel groups of one engine (see [Note: what runs on which group]).
+
+    ``shard_group`` None: the world group. ``replicate_group`` None: no replicas (flat ZeRO). ``source`` says where
+    the description came from, for logs and errors."""
+
+    world_size: int
+    rank: int
+    shard_size: int
+    replicate_size: int
+    shard_group: Any = None
+    replicate_group: Any = None
+    source: str = "flat"
+    device_mesh: Any = None
+    hpz_size: int = 1  # ZeRO++ hpZ: the secondary partition's group size (1: off); see zero/hpz.py
+    hpz_group: Any = None
+
+    @property
+    def is_hierarchical(self) -> bool:
+        return self.replicate_size > 1
+
+    @property
+    def shard_rank(self) -> int:
+        return self.rank % self.shard_size  # [Note: rank layout of a hierarchical mesh]
+
+    @property
+    def replicate_rank(self) -> int:
+        return self.rank // self.shard_size
+
+    @property
+    def saves_shards(self) -> bool:
+        """This rank writes model states into checkpoints (replica 0 only; the others hold the same values)."""
+        return self.replicate_rank == 0
+
+    def describe(self) -> str:
+        if not self.is_hierarchical:
+            return f"flat over {self.world_size} ranks ({self.source})"
+        return (f"{DP_REPLICATE} {self.replicate_size} x {DP_SHARD} {self.shard_size} ({self.source}): model states "
+                f"sharded within groups of {self.shard_size} ranks, replicated {self.replicate_size} times")
+
+
+def flat_mesh(world_size: int, rank: int, source: str = "flat") -> ZeroMesh:
+    return ZeroMesh(world_size, rank, world_size, 1, source=source)
+
+
+def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
+    """The groups of an engine, from (in this order) a DeviceMesh, DeepSpeed's mpu, or the config's
+    ``mics_shard_size``; flat when none is given; plus hpZ's group (``zero_hpz_partition_size``). Collective when
+    it creates groups (every rank calls it)."""
+    found = _resolve_dp(zero_config, device_type, mesh, mpu)
+    k = zero_config.zero_hpz_partition_size
+    if k in (1, found.world_size):
+        return found
+    key = "zero_optimization.zero_hpz_partition_size"
+    if found.is_hierarchical:
+        raise ConfigError(f"{key}: {k} with a hierarchical mesh ({found.describe()}) is not supported yet; use hpZ "
+                          "(states sharded over every rank) or MiCS / HSDP, not both")
+    if found.world_size % k:
+        raise ConfigError(f"{key}: {k} does not divide the data-parallel world of {found.world_size} ranks; use a "
+                          "divisor (the ranks per node), or 1 (off)")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit() and k > int(local):
+        raise ConfigError(f"{key}: {k} is larger than a node (LOCAL_WORLD_SIZE={local}): the secondary partition "
+                          f"exists to keep backward all-gathers within a node; use {local} or a divisor of it")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    groups = init_device_mesh(device_type, (found.world_size // k, k), mesh_dim_names=("hpz_replicate", "hpz_shard"))
+    return dataclasses.replace(found, hpz_size=k, hpz_group=groups.get_group("hpz_shard"),
+                               source=f"{found.source}; hpZ secondary within {k} ranks")
+
+
+def _resolve_dp(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    k = zero_config.mics_shard_size
+    if (mesh is not None or mpu is not None) and k not in (-1, world):
+        given = "mesh=" if mesh is not None else "mpu="
+        raise ConfigError(f"zero_optimization.mics_shard_size: {k} given together with initialize({given}...); the "
+                          f"mesh already says how ranks are grouped: remove mics_shard_size (or set -1), or drop "
+                          f"{given}")
+    if mesh is not None:
+        return _from_device_mesh(mesh, world, rank)
+    if mpu is not None:
+        return _from_mpu(mpu, world, rank)
+    if k in (-1, world):
+        return flat_mesh(world, rank, "flat" if k == -1 else "mics_shard_size = world: flat")
+    if k < 1 or world % k:
+        raise ConfigError(f"zero_optimization.mics_shard_size: {k} does not divide the data-parallel world of "
+                          f"{world} ranks; use a divisor of {world} (the ranks per shard group, e.g. GPUs per node)"
+                          ", or -1 (off)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
+    return _hierarchical(device_mesh, world, rank, f"zero_optimization.mics_shard_size = {k}")
+
+
+def _from_device_mesh(mesh, world: int, rank: int) -> ZeroMesh:
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names:
+        raise ValueError("initialize(mesh=...): the DeviceMesh has no dim names; build it with mesh_dim_names=(\"dp\","
+                         ") or (\"dp_replicate\", \"dp_shard\") (torchtitan's names)")
+    for name in names:
+        if name in _MODEL_PARALLEL_DIMS:
+            raise NotImplementedError(
+                f"initialize(mesh=...): mesh dim {name!r} ({_MODEL_PARALLEL_DIMS[name]}) is not supported yet: "
+                "zero_engine shards over data-parallel dims only (model parallelism is issue 25); use a mesh with "
+                "dims (\"dp\",) or (\"dp_replicate\", \"dp_shard\")")
+    if mesh.size() != world:
+        raise ValueError(f"initialize(mesh=...): the mesh's dims {dict(zip(names, mesh.mesh.shape))} multiply to "
+                         f"{mesh.size()} ranks, the world has {world}; give a mesh over every rank "
+                         f"(init_device_mesh(device, (...), mesh_dim_names=...) whose sizes multiply to {world})")
+    if names == (DP,):
+        return flat_mesh(world, rank, "DeviceMesh dp")
+    if names == (DP_REPLICATE, DP_SHARD):
+        return _hierarchical(mesh, world, rank, "DeviceMesh dp_replicate x dp_shard")
+    raise ValueError(f"initialize(mesh=...): dim names {names} are not understood; use (\"dp\",) for flat ZeRO or "
+                     "(\"dp_replicate\", \"dp_shard\") for HSDP / MiCS, in that order")
+
+
+def _hierarchical(mesh, world: int, rank: int, source: str) -> ZeroMesh:
+    replicate, shard = (int(n) for n in mesh.mesh.shape)
+    if not torch.equal(mesh.mesh.flatten().cpu(), torch.arange(world)):
+        raise NotImplementedError(
+            f"initialize(mesh=...): ranks {mesh.mesh.tolist()} are not laid out with dp_shard innermost (world rank = "
+            "replica x shard size + shard rank) -- another order is not supported yet; build the mesh with "
+            "init_device_mesh, which lays them out that way")
+    if replicate == 1:
+        return flat_mesh(world, rank, source + " (one replica: flat)")
+    return ZeroMesh(world, rank, shard, replicate, mesh.get_group(DP_SHARD), mesh.get_group(DP_REPLICATE),
+                    source, mesh)
+
+
+def check_mpu(mpu) -> None:
+    """What can be checked of DeepSpeed's mpu before any process group exists (initialize() calls it first)."""
+    for method in ("get_data_parallel_group", "get_data_parallel_world_size", "get_data_parallel_rank"):
+        if not callable(getattr(mpu, method, None)):
+            raise ValueError(f"initialize(mpu=...): {type(mpu).__name__} has no {method}(); an mpu must offer "
+                             "get_data_parallel_group / _world_size / _rank (and get_model_parallel_world_size)")
+    mp = _model_parallel_world_size(mpu)
+    if mp > 1:
+        raise NotImplementedError(f"initialize(mpu=...): a model-parallel world size of {mp} is not supported yet "
+                                  "(tensor/pipeline parallelism is issue 25); an mpu whose model-parallel size is 1 "
+                                  "works")
+
+
+def _from_mpu(mpu, world: int, rank: int) -> ZeroMesh:
+    """DeepSpeed's mpu (Megatron's parallel_state shape): its data-parallel group is ZeRO's group."""
+    check_mpu(mpu)
+    dp_world, dp_rank = int(mpu.get_data_parallel_world_size()), int(mpu.get_data_parallel_rank())
+    group = mpu.get_data_parallel_group()
+    group_world = dist.get_world_size(group)
+    if dp_world != world or group_world != world or dp_rank != rank:
+        raise ValueError(f"initialize(mpu=...): data-parallel world {dp_world} (group of {group_world}), rank "
+                         f"{dp_rank}; with model-parallel size 1 the data-parallel group must be every rank ({world}"
+                         f", this one {rank})")
+    return flat_mesh(world, rank, "mpu")
+
+
+def _model_parallel_world_size(mpu) -> int:
+    for method in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
+        fn = getattr(mpu, method, None)
+        if callable(fn):
+            size = int(fn())
+            pipeline = getattr(mpu, "get_pipeline_model_parallel_world_size", None)
+            return size * (int(pipeline()) if callable(pipeline) else 1)
+    return 1
+
+
+def hpz_communicator(mesh: ZeroMesh, world_comm):
+    """The communicator of hpZ's secondary partition (zero/hpz.py), or None when hpZ is off."""
+    if mesh.hpz_size == 1:
+        return None
+    from .comm import Communicator
+
+    return Communicator(mesh.hpz_group, debug=world_comm.debug, collective_timeout_s=world_comm.collective_timeout_s,
+                        share_records_with=world_comm)
+
+
+def mesh_communicators(mesh: ZeroMesh, world_comm) -> tuple[Any, Optional[Any]]:
+    """(shard communicator, replicate communicator or None): the world communicator itself when flat; else
+    communicators on the mesh's groups that share its progress records and watchdog ([Note: what runs on which
+    group])."""
+    if not mesh.is_hierarchical:
+        return world_comm, None
+    from .comm import Communicator
+
+    def sub(group):
+        return Communicator(group, debug=world_comm.debug, collective_timeout_s=world_comm.collective_timeout_s,
+                            share_records_with=world_comm)
+
+    return sub(mesh.shard_group), sub(mesh.replicate_group)

@@ -1,0 +1,119 @@
+"""ZeRO++ hpZ (``zero_optimization.zero_hpz_partition_size: k``): a secondary partition of the compute-dtype
+parameters within groups of k ranks, so backward all-gathers never leave the group.
+
+Model states stay sharded over the whole data-parallel world (16 Psi / N per rank). Each rank also keeps, for every
+partitioned parameter, one k-th of its gathered (padded) data: the slice of its rank within its hpZ group (k
+consecutive ranks, a node). Forward gathers from the primary shards over the world, as plain ZeRO-3 does; as each
+such gather completes, this rank copies its slice of the result into its secondary shard (no extra collective).
+Backward then gathers each parameter from the secondary shards within the hpZ group: the cross-group all-gather bytes
+of a step go from 2 Psi (forward and backward) to Psi. Extra memory: 2 Psi / k in bf16/fp16 (``memory_stats()``'s
+``params_secondary``). A gather from the secondary is one collective per parameter, straight into its storage (as
+the sequential strategy): small parameters are not coalesced into runs yet.
+
+[Note: when a secondary shard may be read]
+A secondary shard is a copy of the parameter as the last primary gather saw it, so it is stale as soon as a shard
+changes (the optimizer step, load_checkpoint, GatheredParameters(modifier_rank=...)). Every ``engine(...)`` forward
+starts by forgetting all of them (``invalidate``), and a gather reads the secondary of a parameter only if a primary
+gather refreshed it since: in practice every backward gather (and a second use within the forward, a reused
+block), while a parameter gathered for the first time in the pass, or a refresh after the step, goes to the primary
+shards. Shards do not change between a forward and its backward, so a refreshed secondary is exact: backward sees
+the same bits as forward (tested against flat ZeRO-3, bitwise). Which group a gather uses depends only on what this
+pass did before it, the same on every rank, so ranks issue the same collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gather import GatherWork, _all_gather
+from .partition import ShardedParam
+
+__all__ = ["HpzGather"]
+
+
+class _ForwardWork:
+    """A primary gather that refreshes the secondary shards of its parameters once it completes."""
+
+    def __init__(self, inner: GatherWork, hpz: "HpzGather"):
+        self.inner, self.hpz = inner, hpz
+        self.params, self.numel = inner.params, inner.numel
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+    def wait(self) -> None:
+        if self.inner.done:
+            return
+        self.inner.wait()
+        for p in self.params:
+            self.hpz.refresh_from_full(p)
+
+
+class _Works:
+    """Several gathers issued together, waited together (secondary ones and primary ones of one request)."""
+
+    def __init__(self, works: list):
+        self.works = works
+        self.params = [p for w in works for p in w.params]
+        self.numel = sum(w.numel for w in works)
+
+    @property
+    def done(self) -> bool:
+        return all(w.done for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+class HpzGather:
+    """Wraps the engine's primary gatherer (over the world) with the secondary partition over ``hpz_comm``."""
+
+    def __init__(self, primary, hpz_comm, params: list[ShardedParam], accounting=None, streams=None):
+        self.primary = primary
+        self.comm = hpz_comm
+        self.accounting = accounting
+        self.streams = streams
+        self.name = f"{primary.name} + hpZ secondary within {hpz_comm.world_size} ranks"
+        self.rank, self.size = hpz_comm.rank, hpz_comm.world_size
+        self.secondary: dict[int, torch.Tensor] = {}
+        self.valid: set[int] = set()
+        for p in params:
+            if p.is_persistent:
+                continue  # never released: always whole, nothing to gather in backward
+            if p.padded_numel % self.size:
+                raise AssertionError(f"{p.fqn}: padded to {p.padded_numel} elements, not a multiple of the hpZ group "
+                                     f"of {self.size}")
+            self.secondary[id(p)] = torch.empty(p.padded_numel // self.size, dtype=p.dtype, device=p.compute_device)
+            if p.is_available:  # built whole (not under zero.Init): its slice now
+                self.refresh_from_full(p)
+        self.bytes = sum(t.numel() * t.element_size() for t in self.secondary.values())
+        if accounting is not None:
+            accounting.add("params_secondary", self.bytes)
+
+    def invalidate(self) -> None:
+        """A forward begins: see [Note: when a secondary shard may be read]."""
+        self.valid.clear()
+
+    def refresh_from_full(self, p: ShardedParam) -> None:
+        secondary = self.secondary.get(id(p))
+        if secondary is not None:
+            n = secondary.numel()
+            secondary.copy_(p.full[self.rank * n: (self.rank + 1) * n])
+            self.valid.add(id(p))
+
+    def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False):
+        from_secondary = [] if refresh else [p for p in params if id(p) in self.valid]
+        works = []
+        if from_secondary:
+            work = GatherWork(params=from_secondary, pending=[], numel=sum(p.padded_numel for p in from_secondary))
+            for p in from_secondary:
+                p.to_inflight()
+                _all_gather(self.comm, self.streams, work, p.alloc_full(), self.secondary[id(p)],
+                            f"{name or p.fqn} (hpZ)")
+            works.append(work)
+        rest = [p for p in params if id(p) not in self.valid] if from_secondary else list(params)
+        if rest:
+            works.append(_ForwardWork(self.primary.issue(rest, name=name, refresh=refresh), self))
+        return works[0] if len(works) == 1 else _Works(works)
