@@ -35,7 +35,7 @@ from .errors import ArgumentError, UsageError
 from .guards import (claim_model, client_optimizer_restorer, discard_failed_backward, refuse_after_destroy,
                      refuse_partitioned_at_stage0, tear_down, undo_failed_initialize, warn_backward_without_step)
 from .memory import reset_rss_peak, rss_bytes, rss_peak_bytes
-from .mesh import hpz_communicator, mesh_communicators, resolve_mesh
+from .mesh import named_communicators, summed_stats
 from .offload.placement import Placement
 from .wiring import build_parts
 from .zero.partition import ShardedParam, sharded_param_of
@@ -108,11 +108,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.progress = self.comm.progress  # phase and step of each collective's record (comm/_records.py)
         restore_client_optimizer = client_optimizer_restorer(optimizer)
         try:
-            self.mesh = resolve_mesh(zc, self._device.type, mesh, mpu)  # collective when it creates groups
-            self.shard_comm, self.replicate_comm = mesh_communicators(self.mesh, self.comm)
-            self.hpz_comm = hpz_communicator(self.mesh, self.comm)
             claim_model(model, self)
-            build_parts(self, model, optimizer, model_parameters)  # wiring.py
+            build_parts(self, model, optimizer, model_parameters, mesh, mpu)  # wiring.py
         except BaseException:
             undo_failed_initialize(self, restore_client_optimizer)  # a corrected initialize() can take the model
             raise
@@ -308,35 +305,18 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
     def comm_stats(self, by_group: bool = False) -> dict:
-        """Collectives this rank issued since the last reset, per kind: ``{"all_gather": {"calls", "bytes"}, ...}``
-        (see [Note: byte counting convention] in comm/_communicator.py), summed over every group. ``by_group``:
-        one such dict per group instead: ``{"world": ..., "dp_shard": ..., "dp_replicate": ...}`` (the two
-        sub-groups only under a hierarchical mesh; see [Note: what runs on which group] in mesh.py)."""
+        """Collectives issued since the last reset, per kind (``{"all_gather": {"calls", "bytes"}, ...}``) summed
+        over the groups, or ``by_group`` one such dict per group (see ``communicators`` and mesh.py)."""
         per_group = {name: comm.stats() for name, comm in self.communicators().items()}
-        if by_group:
-            return per_group
-        total = {kind: {"calls": 0, "bytes": 0} for kind in per_group["world"]}
-        for stats in per_group.values():
-            for kind, counts in stats.items():
-                total[kind]["calls"] += counts["calls"]
-                total[kind]["bytes"] += counts["bytes"]
-        return total
+        return per_group if by_group else summed_stats(per_group)
 
     def reset_comm_stats(self) -> None:
         for comm in self.communicators().values():
             comm.reset_stats()
 
     def communicators(self) -> dict:
-        """The engine's communicators by group name: "world", and "dp_shard" / "dp_replicate" under a hierarchical
-        mesh."""
-        found = {"world": self.comm}
-        if self.shard_comm is not None and self.shard_comm is not self.comm:
-            found["dp_shard"] = self.shard_comm
-        if self.replicate_comm is not None:
-            found["dp_replicate"] = self.replicate_comm
-        if self.hpz_comm is not None:
-            found["hpz"] = self.hpz_comm
-        return found
+        """The communicators by group name: "world", and "dp_shard" / "dp_replicate" / "hpz" where they exist."""
+        return named_communicators(self.comm, self.shard_comm, self.replicate_comm, self.hpz_comm)
 
     def memory_stats(self) -> dict:
         """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs).

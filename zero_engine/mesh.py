@@ -48,7 +48,8 @@ from .errors import ConfigError
 
 log = logging.getLogger("zero_engine.mesh")
 
-__all__ = ["ZeroMesh", "resolve_mesh", "check_mpu", "DP", "DP_REPLICATE", "DP_SHARD"]
+__all__ = ["ZeroMesh", "resolve_mesh", "check_mpu", "named_communicators", "summed_stats", "DP", "DP_REPLICATE",
+           "DP_SHARD"]
 
 DP, DP_REPLICATE, DP_SHARD = "dp", "dp_replicate", "dp_shard"
 _MODEL_PARALLEL_DIMS = {"tp": "tensor parallelism", "ep": "expert parallelism", "cp": "context parallelism",
@@ -246,3 +247,26 @@ def mesh_communicators(mesh: ZeroMesh, world_comm) -> tuple[Any, Optional[Any]]:
                             share_records_with=world_comm)
 
     return sub(mesh.shard_group), sub(mesh.replicate_group)
+
+
+def named_communicators(world_comm, shard_comm, replicate_comm, hpz_comm) -> dict:
+    """An engine's communicators by group name: "world", and "dp_shard" / "dp_replicate" / "hpz" where the mesh has
+    them (flat: the shard group is the world's own communicator, listed once)."""
+    found = {"world": world_comm}
+    if shard_comm is not None and shard_comm is not world_comm:
+        found["dp_shard"] = shard_comm
+    if replicate_comm is not None:
+        found["dp_replicate"] = replicate_comm
+    if hpz_comm is not None:
+        found["hpz"] = hpz_comm
+    return found
+
+
+def summed_stats(per_group: dict) -> dict:
+    """Communicator stats of several groups, summed per kind of collective."""
+    total = {kind: {"calls": 0, "bytes": 0} for kind in per_group["world"]}
+    for stats in per_group.values():
+        for kind, counts in stats.items():
+            total[kind]["calls"] += counts["calls"]
+            total[kind]["bytes"] += counts["bytes"]
+    return total

@@ -17,6 +17,7 @@ from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
+from .mesh import hpz_communicator, mesh_communicators, resolve_mesh
 from .offload.placement import DEVICE, HOST, NVME
 from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .utils import register_engine
@@ -34,10 +35,13 @@ log = logging.getLogger("zero_engine.engine")
 __all__ = ["build_parts"]
 
 
-def build_parts(engine, model: nn.Module, optimizer, model_parameters) -> None:
+def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None, mpu=None) -> None:
     """Everything ``ZeroEngine.__init__`` builds after it claimed the model, in order; if a step raises, __init__
     undoes what came before (guards.undo_failed_initialize)."""
     zc = engine.config.zero_optimization
+    engine.mesh = resolve_mesh(zc, engine.device.type, mesh, mpu)  # collective when it creates groups
+    engine.shard_comm, engine.replicate_comm = mesh_communicators(engine.mesh, engine.comm)
+    engine.hpz_comm = hpz_communicator(engine.mesh, engine.comm)
     broadcast_initial_state(model, engine.comm)
     engine.snapshot = ModelSnapshot(model)
     engine.accounting = MemoryAccounting()
