@@ -20,12 +20,21 @@ Outside every forward nothing is gathered: a gather is a collective, and code th
 (logging on rank 0) would hang. There, using a released parameter's data raises (``ZeroParameter`` in partition.py)
 and says to use ``GatheredParameters``.
 
+[Note: reads inside a compiled region]
+Dynamo traces ``module.weight`` through this dict's ``__getitem__``. Calling the coordinator there would put the
+gathering into the graph (and ``id(param)`` makes Dynamo guard on each parameter's identity: every block would
+compile again). So while Dynamo traces, a read is not watched: a compiled module is one unit of its whole subtree
+(units.py), whose parameters its hooks gather before the compiled call. A compiled region that reads a parameter
+outside its subtree must declare it with ``register_external_parameter``; compile.py checks this before Dynamo
+sees the parameter.
+
 "Held to the end of the step" means: until the end of the backward that follows, or, for a forward without
 gradients (evaluation), until the model's forward returns.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -81,6 +90,8 @@ class _WatchedParameters(dict):
 
     def __getitem__(self, key):
         param = dict.__getitem__(self, key)
+        if torch.compiler.is_compiling():  # see [Note: reads inside a compiled region]
+            return param
         if _IN_FORWARD and param is not None:
             coordinator, module, is_unit = innermost()
             coordinator.on_read(param, module if is_unit else None)

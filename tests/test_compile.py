@@ -1,0 +1,120 @@
+"""torch.compile with the engine (zero_engine/compile.py): compiled blocks, engine.compile(), the config section.
+
+Parity: every case trains the test GPT under the engine and in one process on the full batch (test_zero3's
+reference), and compares losses and final parameters. Tolerance: the "eager" and "aot_eager" backends run the same
+aten ops as eager mode (aot_eager through the decompositions AOTAutograd applies), so the losses match the
+reference as closely as the eager engine's do (test_zero3 asserts 1e-5); we assert the same 1e-5. Inductor fuses
+and reorders float arithmetic (a sum over a different order, fused multiply-adds), which moves fp32 losses by a few
+ulps per op and compounds over steps; the issue's bound, 2e-4 relative on losses, covers that with margin (observed
+values are in the report of issue 23), and parameters within 1e-3 relative (five optimizer steps).
+
+Dynamo's counters are asserted, read on each rank: no graph break at all (the regions hold no hook), one graph for
+the blocks (both blocks have one shape), and nothing compiled after the first optimizer step (no recompilation:
+gather and release keep what Dynamo guards on).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero_engine
+from zero_engine import ConfigError
+from zero_engine.config import load_config
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+from test_zero3 import ds_config, full_params, make_reference_optimizer, reference_step
+
+TIMEOUT = 240
+
+
+def _counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {key: dict(value) for key, value in counters.items() if value}
+
+
+def _train(how: str, config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "eager"):
+    """Train ``steps`` optimizer steps with the blocks compiled ``how``; returns (max loss rel err, param rel err,
+    Dynamo counters after the first optimizer step, counters at the end, number of units)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(model_cfg)
+    reference = copy.deepcopy(model)
+    if how == "method":  # block.compile() before initialize (torchtitan's recipe)
+        for block in model.blocks:
+            block.compile(backend=backend)
+    elif how == "wrap":  # torch.compile(block) put in the model in its place
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend=backend)
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    if how == "after":  # on engine.module's blocks, after initialize
+        for block in engine.module.blocks:
+            block.compile(backend=backend)
+    elif how == "engine":
+        engine.compile(backend=backend)
+    gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
+    ref_opt = make_reference_optimizer(reference, config["optimizer"]["type"], config["optimizer"]["params"]["lr"])
+    worst, warm = 0.0, None
+    for step, (x, y) in enumerate(make_batches(model_cfg, steps, world * micro * gas)):
+        ref_loss = reference_step(reference, ref_opt, x, y, config["gradient_clipping"])
+        total = torch.zeros(())
+        for m in range(gas):
+            lo = (m * world + rank) * micro
+            loss = engine(x[lo: lo + micro], y[lo: lo + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        dist.all_reduce(total)
+        worst = max(worst, abs(total.item() / (world * gas) - ref_loss) / abs(ref_loss))
+        if step == 0:
+            warm = _counters()
+    ours = {name.replace("._orig_mod", ""): value for name, value in full_params(engine).items()}
+    ref = dict(reference.named_parameters())
+    diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
+    units = len(engine.coordinator.units) if engine.coordinator is not None else 0
+    return worst, (diff / norm).item(), warm, _counters(), units
+
+
+def _check_graphs(warm: dict, final: dict) -> None:
+    assert "graph_break" not in final, final.get("graph_break")
+    assert final["stats"]["unique_graphs"] == 1, final["stats"]  # both blocks: one shape, one graph
+    assert "recompiles" not in final, final
+    assert final == warm, (warm, final)  # nothing traced or compiled after the first optimizer step
+
+
+# (how, world, stage, sequential gathering, leaf blocks, activation checkpointing)
+CASES = [
+    ("method", 2, 3, False, False, False),
+    ("method", 2, 3, True, True, True),
+    ("wrap", 2, 3, False, False, True),
+    ("after", 2, 3, True, False, False),
+    ("method", 2, 1, False, False, False),
+]
+
+
+def _case_body(how, stage, seq, leaf, ckpt):
+    zero = {"leaf_module": {"classes": ["Block"]}} if leaf else {}
+    return _train(how, ds_config(stage, seq, optimizer="SGD", lr=0.05, **zero), GPTConfig(checkpoint_blocks=ckpt))
+
+
+@pytest.mark.parametrize("how,world,stage,seq,leaf,ckpt", CASES)
+def test_compiled_blocks_match_eager_with_one_graph(how, world, stage, seq, leaf, ckpt):
+    for loss_err, param_err, warm, final, units in run_ranks(_case_body, world, how, stage, seq, leaf, ckpt,
+                                                             timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+        _check_graphs(warm, final)
+        if stage == 3:  # each compiled block is one unit; the root (wpe), wte, ln_f and lm_head stay per module
+            assert units == 6, units
