@@ -101,7 +101,9 @@ CASES = [
     ("method", 2, 3, True, True, True),
     ("wrap", 2, 3, False, False, True),
     ("after", 2, 3, True, False, False),
+    ("engine", 3, 3, False, True, True),
     ("method", 2, 1, False, False, False),
+    ("engine", 2, 2, False, False, True),
 ]
 
 
