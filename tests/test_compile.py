@@ -1,4 +1,5 @@
-"""torch.compile with the engine (zero_engine/compile.py): compiled blocks, engine.compile(), the config section.
+"""torch.compile with the engine (zero_engine/compile.py): compiled blocks, engine.compile(), the config section
+(its keys: tests/test_config.py).
 
 Parity: every case trains the test GPT under the engine and in one process on the full batch (test_zero3's
 reference), and compares losses and final parameters. Tolerance: the "eager" and "aot_eager" backends run the same
@@ -23,8 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_engine
-from zero_engine import ConfigError
-from zero_engine.config import load_config
 from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
@@ -58,12 +57,18 @@ def _train(how: str, config: dict, model_cfg: GPTConfig, steps: int = 3, backend
     elif how == "wrap":  # torch.compile(block) put in the model in its place
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend=backend)
+    if how == "config":  # the config's compile section (DeepSpeed's older switch)
+        config = {**config, "compile": {"disable": False, "backend": backend}}
     engine, *_ = zero_engine.initialize(model=model, config=config)
     if how == "after":  # on engine.module's blocks, after initialize
         for block in engine.module.blocks:
             block.compile(backend=backend)
     elif how == "engine":
         engine.compile(backend=backend)
+    if how in ("engine", "config"):
+        assert engine.is_compiled
+        with pytest.raises(NotImplementedError, match="schedule=.*DeepCompile"):
+            engine.compile(schedule=[(0, [])])
     gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
     ref_opt = make_reference_optimizer(reference, config["optimizer"]["type"], config["optimizer"]["params"]["lr"])
     worst, warm = 0.0, None
@@ -104,6 +109,7 @@ CASES = [
     ("engine", 3, 3, False, True, True),
     ("method", 2, 1, False, False, False),
     ("engine", 2, 2, False, False, True),
+    ("config", 2, 3, True, False, False),
 ]
 
 

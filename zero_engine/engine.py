@@ -108,6 +108,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         try:
             claim_model(model, self)
             build_parts(self, model, optimizer, model_parameters)  # wiring.py
+            if self.config.compile.is_on:  # the config's compile section: as engine.compile() (compile.py)
+                self.compile(backend=self.config.compile.backend, compile_kwargs=self.config.compile.kwargs)
         except BaseException:
             undo_failed_initialize(self, restore_client_optimizer)  # a corrected initialize() can take the model
             raise
