@@ -15,6 +15,9 @@ What Dynamo guards on must not change between steps, and what it traces must not
   requires_grad) hold on every call, so the region compiles once per distinct shape: blocks of one shape share one
   graph, and nothing recompiles after the first step.
 
+The whole model compiled (``model.compile()``) trains too, with graph breaks at the units' hooks: see
+[Note: the whole model compiled at ZeRO-3].
+
 What cannot be compiled fails with a message: a compiled region that reads a parameter outside its subtree (which
 its unit does not gather) raises a ``RuntimeError`` naming the region and the parameter (external.py,
 [Note: reads inside a compiled region]) instead of Dynamo's internal error.
@@ -32,12 +35,27 @@ from .zero.units import gather_units, is_compiled, z3_leaf_module
 
 log = logging.getLogger("zero_engine.compile")
 
-__all__ = ["compile_engine", "compiled_modules", "compile_regions", "refresh_units_if_compiled"]
+__all__ = ["compile_engine", "compiled_modules", "compile_regions", "log_whole_model_compiled",
+           "refresh_units_if_compiled"]
 
 
 def compiled_modules(model: nn.Module) -> frozenset[int]:
-    """ids of the modules below the root that are compiled (each one is a unit: units.py)."""
-    return frozenset(id(m) for name, m in model.named_modules() if name and is_compiled(m))
+    """ids of the compiled modules of the model: those below the root are units (units.py); the root is not."""
+    return frozenset(id(m) for m in model.modules() if is_compiled(m))
+
+
+def log_whole_model_compiled(engine) -> None:
+    """[Note: the whole model compiled at ZeRO-3] ``model.compile()`` (or ``engine.module.compile()``) keeps the
+    units below the root: their hooks must gather and release eagerly, so Dynamo breaks the graph at each of them
+    (and a break inside a loop, such as the loop over the blocks, makes Dynamo run the rest of that frame eagerly).
+    It trains correctly and compiles nothing after the first step, but little of the model is in graphs; regional
+    compilation (``engine.compile()``, or each block's ``compile()``) gives one graph per block. Said once in the
+    log, with the number of units, so a user sees why the model runs mostly eagerly."""
+    if engine.comm.rank == 0 and is_compiled(engine.module):
+        log.warning("zero_engine: the whole model is compiled at ZeRO-3; Dynamo breaks its graph at the hooks of "
+                    "each of its %d gather units (they gather and release eagerly), so much of it runs eagerly. "
+                    "Compile the blocks instead for one graph per block: engine.compile(), or block.compile() on each "
+                    "(count the breaks with torch._dynamo.utils.counters['graph_break'])", len(engine.coordinator.units))
 
 
 def refresh_units_if_compiled(engine) -> None:
@@ -54,8 +72,8 @@ def refresh_units_if_compiled(engine) -> None:
 
     build_gathering(engine, engine.module)
     if engine.comm.rank == 0:
-        log.info("zero_engine: %d compiled module(s) found at this forward; each is now one gather unit of its "
-                 "whole subtree (%d units)", len(now), len(engine.coordinator.units))
+        log.info("zero_engine: modules were compiled since the gather units were made; units made again (%d): "
+                 "each compiled module below the root is one unit of its whole subtree", len(engine.coordinator.units))
 
 
 def compile_regions(model: nn.Module, stage: int) -> list[tuple[str, nn.Module]]:

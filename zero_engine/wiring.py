@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from .compile import compiled_modules
+from .compile import compiled_modules, log_whole_model_compiled
 from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
@@ -173,6 +173,7 @@ def build_gathering(engine, model: nn.Module) -> None:
     if engine.presence is not None:
         engine.presence.coordinator = engine.coordinator
     engine.compiled_at_units = compiled_modules(model)
+    log_whole_model_compiled(engine)
 
 
 def _choose_gather_per_bucket(engine) -> None:
