@@ -58,10 +58,12 @@ def z3_leaf_module(module: nn.Module) -> bool:
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """``module.compile()`` was called, or ``module`` is what ``torch.compile(m)`` returned."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, OptimizedModule)
+    """``module.compile()`` was called, or ``module`` is what ``torch.compile(m)`` returned. Cheap: the engine asks
+    it of every module at each forward (compile.py)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was torch.compile'd
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
