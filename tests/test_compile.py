@@ -66,6 +66,9 @@ def _train(how: str, config: dict, model_cfg: GPTConfig, steps: int = 3, backend
     if how == "after":  # on engine.module's blocks, after initialize
         for block in engine.module.blocks:
             block.compile(backend=backend)
+    elif how == "wrap-after":
+        for i, block in enumerate(engine.module.blocks):
+            engine.module.blocks[i] = torch.compile(block, backend=backend)
     elif how == "engine":  # fullgraph: Dynamo raises at any graph break inside a region
         engine.compile(backend=backend, compile_kwargs={"fullgraph": True})
     if how in ("engine", "config"):
@@ -109,6 +112,7 @@ CASES = [
     ("method", 2, 3, True, True, True),
     ("wrap", 2, 3, False, False, True),
     ("after", 2, 3, True, False, False),
+    ("wrap-after", 2, 3, False, True, False),
     ("engine", 3, 3, False, True, True),
     ("method", 2, 1, False, False, False),
     ("engine", 2, 2, False, False, True),
