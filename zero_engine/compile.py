@@ -8,7 +8,8 @@ What Dynamo guards on must not change between steps, and what it traces must not
   torch.compile]); the hooks of a compiled module itself run around its compiled call, not inside it.
 * **A compiled module is one unit** (units.py, [Note: a compiled module is one unit]): its hooks gather its whole
   subtree before the compiled call, so Dynamo sees whole parameters and no hook inside the region (no graph break).
-  A module compiled after ``initialize`` is noticed at the next forward, which rebuilds the units (``refresh``).
+  A module compiled after ``initialize`` is noticed at the next forward, which makes the units again
+  (``refresh_units_if_compiled``).
 * **Gather and release keep what Dynamo guards on.** A parameter keeps its identity and its storage object (release
   resizes the storage, gather fills the same one: partition.py), and inside a compiled call it is always gathered:
   class ``GatheredZeroParameter``, full shape. Dynamo's guards on the parameters (type, shape, strides, dtype,
@@ -28,7 +29,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from .zero.units import gather_units, is_compiled, z3_leaf_module
@@ -49,13 +49,15 @@ def log_whole_model_compiled(engine) -> None:
     units below the root: their hooks must gather and release eagerly, so Dynamo breaks the graph at each of them
     (and a break inside a loop, such as the loop over the blocks, makes Dynamo run the rest of that frame eagerly).
     It trains correctly and compiles nothing after the first step, but little of the model is in graphs; regional
-    compilation (``engine.compile()``, or each block's ``compile()``) gives one graph per block. Said once in the
-    log, with the number of units, so a user sees why the model runs mostly eagerly."""
+    compilation (``engine.compile()``, or each block's ``compile()``) gives one graph per block. Logged when the
+    units are made (at initialize, or when compiled modules are noticed), with their number, so a user sees why the
+    model runs mostly eagerly."""
     if engine.comm.rank == 0 and is_compiled(engine.module):
         log.warning("zero_engine: the whole model is compiled at ZeRO-3; Dynamo breaks its graph at the hooks of "
                     "each of its %d gather units (they gather and release eagerly), so much of it runs eagerly. "
                     "Compile the blocks instead for one graph per block: engine.compile(), or block.compile() on each "
-                    "(count the breaks with torch._dynamo.utils.counters['graph_break'])", len(engine.coordinator.units))
+                    "(count the breaks with torch._dynamo.utils.counters['graph_break'])",
+                    len(engine.coordinator.units))
 
 
 def refresh_units_if_compiled(engine) -> None:
