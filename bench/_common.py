@@ -96,12 +96,17 @@ class System:
     sequential: bool = False
     fully_sharded: bool = False  # params, grads and optimizer states all sharded: the 16Ψ/N formula applies
     leaf_units: bool = True  # ours: the size's leaf modules (ZeroKnobs.leaf_classes) apply; False: a unit per module
+    compiled: bool = False  # each block torch.compile'd (Inductor): FSDP2 block.compile(), ours engine.compile()
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("ddp", "torch DDP", "DDP", "torch"),
     System("fsdp2", "torch FSDP2", "FSDP2", "torch", fully_sharded=True),
+    System("fsdp2-compile", "torch FSDP2, blocks compiled", "FSDP2\ncompiled", "torch", fully_sharded=True,
+           compiled=True),
     System("zero3", "ours ZeRO-3 coalesced", "ours Z3\ncoalesced", "ours", stage=3, fully_sharded=True),
+    System("zero3-compile", "ours ZeRO-3, blocks compiled", "ours Z3\ncompiled", "ours", stage=3, fully_sharded=True,
+           compiled=True),
     System("zero3-seq", "ours ZeRO-3 sequential", "ours Z3\nsequential", "ours", stage=3, sequential=True,
            fully_sharded=True, leaf_units=False),
     System("zero3-module", "ours ZeRO-3 coalesced, a unit per module", "ours Z3\nper module", "ours", stage=3,
@@ -146,6 +151,7 @@ def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str =
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,  # no progress logging inside timed steps
         "bf16": {"enabled": dtype == "bf16"},
+        **({"compile": {"enabled": True, "backend": "inductor"}} if system.compiled else {}),  # engine.compile()
     }
 
 

@@ -63,7 +63,7 @@ class TorchRunner:
             from torch.nn.parallel import DistributedDataParallel
 
             self.wrapped = DistributedDataParallel(model)
-        elif system == "fsdp2":
+        elif system.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
@@ -74,6 +74,8 @@ class TorchRunner:
                 else MixedPrecisionPolicy()
             for block in model.blocks:
                 fully_shard(block, mesh=mesh, mp_policy=mp)
+                if SYSTEMS[system].compiled:  # torchtitan's recipe: each sharded block compiled (Inductor)
+                    block.compile()
             fully_shard(model, mesh=mesh, mp_policy=mp)
             self.wrapped = model
         else:
@@ -190,7 +192,7 @@ def import_system(system: str) -> None:
         import zero_engine  # noqa: F401
     elif spec.family == "deepspeed":
         import deepspeed  # noqa: F401
-    elif system == "fsdp2":
+    elif system.startswith("fsdp2"):
         import torch.distributed.fsdp  # noqa: F401
     else:
         import torch.nn.parallel  # noqa: F401

@@ -293,10 +293,25 @@ class DeepSpeedEngineAPI:
     def reload_states(self, non_blocking=False):
         raise NotImplementedError("engine.reload_states(): not supported by zero_engine (see offload_states)")
 
-    def compile(self, backend=None, compile_kwargs=None, **kwargs):
-        raise NotImplementedError("engine.compile(): torch.compile of the engine is not supported by zero_engine "
-                                  "(the ZeRO-3 hooks gather and release around each module); compile submodules "
-                                  "yourself before initialize() if you need it")
+    def compile(self, backend=None, compile_kwargs=None, schedule=None) -> None:
+        """Compile the model with ``torch.compile`` (DeepSpeed's signature), region by region at stage 3.
+
+        Stages 0-2 keep parameters whole: the whole model is compiled (``module.compile(backend=...,
+        **compile_kwargs)``), as DeepSpeed does. At stage 3 each *region* is compiled on its own and is one gather
+        unit: the leaf modules if any, else the transformer blocks (modules held in a ModuleList or Sequential), else
+        each unit's module; their hooks gather the whole region before the compiled call and release it after, so a
+        region compiles to one graph with no graph break, blocks of one shape share that graph, and nothing
+        recompiles after the first step. Memory: a region's parameters are live together while it runs (as with
+        leaf modules or FSDP2's per-block wrapping). ``backend``: a torch.compile backend name or callable
+        (default "inductor"); ``compile_kwargs``: passed to torch.compile (``fullgraph``, ``dynamic``, ``mode``...).
+        ``schedule`` (DeepCompile's pass schedule) is not supported. Call it on every rank, after ``initialize`` and
+        outside a step. See compile.py."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepCompile's compiler passes are not supported "
+                                      "yet; engine.compile() compiles each ZeRO-3 region with torch.compile")
+        from .compile import compile_engine
+
+        compile_engine(self, backend, compile_kwargs)
 
     def _backward_epilogue(self):
         raise NotImplementedError("engine._backward_epilogue() (DeepSpeed's joint training with one shared loss and "

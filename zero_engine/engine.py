@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ._profiling import profile_range
+from .compile import refresh_units_if_compiled
 from .comm import Communicator, init_distributed
 from .comm.watchdog import StepFingerprint
 from .config import EngineConfig, load_config
@@ -59,6 +60,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
     hpz_comm = hpz = None  # ZeRO++ hpZ: the secondary partition's group and gatherer (zero/hpz.py)
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
+    compiled_at_units = frozenset()  # ids of the compiled modules when the units were made (compile.py)
+    is_compiled = False  # engine.compile() was called (DeepSpeed's attribute)
     presence = None  # stage 3, world > 1: which parameters get a gradient on some ranks only (zero/presence.py)
     # The step's counters, as each engine starts (class defaults: set on the instance as they move).
     skipped_steps = global_steps = micro_steps = global_samples = 0
@@ -110,6 +113,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         try:
             claim_model(model, self)
             build_parts(self, model, optimizer, model_parameters, mesh, mpu)  # wiring.py
+            if self.config.compile.is_on:  # the config's compile section: as engine.compile() (compile.py)
+                self.compile(backend=self.config.compile.backend, compile_kwargs=self.config.compile.kwargs)
         except BaseException:
             undo_failed_initialize(self, restore_client_optimizer)  # a corrected initialize() can take the model
             raise
@@ -120,6 +125,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.progress.phase = "forward"
         if self._step_started is None:
             self._step_started = time.perf_counter()
+        if self.coordinator is not None:
+            refresh_units_if_compiled(self)  # modules compiled since initialize become units (compile.py)
         if self.module.training and torch.is_grad_enabled():
             self.snapshot.check(self.module)
             if self.coordinator is not None:

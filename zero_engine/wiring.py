@@ -13,6 +13,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
+from .compile import compiled_modules, log_whole_model_compiled
 from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
@@ -32,7 +33,7 @@ from .zero.units import apply_leaf_module_config, gather_units, mark_by_granular
 
 log = logging.getLogger("zero_engine.engine")
 
-__all__ = ["build_parts"]
+__all__ = ["build_gathering", "build_parts"]
 
 
 def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None, mpu=None) -> None:
@@ -107,11 +108,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
         if zc.module_granularity_threshold:
             mark_by_granularity(model, zc.module_granularity_threshold, lambda p: by_param[id(p)].numel)
         apply_leaf_module_config(model, zc.leaf_module)
-        module_params, module_names = {}, {}
-        for name, module, params in gather_units(model):
-            module_params[module] = [by_param[id(p)] for p in params]
-            module_names[module] = name or "<root>"
-        unit_groups = _owned_groups(module_params.values(), engine.sharded)
+        units = ([by_param[id(p)] for p in params] for _, _, params in gather_units(model))  # build_gathering's
+        unit_groups = _owned_groups(units, engine.sharded)
     else:
         unit_groups = [[sp] for sp in engine.sharded]
     # Shard buckets and the optimizer's sub-groups (ZeroOptimizer) are runs of whole units; gradient buckets are
@@ -170,14 +168,35 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     elif zc.allgather_sequential == "auto":
         _choose_gather_per_bucket(engine)
     engine.refresh_gatherer = gatherer
-    engine.coordinator = ParamCoordinator(module_params, module_names, gatherer, engine.comm, zc,
+    build_gathering(engine, model)
+    if engine.comm.world_size > 1:
+        engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
+    return unit_groups
+
+
+def build_gathering(engine, model: nn.Module) -> None:
+    """The units of ``model`` (units.py), their coordinator and their hooks, on the engine. Called at initialize,
+    and again by compile.py when modules were compiled since (a compiled module becomes one unit): the old hooks
+    are removed and every gathered non-persistent parameter released first, and the next step records a new trace."""
+    if engine.coordinator is not None:
+        engine.coordinator.release_all()
+        engine.hooks.remove()
+        ParamCoordinator.live.discard(engine.coordinator)
+    by_param = {id(sp.param): sp for sp in engine.sharded}
+    module_params, module_names = {}, {}
+    for name, module, params in gather_units(model):
+        module_params[module] = [by_param[id(p)] for p in params]
+        module_names[module] = name or "<root>"
+    engine.coordinator = ParamCoordinator(module_params, module_names, engine.refresh_gatherer, engine.comm,
+                                          engine.config.zero_optimization,
                                           on_event=engine.record_timeline if engine.timeline else None,
                                           shard_swapper=engine.param_swapper)
     engine.hooks = ModuleHooks([unit.module for unit in engine.coordinator.units], engine.coordinator,
                                engine.backward_end, model)
-    if engine.comm.world_size > 1:
-        engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
-    return unit_groups
+    if engine.presence is not None:
+        engine.presence.coordinator = engine.coordinator
+    engine.compiled_at_units = compiled_modules(model)
+    log_whole_model_compiled(engine)
 
 
 def _owned_groups(units, sharded: list[ShardedParam]) -> list[list[ShardedParam]]:

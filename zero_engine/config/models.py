@@ -223,6 +223,45 @@ _AVERAGED = ("gradients are averaged by the reduce-scatter in fp32 (or communica
              "by the world size happens matters only for the range of DeepSpeed's fp16 all-reduce")
 
 
+# DeepCompile's settings (DeepSpeed's compile section since 0.16): they act only with deepcompile true.
+_DEEPCOMPILE_KEYS = ("free_activation", "offload_activation", "offload_opt_states", "offload_parameters",
+                     "double_buffer", "symmetric_memory", "dump_graphs", "debug_log", "sync_before_reduce",
+                     "sync_after_reduce", "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors",
+                     "keep_all_input_tensors")
+
+
+class CompileConfig(Section):
+    """torch.compile of the model at initialize, as ``engine.compile(backend, kwargs)`` does: regions at stage 3
+    (each leaf module, else each block of a ModuleList / Sequential: one gather unit and one graph each), the whole
+    model at stages 0-2. Two generations of DeepSpeed's switch are read: ``enabled: true``, or the older
+    ``disable: false``. DeepCompile (``deepcompile: true``) is not supported yet."""
+
+    enabled: ConfigBool = Field(False, description="Compile the model at initialize (see engine.compile()).")
+    disable: ConfigBool | None = Field(
+        None, description="DeepSpeed's older switch: false compiles (as enabled: true), true does not; null: "
+        "enabled decides."
+    )
+    backend: str = Field("inductor", description="The torch.compile backend (\"inductor\", \"aot_eager\", "
+                         "\"eager\", or a registered name).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to torch.compile (fullgraph, dynamic, mode, options...)."
+    )
+
+    not_supported = {"deepcompile": NotSupported(False, "DeepCompile (ZeRO-3 as compiler passes)")}
+    ignored_keys = {key: "a DeepCompile setting; it acts only with deepcompile: true" for key in _DEEPCOMPILE_KEYS}
+
+    @model_validator(mode="after")
+    def _one_switch(self) -> "CompileConfig":
+        if self.enabled and self.disable:
+            raise value_error("enabled is true and disable is true; set one of them (enabled: true "
+                              "compiles)")
+        return self
+
+    @property
+    def is_on(self) -> bool:
+        return self.enabled or self.disable is False
+
+
 class EngineConfig(Section):
     """A validated ds_config.json. Build it with `load_config`."""
 
@@ -268,6 +307,9 @@ class EngineConfig(Section):
     aio: AioConfig = Field(default_factory=AioConfig, description="Asynchronous I/O for NVMe offload.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoint tag validation (see its section)."
+    )
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig, description="torch.compile at initialize (see its section)."
     )
     zero_engine: ZeroEngineSection = Field(
         default_factory=ZeroEngineSection, description="zero_engine's own settings (DeepSpeed ignores them)."

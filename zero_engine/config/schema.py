@@ -25,6 +25,7 @@ from zero_engine.config.models import (
     AioConfig,
     Bf16Config,
     CheckpointConfig,
+    CompileConfig,
     EngineConfig,
     Fp16Config,
     MemoryTimelineConfig,
@@ -61,6 +62,7 @@ SECTIONS: list[tuple[str, type[Section]]] = [
     ("aio", AioConfig),
     ("activation_checkpointing", ActivationCheckpointingConfig),
     ("checkpoint", CheckpointConfig),
+    ("compile", CompileConfig),
     ("zero_engine", ZeroEngineSection),
     ("zero_engine.memory_timeline", MemoryTimelineConfig),
 ]

@@ -25,20 +25,6 @@ def _explicitly_disabled(value: Any) -> bool:
     return _absent_or_empty(value) or (isinstance(value, dict) and value.get("enabled", True) is False)
 
 
-def _compile_off(value: Any) -> bool:
-    # Two generations of DeepSpeed's compile section: {"deepcompile": ...} now, {"enabled"/"disable", "backend"}
-    # before. Either way it is off unless something switches compilation on.
-    if _absent_or_empty(value):
-        return True
-    if not isinstance(value, dict):
-        return False
-    return (
-        value.get("deepcompile", False) is False
-        and value.get("enabled", False) is False
-        and value.get("disable", True) is True
-    )
-
-
 def _tensor_parallel_off(value: Any) -> bool:
     if _absent_or_empty(value):
         return True
@@ -63,10 +49,6 @@ _OFF = "absent, or a section with enabled false"
 
 TOP_LEVEL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "amp": NotSupported(None, "Apex AMP; use fp16 or bf16", is_off=_not_enabled, accepted=_OFF),
-    "compile": NotSupported(
-        None, "torch.compile / DeepCompile", is_off=_compile_off,
-        accepted='absent, or {"deepcompile": false} / {"disable": true}',
-    ),
     "tensor_parallel": NotSupported(
         None, "tensor parallelism (AutoTP)", is_off=_tensor_parallel_off, accepted="absent, or sizes <= 1"
     ),

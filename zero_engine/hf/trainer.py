@@ -54,7 +54,9 @@ CHECKPOINT_TAG = "zero_engine"  # the engine checkpoint's directory inside check
 _REFUSED_ARGS = {
     "fsdp": "FSDP and ZeRO both partition the model: use one (zero_config's zero_optimization.stage 3)",
     "auto_find_batch_size": "the engine is built once for one micro-batch size",
-    "torch_compile": "the ZeRO-3 hooks gather and release around each module; not supported yet",
+    "torch_compile": "Trainer compiles the whole model, which at ZeRO-3 breaks the graph at every gather unit; not "
+                     "supported yet with ZeroTrainer: put a compile section in zero_config ({\"compile\": "
+                     "{\"enabled\": true}}: one graph per block) or call block.compile() on the model's blocks",
     "use_liger_kernel": "Liger's fused kernels read weights outside their modules' forward; not supported yet",
     "neftune_noise_alpha": "not supported yet with ZeroTrainer",
     # TRL's SFTConfig: its offloading context wraps training_step, which ZeroTrainerMixin replaces

@@ -193,6 +193,11 @@ class ParamCoordinator:
             self.shard_swapper.after_fetch(self.trace.params if self.trace is not None else [])
 
     @property
+    def in_step(self) -> bool:
+        """A training forward started and its backward has not ended."""
+        return self._in_step
+
+    @property
     def follows_trace(self) -> bool:
         """This step has followed the recorded trace so far (False while recording or after a deviation)."""
         return self._following

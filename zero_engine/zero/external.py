@@ -20,14 +20,28 @@ Outside every forward nothing is gathered: a gather is a collective, and code th
 (logging on rank 0) would hang. There, using a released parameter's data raises (``ZeroParameter`` in partition.py)
 and says to use ``GatheredParameters``.
 
+[Note: reads inside a compiled region]
+Dynamo traces ``module.weight`` through this dict's ``__getitem__``. Calling the coordinator there would put the
+gathering into the graph (and ``id(param)`` makes Dynamo guard on each parameter's identity: every block would
+compile again). So while Dynamo traces, a read is not watched: a compiled module is one unit of its whole subtree
+(units.py), whose parameters its hooks gather before the compiled call. A compiled region that reads a partitioned
+parameter outside its subtree (so released when the region runs) must declare it with
+``register_external_parameter``; such a read is decided while tracing (the parameter's class says it is released)
+and raises a RuntimeError naming the region and the parameter when the compiled code runs, instead of a graph over
+an empty shard or Dynamo's internal error. partition.py lets Dynamo build its fake tensor of the released parameter
+(``_dynamo_is_tracing``) so that this check is reached.
+
 "Held to the end of the step" means: until the end of the backward that follows, or, for a forward without
 gradients (evaluation), until the model's forward returns.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .partition import ZeroParameter, sharded_param_of
 
 __all__ = ["register_external_parameter", "unregister_external_parameter", "registered_external_parameters",
            "watch_parameter_reads", "unwatch_parameter_reads", "enter_forward", "leave_forward", "innermost",
@@ -81,6 +95,10 @@ class _WatchedParameters(dict):
 
     def __getitem__(self, key):
         param = dict.__getitem__(self, key)
+        if torch.compiler.is_compiling():  # see [Note: reads inside a compiled region]
+            if type(param) is ZeroParameter:  # released: decided while tracing, raised when the graph runs
+                _refuse_released_read_in_compiled_region(param)
+            return param
         if _IN_FORWARD and param is not None:
             coordinator, module, is_unit = innermost()
             coordinator.on_read(param, module if is_unit else None)
@@ -88,6 +106,25 @@ class _WatchedParameters(dict):
 
     def __reduce__(self):
         return dict, (dict(self),)
+
+
+@torch.compiler.disable(reason="zero_engine: a compiled region read a partitioned parameter it does not gather")
+def _refuse_released_read_in_compiled_region(param: nn.Parameter) -> None:
+    """See [Note: reads inside a compiled region]. Disabled for Dynamo: a graph break, so that it raises when the
+    compiled code runs, with the rank, the region and the parameter in the message."""
+    sp = sharded_param_of(param)
+    region = "a compiled module"
+    if _IN_FORWARD:
+        coordinator, module, is_unit = innermost()
+        region = coordinator.module_names.get(module, region) if is_unit else "the model's compiled forward"
+    rank = f"rank {sp.rank}: " if sp is not None else ""
+    name = sp.fqn if sp is not None else "a parameter"
+    raise RuntimeError(
+        f"{rank}{region} is compiled (torch.compile) and reads {name}, which ZeRO-3 has partitioned and which is not "
+        f"a parameter of {region}: a compiled module is one gather unit that gathers its own subtree before the "
+        f"compiled call, and a parameter it reads from outside would be an empty shard in the graph. Declare the read "
+        f"before the first step with zero_engine.zero.register_external_parameter(<{region}>, <{name}>), or make "
+        "the owner of the parameter part of the compiled module, or compile a module that contains both.")
 
 
 def watch_parameter_reads(root: nn.Module) -> None:

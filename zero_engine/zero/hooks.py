@@ -29,6 +29,14 @@ Linear; a whole leaf block) end their forward with an exception. The post-forwar
 gathered to the end of backward; with leaf blocks, every block) and its scope in external.py left open (later reads
 attributed to a module no longer running). A forward that raises for any other reason is closed the same way.
 
+[Note: hooks under torch.compile]
+Every hook here gathers, releases, issues collectives and keeps Python state: nothing a compiled graph can hold. So
+each one is ``torch.compiler.disable``d (as FSDP2 marks its hooks): Dynamo never traces it. A unit's hooks run
+around its module's ``_call_impl``, which ``Module.compile()`` and ``torch.compile(module)`` leave outside the graph
+(hooks of the compiled module itself run eagerly, before and after it), so a compiled module that is one unit runs
+with no graph break. A unit *inside* a compiled region would be a graph break at each of its hooks: units.py makes
+a compiled module a unit of its whole subtree for that reason (see [Note: a compiled module is one unit]).
+
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
 as a scope even when it has no parameters of its own.
@@ -99,6 +107,11 @@ def _tensors(obj) -> list[torch.Tensor]:
     return found
 
 
+def _eager(fn):
+    """A hook Dynamo must never trace: see [Note: hooks under torch.compile]."""
+    return torch.compiler.disable(fn, recursive=True, reason="zero_engine's ZeRO-3 hooks gather and release eagerly")
+
+
 class ModuleHooks:
     """Installs and owns the hooks of every module that has parameters of its own."""
 
@@ -123,14 +136,17 @@ class ModuleHooks:
         external.unwatch_parameter_reads(self.root)
 
     # ---- the model's forward (the root's scope, see external.py) -------------------------------------------------
+    @_eager
     def _enter_model(self, module: nn.Module, args) -> None:
         external.enter_forward(self.coordinator, module, is_unit=False)
 
+    @_eager
     def _leave_model(self, module: nn.Module, args, output) -> None:
         external.leave_forward(module, is_unit=False)
         self.coordinator.end_model_forward()
 
     # ---- forward -------------------------------------------------------------------------------------------------
+    @_eager
     def _pre_forward(self, module: nn.Module, args, kwargs):
         self.coordinator.fetch(module, "forward")
         external.enter_forward(self.coordinator, module, is_unit=True)
@@ -145,6 +161,7 @@ class ModuleHooks:
             leaves[i] = tensor
         return tree_unflatten(leaves, spec)
 
+    @_eager
     def _post_forward(self, module: nn.Module, args, output):
         external.leave_forward(module, is_unit=True)
         outputs = _tensors(output)
@@ -159,9 +176,11 @@ class ModuleHooks:
         return None
 
     # ---- backward ------------------------------------------------------------------------------------------------
+    @_eager
     def _pre_backward(self, module: nn.Module) -> None:
         self.backward_end.queue_if_needed()
         self.coordinator.fetch(module, "backward")
 
+    @_eager
     def _post_backward(self, module: nn.Module) -> None:
         self.coordinator.release(module)

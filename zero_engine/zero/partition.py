@@ -44,6 +44,7 @@ import math
 from typing import Iterable
 
 import torch
+import torch._guards
 import torch.nn as nn
 
 from torch.utils.weak import WeakIdKeyDictionary
@@ -129,8 +130,15 @@ class ZeroParameter(nn.Parameter):
         return _state_of(self).is_persistent
 
 
+def _dynamo_is_tracing() -> bool:
+    """Dynamo is tracing a frame: its own metadata queries (``_is_view()``, ``size()``...) on a released parameter
+    while it builds the parameter's fake tensor. Those are let through, so that the traced code reaches
+    external.py's check of a released read and its error (see [Note: reads inside a compiled region])."""
+    return torch._guards.TracingContext.try_get() is not None
+
+
 def _refuse_if_released(tensor, func_name: str) -> None:
-    if type(tensor) is ZeroParameter and tensor.numel() == 0:
+    if type(tensor) is ZeroParameter and tensor.numel() == 0 and not _dynamo_is_tracing():
         sp = _REGISTRY.get(tensor)
         if sp is not None and sp.status is not ParamStatus.AVAILABLE:
             raise RuntimeError(

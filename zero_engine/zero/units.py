@@ -20,6 +20,15 @@ A module is a leaf when ``module._z3_leaf`` is true (the attribute DeepSpeed use
   module names as in ``named_modules()``; name suffixes);
 - ``zero_optimization.module_granularity_threshold``: DeepSpeed's automatic rule, see ``mark_by_granularity``;
 - ``zero_engine.utils.set_z3_leaf_modules(model, [cls])`` and its siblings, as in DeepSpeed.
+
+[Note: a compiled module is one unit]
+A module compiled on its own (``module.compile()``, or ``torch.compile(module)`` put in the model in its place) is
+a unit of its whole subtree, like a leaf: its hooks run eagerly around the compiled call (see [Note: hooks under
+torch.compile] in hooks.py) and nothing inside the compiled region gathers, so Dynamo captures the region as one
+graph. A unit inside it would be a graph break at each of its hooks. This is FSDP2's recipe (``fully_shard`` and
+compile each transformer block), and it costs what leaf blocks cost: the block's parameters are live together.
+The model's root is the exception: compiling the whole model keeps the units below it (graph breaks at their
+hooks; see compile.py).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from .external import registered_external_parameters
 
 log = logging.getLogger("zero_engine.units")
 
-__all__ = ["DEFAULT_LEAF_CLASSES", "apply_leaf_module_config", "gather_units", "get_z3_leaf_modules",
+__all__ = ["DEFAULT_LEAF_CLASSES", "apply_leaf_module_config", "gather_units", "get_z3_leaf_modules", "is_compiled",
            "mark_by_granularity", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules", "z3_leaf_module"]
 
@@ -46,6 +55,15 @@ _MAX_LEAF_NUMEL = 10**9  # DeepSpeed's Z3_MAX_LEAF_SIZE: the granularity rule ne
 
 def z3_leaf_module(module: nn.Module) -> bool:
     return bool(getattr(module, "_z3_leaf", False))
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """``module.compile()`` was called, or ``module`` is what ``torch.compile(m)`` returned. Cheap: the engine asks
+    it of every module at each forward (compile.py)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was torch.compile'd
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
@@ -212,7 +230,7 @@ def gather_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Par
         if id(module) in seen or isinstance(module, (nn.ParameterList, nn.ParameterDict)):
             return  # ParameterList / ParameterDict: gathered by the module that owns them
         seen.add(id(module))
-        if z3_leaf_module(module):
+        if z3_leaf_module(module) or (name and is_compiled(module)):  # [Note: a compiled module is one unit]
             if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
                 raise ValueError(f"{name or '<root>'}: a {type(module).__name__} is marked as a ZeRO-3 leaf module, "
                                  "but its forward never runs, so its parameters would never be gathered; mark the "

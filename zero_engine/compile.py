@@ -1,0 +1,123 @@
+"""torch.compile with the engine: regional compilation (``engine.compile()``, the config's ``compile`` section), and
+modules the user compiled themselves, before or after ``initialize``.
+
+[Note: how a compiled region composes with ZeRO-3]
+What Dynamo guards on must not change between steps, and what it traces must not gather. Three things make that so:
+
+* **The hooks run eagerly.** Every hook is ``torch.compiler.disable``d (hooks.py, [Note: hooks under
+  torch.compile]); the hooks of a compiled module itself run around its compiled call, not inside it.
+* **A compiled module is one unit** (units.py, [Note: a compiled module is one unit]): its hooks gather its whole
+  subtree before the compiled call, so Dynamo sees whole parameters and no hook inside the region (no graph break).
+  A module compiled after ``initialize`` is noticed at the next forward, which makes the units again
+  (``refresh_units_if_compiled``).
+* **Gather and release keep what Dynamo guards on.** A parameter keeps its identity and its storage object (release
+  resizes the storage, gather fills the same one: partition.py), and inside a compiled call it is always gathered:
+  class ``GatheredZeroParameter``, full shape. Dynamo's guards on the parameters (type, shape, strides, dtype,
+  requires_grad) hold on every call, so the region compiles once per distinct shape: blocks of one shape share one
+  graph, and nothing recompiles after the first step.
+
+The whole model compiled (``model.compile()``) trains too, with graph breaks at the units' hooks: see
+[Note: the whole model compiled at ZeRO-3].
+
+What cannot be compiled fails with a message: a compiled region that reads a parameter outside its subtree (which
+its unit does not gather) raises a ``RuntimeError`` naming the region and the parameter (external.py,
+[Note: reads inside a compiled region]) instead of Dynamo's internal error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.nn as nn
+
+from .zero.units import gather_units, is_compiled, z3_leaf_module
+
+log = logging.getLogger("zero_engine.compile")
+
+__all__ = ["compile_engine", "compiled_modules", "compile_regions", "log_whole_model_compiled",
+           "refresh_units_if_compiled"]
+
+
+def compiled_modules(model: nn.Module) -> frozenset[int]:
+    """ids of the compiled modules of the model: those below the root are units (units.py); the root is not."""
+    return frozenset(id(m) for m in model.modules() if is_compiled(m))
+
+
+def log_whole_model_compiled(engine) -> None:
+    """[Note: the whole model compiled at ZeRO-3] ``model.compile()`` (or ``engine.module.compile()``) keeps the
+    units below the root: their hooks must gather and release eagerly, so Dynamo breaks the graph at each of them
+    (and a break inside a loop, such as the loop over the blocks, makes Dynamo run the rest of that frame eagerly).
+    It trains correctly and compiles nothing after the first step, but little of the model is in graphs; regional
+    compilation (``engine.compile()``, or each block's ``compile()``) gives one graph per block. Logged when the
+    units are made (at initialize, or when compiled modules are noticed), with their number, so a user sees why the
+    model runs mostly eagerly."""
+    if engine.comm.rank == 0 and is_compiled(engine.module):
+        log.warning("zero_engine: the whole model is compiled at ZeRO-3; Dynamo breaks its graph at the hooks of "
+                    "each of its %d gather units (they gather and release eagerly), so much of it runs eagerly. "
+                    "Compile the blocks instead for one graph per block: engine.compile(), or block.compile() on each "
+                    "(count the breaks with torch._dynamo.utils.counters['graph_break'])",
+                    len(engine.coordinator.units))
+
+
+def refresh_units_if_compiled(engine) -> None:
+    """At a forward: if modules were compiled (or un-wrapped) since the units were made, make them again, so that a
+    compiled module is one unit (see [Note: how a compiled region composes with ZeRO-3]). Outside a step only: a
+    forward inside a step (an evaluation forward before the backward) keeps the units until the step ends."""
+    coordinator = engine.coordinator
+    if coordinator is None or coordinator.in_step:
+        return
+    now = compiled_modules(engine.module)
+    if now == engine.compiled_at_units:
+        return
+    from .wiring import build_gathering
+
+    build_gathering(engine, engine.module)
+    if engine.comm.rank == 0:
+        log.info("zero_engine: modules were compiled since the gather units were made; units made again (%d): "
+                 "each compiled module below the root is one unit of its whole subtree", len(engine.coordinator.units))
+
+
+def compile_regions(model: nn.Module, stage: int) -> list[tuple[str, nn.Module]]:
+    """What ``engine.compile()`` compiles, each with its own ``module.compile()``:
+
+    * stages 0-2 (parameters whole, no hooks): the whole model, as DeepSpeed does;
+    * stage 3: the leaf modules if the model has some (a leaf is already one unit); else the *blocks*: each module
+      with parameters held in an ``nn.ModuleList`` / ``nn.Sequential`` that has children of its own (a transformer
+      block, torchtitan's regions); else each unit's module. The rest of the model (embeddings, final norm, head)
+      runs eagerly between the regions.
+    """
+    if stage < 3:
+        return [("<root>", model)]
+    named = list(model.named_modules())
+    leaves = [(n, m) for n, m in named if n and z3_leaf_module(m)]
+    if leaves:
+        return leaves
+    blocks = []
+    for name, container in named:
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            for child_name, child in container.named_children():
+                if next(child.children(), None) is not None and next(child.parameters(), None) is not None:
+                    blocks.append((f"{name}.{child_name}" if name else child_name, child))
+    if blocks:
+        return blocks
+    return [(name, module) for name, module, _ in gather_units(model) if name]
+
+
+def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = None) -> None:
+    """``engine.compile()``: see the method's docstring (deepspeed_api.py)."""
+    kwargs = dict(compile_kwargs or {})
+    if backend is not None:
+        kwargs["backend"] = backend
+    if "backend" not in kwargs:
+        kwargs["backend"] = "inductor"
+    regions = compile_regions(engine.module, engine.stage)
+    for name, module in regions:
+        if is_compiled(module):
+            continue  # compiled already (by the user, or a second engine.compile()): keep that compilation
+        module.compile(**kwargs)
+    engine.is_compiled = True
+    if engine.comm.rank == 0:
+        log.info("zero_engine: compiled %d region(s) with backend %r (%s)", len(regions), kwargs["backend"],
+                 ", ".join(name for name, _ in regions[:4]) + (", ..." if len(regions) > 4 else ""))
+    refresh_units_if_compiled(engine)
