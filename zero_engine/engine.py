@@ -35,7 +35,8 @@ from .device import local_device, place_module
 from .errors import ArgumentError, UsageError
 from .guards import (claim_model, client_optimizer_restorer, discard_failed_backward, refuse_after_destroy,
                      refuse_partitioned_at_stage0, tear_down, undo_failed_initialize, warn_backward_without_step)
-from .memory import reset_rss_peak, rss_bytes, rss_peak_bytes
+from .memory import reset_rss_peak
+from .memory.engine_stats import memory_stats, model_state_bytes
 from .mesh import named_communicators, summed_stats
 from .offload.placement import Placement
 from .wiring import build_parts
@@ -330,61 +331,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
         ``by_location`` splits the model-state categories by where they live: ``{"device": {...}, "host": {...},
         "nvme": {...}}`` (see Placement.by_location in offload/placement.py and README's memory_stats section)."""
-        esize = self.compute_dtype.itemsize
-        if self.stage == 0:
-            params = [p for p in self.module.parameters()]
-            sharded = 0
-            gathered = peak = sum(p.numel() * p.element_size() for p in params)
-            grads = grads_peak = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        else:
-            sharded = sum(sp.shard.numel() * sp.shard.element_size() for sp in self.sharded)
-            if self.coordinator is not None:
-                gathered = self.coordinator.live_numel * esize
-                peak = self.coordinator.peak_live_numel * esize
-            else:
-                gathered = peak = sum(sp.full_bytes for sp in self.sharded)
-            whole = sum(sp.param.grad.numel() * sp.param.grad.element_size()
-                        for sp in self.sharded if sp.param.grad is not None)  # stage 1 accumulates whole grads
-            grads = self.reducer.grad_bytes + whole
-            grads_peak = max(self.accounting.peak["grads"] + whole, grads)
-        stats = {
-            "params_sharded": sharded,
-            "params_gathered": gathered,
-            "params_gathered_peak": peak,
-            "master_params": self.optimizer.master_bytes if self.optimizer is not None else 0,
-            "grads": grads,
-            "grads_peak": grads_peak,
-            "optimizer_states": self.optimizer.state_bytes if self.optimizer is not None else 0,
-            "comm_buffers_peak": self.accounting.peak["comm_buffers"],
-            "params_secondary": self.hpz.bytes if self.hpz is not None else 0,  # ZeRO++ hpZ (zero/hpz.py)
-            "rss": rss_bytes(),
-            "rss_peak": rss_peak_bytes(),
-        }
-        swapper = getattr(self.optimizer, "swapper", None)
-        nvme_bytes = swapper.store.nbytes() if swapper is not None else 0
-        buffer_bytes = swapper.buffer_bytes if swapper is not None else 0
-        if self.param_swapper is not None and not self.param_swapper.closed:
-            nvme_bytes += self.param_swapper.file_bytes()
-            buffer_bytes += self.param_swapper.resident_bytes  # shard buckets in memory now
-        stats["by_location"] = self.placement.by_location(stats, nvme_bytes=nvme_bytes,
-                                                          swap_buffer_bytes=buffer_bytes)
-        if self.hpz is not None:  # hpZ's secondary partition lives beside the gathered parameters (zero/hpz.py)
-            stats["by_location"]["device"]["params_secondary"] = self.hpz.bytes
-            stats["by_location"]["device"]["total"] += self.hpz.bytes
-        return stats
+        return memory_stats(self)  # memory/engine_stats.py
 
-    @staticmethod
-    def model_state_bytes(stats: dict) -> int:
-        """Partitioned model states (shards, masters, gradient shards, optimizer states): what 16Ψ/N predicts.
-
-        Gradient shards exist only inside an accumulation window (see [Note: gradient shard lifetime] in
-        zero/grads.py), so they are counted at their peak (``grads_peak``): this is the model states' peak, the
-        quantity the formula bounds; between windows a rank holds 16Ψ/N minus the gradient shards.
-        At stages 1 and 2 every rank also holds the whole parameters; they are ``stats["params_gathered"]``, not
-        included here (at stage 3 that figure is the transient gathered working set).
-        """
-        return (stats["params_sharded"] + stats["master_params"] + stats.get("grads_peak", stats["grads"])
-                + stats["optimizer_states"] + stats.get("params_secondary", 0))  # hpZ: 16 Psi / N + 2 Psi / k
+    model_state_bytes = staticmethod(model_state_bytes)
 
     def reset_memory_peaks(self) -> None:
         if self.coordinator is not None:
