@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zero_engine
+from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 
@@ -86,16 +87,9 @@ def main() -> None:
     losses, times = [], []
     for step, (x, y) in enumerate(batches, start=1):
         start = time.perf_counter()
-        total = torch.zeros(())
-        for m in range(gas):
-            lo = (m * world + rank) * micro
-            loss = engine(x[lo: lo + micro], y[lo: lo + micro])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
+        loss = train_global_batch(engine, x, y, gas, micro)  # this rank's rows, gas micro-steps, one step
         times.append(time.perf_counter() - start)
-        losses.append(total.item() / (world * gas))
+        losses.append(loss)
         if rank == 0:
             progress(step, args.steps, losses[-1], times[-1])
     if rank == 0 and sys.stdout.isatty():

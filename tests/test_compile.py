@@ -20,12 +20,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import zero_engine
 from zero_engine.testing import run_ranks
+from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 from test_zero3 import ds_config, full_params, make_reference_optimizer, reference_step
@@ -49,7 +49,7 @@ def _train(how: str, config: dict, model_cfg: GPTConfig, steps: int = 3, backend
     from torch._dynamo.utils import counters
 
     counters.clear()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(model_cfg)
     reference = copy.deepcopy(model)
@@ -81,16 +81,8 @@ def _train(how: str, config: dict, model_cfg: GPTConfig, steps: int = 3, backend
     worst, warm, losses = 0.0, None, []
     for step, (x, y) in enumerate(make_batches(model_cfg, steps, world * micro * gas)):
         ref_loss = reference_step(reference, ref_opt, x, y, config["gradient_clipping"])
-        total = torch.zeros(())
-        for m in range(gas):
-            lo = (m * world + rank) * micro
-            loss = engine(x[lo: lo + micro], y[lo: lo + micro])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-            losses.append(loss.item())
-        dist.all_reduce(total)
-        worst = max(worst, abs(total.item() / (world * gas) - ref_loss) / abs(ref_loss))
+        ours = train_global_batch(engine, x, y, gas, micro, lambda _, loss: losses.append(loss.item()))
+        worst = max(worst, abs(ours - ref_loss) / abs(ref_loss))
         if step == 0:
             warm = _counters()
     ours = {name.replace("._orig_mod", ""): value for name, value in full_params(engine).items()}

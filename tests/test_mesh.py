@@ -21,6 +21,7 @@ import torch.nn as nn
 import zero_engine
 from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
+from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 TIMEOUT = 120
@@ -85,7 +86,7 @@ def _init_kwargs(how: str) -> dict:
 
 # ---- parity with one process ----------------------------------------------------------------------------------------
 def _parity_body(stage, seq, optimizer, how):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     cfg = GPTConfig(frozen_param=True, reuse_block=True)
     lr = 1e-3 if optimizer == "AdamW" else 0.05
     config = ds_config(stage, seq, optimizer=optimizer, lr=lr, mics=K if how == "config" else -1)
@@ -107,15 +108,8 @@ def _parity_body(stage, seq, optimizer, how):
                 p.grad = torch.zeros_like(p)
         ref_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         ref_opt.step()
-        total = torch.zeros(())
-        for m in range(gas):
-            lo = (m * world + rank) * micro
-            loss = engine(x[lo: lo + micro], y[lo: lo + micro])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        worst_loss = max(worst_loss, abs(total.item() / (world * gas) - ref_loss.item()) / abs(ref_loss.item()))
+        ours = train_global_batch(engine, x, y, gas, micro)
+        worst_loss = max(worst_loss, abs(ours - ref_loss.item()) / abs(ref_loss.item()))
         norms.append(abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)  # replicas not counted twice
     ours = shard_group_gather(engine, lambda sp: sp.shard)
     ref = dict(reference.named_parameters())

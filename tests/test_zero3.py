@@ -23,6 +23,7 @@ import torch.nn as nn
 import zero_engine
 import zero_engine.schedulers
 from zero_engine.testing import run_ranks
+from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.zero.partition import ParamStatus
 
@@ -76,7 +77,7 @@ def make_reference_optimizer(model, optimizer, lr):
 
 def train_and_compare(model_cfg: GPTConfig, config: dict, steps: int = 5, branch_steps=(), check=None):
     """Train under the engine and in one process on the full batch; return (max loss rel err, param rel err)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(model_cfg)
     reference = copy.deepcopy(model)
@@ -87,17 +88,7 @@ def train_and_compare(model_cfg: GPTConfig, config: dict, steps: int = 5, branch
     for step, (x, y) in enumerate(make_batches(model_cfg, steps, world * micro * gas)):
         kw = {"use_branch": step in branch_steps} if model_cfg.optional_branch else {}
         ref_loss = reference_step(reference, ref_opt, x, y, config["gradient_clipping"], **kw)
-        total = torch.zeros(())
-        for m in range(gas):
-            lo = (m * world + rank) * micro
-            loss = engine(x[lo: lo + micro], y[lo: lo + micro], **kw)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-            if check is not None:
-                check(engine)
-        dist.all_reduce(total)
-        ours = total.item() / (world * gas)
+        ours = train_global_batch(engine, x, y, gas, micro, None if check is None else lambda e, _: check(e), **kw)
         worst_loss = max(worst_loss, abs(ours - ref_loss) / abs(ref_loss))
     ours = full_params(engine)
     ref = dict(reference.named_parameters())
