@@ -375,12 +375,8 @@ def _check_mics_shard_size(zc, world_size: int) -> None:
     elif zc.stage == 0:
         fix = "needs zero_optimization.stage 1, 2 or 3 (stage 0 shards nothing); raise the stage or set -1"
     elif world_size % k:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        fix = (f"{k} does not divide the data-parallel world of {world_size} ranks; use one of "
-               f"{', '.join(map(str, divisors))} (the ranks per shard group, e.g. GPUs per node), or -1 (off)")
-    if fix is not None:
-        raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}",
-                                  {"detail": fix, "subpath": "zero_optimization.mics_shard_size"})
+        fix = _not_a_divisor(k, world_size, "the ranks per shard group, e.g. GPUs per node", off=-1)
+    _raise_if(fix, "zero_optimization.mics_shard_size")
 
 
 def _check_hpz_partition_size(zc, world_size: int) -> None:
@@ -395,9 +391,16 @@ def _check_hpz_partition_size(zc, world_size: int) -> None:
         fix = (f"{k} together with mics_shard_size {zc.mics_shard_size} is not supported yet; use one of the two "
                "(hpZ keeps states sharded over every rank, MiCS within groups)")
     elif world_size % k:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        fix = (f"{k} does not divide the data-parallel world of {world_size} ranks; use one of "
-               f"{', '.join(map(str, divisors))} (the ranks per node), or 1 (off)")
+        fix = _not_a_divisor(k, world_size, "the ranks per node", off=1)
+    _raise_if(fix, "zero_optimization.zero_hpz_partition_size")
+
+
+def _not_a_divisor(k: int, world_size: int, meaning: str, off: int) -> str:
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return (f"{k} does not divide the data-parallel world of {world_size} ranks; use one of "
+            f"{', '.join(map(str, divisors))} ({meaning}), or {off} (off)")
+
+
+def _raise_if(fix: str | None, subpath: str) -> None:
     if fix is not None:
-        raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}",
-                                  {"detail": fix, "subpath": "zero_optimization.zero_hpz_partition_size"})
+        raise PydanticCustomError(CONFIG_ERROR_TYPE, "{detail}", {"detail": fix, "subpath": subpath})
