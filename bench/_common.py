@@ -97,6 +97,10 @@ class System:
     fully_sharded: bool = False  # params, grads and optimizer states all sharded: the 16Ψ/N formula applies
     leaf_units: bool = True  # ours: the size's leaf modules (ZeroKnobs.leaf_classes) apply; False: a unit per module
     compiled: bool = False  # each block torch.compile'd (Inductor): FSDP2 block.compile(), ours engine.compile()
+    # Hierarchy (issue 24): ours mics_shard_size / zero_hpz_partition_size, FSDP2 a (world / k, k) HSDP mesh.
+    mics: int = 0
+    hpz: int = 0
+    hsdp: int = 0
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
@@ -107,6 +111,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("zero3", "ours ZeRO-3 coalesced", "ours Z3\ncoalesced", "ours", stage=3, fully_sharded=True),
     System("zero3-compile", "ours ZeRO-3, blocks compiled", "ours Z3\ncompiled", "ours", stage=3, fully_sharded=True,
            compiled=True),
+    System("zero3-mics", "ours ZeRO-3, MiCS shard 2", "ours Z3\nMiCS 2", "ours", stage=3, mics=2),
+    System("zero3-hpz", "ours ZeRO-3, hpZ 2", "ours Z3\nhpZ 2", "ours", stage=3, fully_sharded=True, hpz=2),
+    System("fsdp2-hsdp", "torch FSDP2 HSDP 2 x 2", "FSDP2\nHSDP", "torch", hsdp=2),
     System("zero3-seq", "ours ZeRO-3 sequential", "ours Z3\nsequential", "ours", stage=3, sequential=True,
            fully_sharded=True, leaf_units=False),
     System("zero3-module", "ours ZeRO-3 coalesced, a unit per module", "ours Z3\nper module", "ours", stage=3,
@@ -143,6 +150,10 @@ def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str =
         # zero3-seq stays per module: a leaf would gather its whole block, where sequential keeps one parameter.
         if k.leaf_classes and system.leaf_units:
             zero["leaf_module"] = {"classes": list(k.leaf_classes)}
+        if system.mics:
+            zero["mics_shard_size"] = system.mics
+        if system.hpz:
+            zero["zero_hpz_partition_size"] = system.hpz
     return {
         "train_micro_batch_size_per_gpu": size.micro_batch(world),
         "gradient_accumulation_steps": 1,

@@ -69,7 +69,9 @@ class TorchRunner:
 
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            mesh = init_device_mesh("cpu", (world,))
+            k = SYSTEMS[system].hsdp  # HSDP: shard within groups of k, replicate across world / k of them
+            mesh = init_device_mesh("cpu", (world // k, k), mesh_dim_names=("dp_replicate", "dp_shard")) if k \
+                else init_device_mesh("cpu", (world,))
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
                 else MixedPrecisionPolicy()
             for block in model.blocks:
