@@ -95,17 +95,24 @@ def ds_config(gas: int = 2, micro: int = 2, optimizer: str = "AdamW", lr: float 
             "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero_section}
 
 
-def _zero3_body(ep_size: int, optimizer: str = "AdamW", steps: int = 3, gas: int = 2, micro: int = 2, **zero):
+def _zero3_body(ep_size: int, optimizer: str = "AdamW", steps: int = 3, gas: int = 2, micro: int = 2,
+                via_mesh: bool = False, **zero):
     """The MoE GPT under ZeRO-3 with experts on ep ranks, against one process holding every expert on the full
-    batch (same clipping, same optimizer)."""
+    batch (same clipping, same optimizer). ``via_mesh``: the groups come from a DeviceMesh ("edp", "ep") that
+    initialize() is given too."""
     from zero_engine.testing.loop import train_global_batch
     from zero_engine.utils import safe_get_full_fp32_param
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = expert_parallel_groups(ep_size)
+    mesh = None
+    if via_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+    groups = expert_parallel_groups(ep_size, mesh=mesh)
     model, reference = moe_gpt(groups), moe_gpt()
     config = ds_config(gas, micro, optimizer, **zero)
-    engine, *_ = zero_engine.initialize(model=model, config=config)
+    engine, *_ = zero_engine.initialize(model=model, config=config, mesh=mesh)
     layout = {sp.fqn: (sp.world_size, sp.shard_numel, sp.numel) for sp in engine.sharded}
     opt_params = config["optimizer"]["params"]
     ref_opt = (torch.optim.AdamW if optimizer == "AdamW" else torch.optim.SGD)(reference.parameters(), **opt_params)
@@ -125,6 +132,9 @@ def _zero3_body(ep_size: int, optimizer: str = "AdamW", steps: int = 3, gas: int
         expected = _expert_slice(name, ref[name].detach(), groups)
         ours = safe_get_full_fp32_param(p)
         param_errors[name] = ((ours - expected).norm() / expected.norm()).item()
+    with zero_engine.zero.GatheredParameters(list(model.parameters())):  # experts over edp: this rank's experts
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), safe_get_full_fp32_param(p)), name
     engine.destroy()
     return max(loss_errors), max(norm_errors), param_errors, layout
 
@@ -148,3 +158,46 @@ def test_zero3_with_experts_sgd_sequential_gather_is_exact_to_1e5():
     """SGD (linear in the gradient) bounds the parameters at 1e-5; the sequential gather routes per group too."""
     _check_zero3(run_ranks(_zero3_body, 4, 2, "SGD", 2, 1, 2, stage3_allgather_sequential=True,
                            timeout=TIMEOUT), world=4, ep_size=2, param_tol=1e-5)
+
+
+def test_zero3_with_an_edp_x_ep_device_mesh_given_to_initialize():
+    """The same groups from initialize(mesh=init_device_mesh(..., mesh_dim_names=("edp", "ep")))."""
+    _check_zero3(run_ranks(_zero3_body, 4, 2, "SGD", 2, 1, 2, True, timeout=TIMEOUT), world=4, ep_size=2,
+                 param_tol=1e-5)
+
+
+# ---- bad input and what is not supported yet --------------------------------------------------------------------
+def _refusal_body(case: str):
+    model = moe_gpt(expert_parallel_groups(2)) if case != "ep_size_3" else moe_gpt()
+    config = ds_config()
+    if case == "stage 2":
+        config["zero_optimization"]["stage"] = 2
+    elif case in ("ep_size_3", "bad name"):
+        for p in model.blocks[0].mlp.experts.parameters():
+            p.allreduce, p.group_name = False, "ep_size_3" if case == "ep_size_3" else "experts"
+    try:
+        engine, *_ = zero_engine.initialize(model=model, config=config)
+    except (ValueError, NotImplementedError) as err:
+        return type(err).__name__, str(err)
+    try:
+        engine.save_checkpoint("/nonexistent/never-written")
+    except NotImplementedError as err:
+        return type(err).__name__, str(err)
+    finally:
+        engine.destroy()
+    return None
+
+
+@pytest.mark.parametrize("case, kind, message", [
+    ("stage 2", "NotImplementedError", r"blocks\.0\.mlp\.experts\.w1 is an expert parameter .*ZeRO stage 2.*not "
+                                       r"supported yet"),
+    ("ep_size_3", "ValueError", r"blocks\.0\.mlp\.experts\.w1: group_name 'ep_size_3': ep size 3 does not divide the "
+                                r"data-parallel world of 2 ranks"),
+    ("bad name", "ValueError", r"blocks\.0\.mlp\.experts\.w1: group_name 'experts' is not understood"),
+    ("checkpoint", "NotImplementedError", r"save_checkpoint\(\) with expert-parallel parameters .*not supported yet"),
+])
+def test_expert_parallel_refuses_what_it_cannot_do_naming_the_parameter(case, kind, message):
+    import re
+
+    for result in run_ranks(_refusal_body, 2, case, timeout=TIMEOUT):
+        assert result is not None and result[0] == kind and re.search(message, result[1]), result

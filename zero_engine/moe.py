@@ -96,10 +96,14 @@ class ExpertParallelGroups:
 _GROUPS: dict[int, ExpertParallelGroups] = {}
 
 
-def expert_parallel_groups(ep_size: int, device_type: Optional[str] = None) -> ExpertParallelGroups:
+def expert_parallel_groups(ep_size: Optional[int] = None, device_type: Optional[str] = None,
+                           mesh=None) -> ExpertParallelGroups:
     """The groups for ``ep_size`` in the current world, made once (collective the first time: every rank calls it,
     in the same order as its other group creations). ``device_type``: the DeviceMesh's (default: "cuda" under
-    nccl, else "cpu")."""
+    nccl, else "cpu"). ``mesh``: a DeviceMesh of dims ("edp", "ep") to take them from instead (the same one given
+    to ``zero_engine.initialize(mesh=...)``); it becomes the groups of its ep size."""
+    if mesh is not None:
+        return _groups_of_mesh(mesh)
     if not isinstance(ep_size, int) or ep_size < 1:
         raise ValueError(f"expert_parallel_groups: ep_size={ep_size!r} must be a positive int")
     if not dist.is_initialized():
@@ -123,6 +127,23 @@ def expert_parallel_groups(ep_size: int, device_type: Optional[str] = None) -> E
         mesh = init_device_mesh(device, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
         groups = ExpertParallelGroups(ep_size, world, rank, mesh.get_group("ep"), mesh.get_group("edp"), mesh,
                                       dist.group.WORLD)
+    _GROUPS[ep_size] = groups
+    return groups
+
+
+def _groups_of_mesh(mesh) -> ExpertParallelGroups:
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != ("edp", "ep"):
+        raise ValueError(f"expert_parallel_groups(mesh=...): dims {names}; an expert-parallel mesh has dims "
+                         "(\"edp\", \"ep\"), ep innermost (init_device_mesh(device, (world // ep, ep), "
+                         "mesh_dim_names=(\"edp\", \"ep\")))")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if mesh.size() != world or not torch.equal(mesh.mesh.flatten().cpu(), torch.arange(world)):
+        raise NotImplementedError(f"expert_parallel_groups(mesh=...): ranks {mesh.mesh.tolist()}; only a mesh over "
+                                  "every rank laid out by init_device_mesh (ep innermost) is supported yet")
+    ep_size = int(mesh.mesh.shape[1])
+    groups = ExpertParallelGroups(ep_size, world, rank, mesh.get_group("ep") if ep_size > 1 else None,
+                                  mesh.get_group("edp"), mesh, dist.group.WORLD)
     _GROUPS[ep_size] = groups
     return groups
 
