@@ -3,19 +3,19 @@
 Bodies named ``_*_body`` run on every rank of the simulated world (module level, so the rank pool imports them).
 
 Tolerances. The kernels are checked against their exact bound: every dequantized element is within half a step
-(``max|block| / (2 qmax)``) of its value. Training changes numerics, so parity with one process is stated against
-what the quantization can do, measured beside the exact engine on the same run:
+(``max|block| / (2 qmax)``) of its value. Training changes numerics, so parity with one process (world 4, AdamW
+lr 1e-3, 4 steps of 2 micro-steps, clipping 1.0) is stated against what the quantization can do; the exact engine
+runs beside it on the same data (it stays within 1e-5 / 2e-4, as test_mesh.py states):
 
-* qwZ: forward and backward compute with weights within 1/254 of their block's largest magnitude (relative L2 about
-  0.2% for these weights), the masters stay exact, so losses stay within 1e-3 relative of the one-process reference
-  (the exact engine: 1e-5) and parameters after 4 AdamW steps within 2e-3 relative L2 (exact engine: 2e-4).
-* qgZ: each rank's gradient within 1/14 of its block's largest magnitude before the average (relative L2 up to ~16%
-  per rank for heavy-tailed gradients, ~6% after averaging 4 ranks' independent roundings). AdamW normalises
-  the step per element, so a 6% gradient error moves a parameter by at most ~lr per step in the worst case: after 4
-  steps at lr 1e-3 the relative L2 distance to the reference is bounded by 2e-2 (measured ~4e-3), and losses, which
-  see only the weights, within 1e-2 relative.
-A quantized run that ignored the quantization (exact) would pass these bounds too; so each test also asserts the
-quantized run differs from the exact one and that the collectives moved the quantized bytes.
+* qwZ: forward and backward compute with weights within 1/254 of their block's largest magnitude (the masters stay
+  exact, so the error does not accumulate): the loss moves by ~1e-4 relative and the gradients by ~0.4%. AdamW
+  normalises each element's step, so an element whose gradient is smaller than that perturbation may step
+  differently: measured 5e-5 (loss) and 1.7e-3 (parameters, relative L2); stated 5e-4 and 5e-3.
+* qgZ: each rank's gradient within 1/14 of its block's largest magnitude before the average (~8% relative L2 per
+  rank, ~4% after averaging 4 independent roundings), so more elements step differently: measured 2e-4 (loss) and
+  7.6e-3 (parameters); stated 2e-3 and 2e-2. hpZ 2 + qwZ + qgZ together: measured 1.8e-4 and 7.5e-3, same bound.
+A run that ignored the quantization would pass these bounds too, so each test also asserts that the quantized run
+differs from the exact one and that the collectives moved the quantized kinds.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,9 +130,9 @@ def _parity_body(zero):
 
 
 @pytest.mark.parametrize("zero,loss_tol,param_tol", [
-    ({"zero_quantized_weights": True}, 1e-3, 2e-3),
-    ({"zero_quantized_gradients": True}, 1e-2, 2e-2),
-    ({"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}, 1e-2, 2e-2),
+    ({"zero_quantized_weights": True}, 5e-4, 5e-3),
+    ({"zero_quantized_gradients": True}, 2e-3, 2e-2),
+    ({"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}, 2e-3, 2e-2),
 ], ids=["qwZ", "qgZ", "hpZ2+qwZ+qgZ"])
 def test_parity_with_one_process_within_the_stated_tolerance(zero, loss_tol, param_tol):
     for errors, moved, stats in run_ranks(_parity_body, WORLD, zero, timeout=TIMEOUT):
@@ -207,3 +210,28 @@ def test_nontrainable_weights_key_is_refused_clearly():
               "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}
     with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights.*not supported yet"):
         load_config(config, world_size=2)
+
+
+# ---- the demo ------------------------------------------------------------------------------------------------------
+def _demo_final_loss(tmp_path, config: dict, name: str) -> float:
+    (tmp_path / f"{name}.json").write_text(json.dumps(config))
+    losses = tmp_path / f"{name}_losses.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+         "examples/train_gpt.py", "--config", str(tmp_path / f"{name}.json"), "--steps", "20", "--n-layer", "2",
+         "--n-embd", "64", "--losses", str(losses)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return json.loads(losses.read_text())[-1]
+
+
+def test_demo_final_loss_within_2_percent_of_unquantized(tmp_path):
+    """examples/configs/zero3pp.json (hpZ 2 + qwZ + qgZ, bf16) under torchrun at world 4 on a smaller model, and the
+    same config with both quantized keys off: the final losses within 2% (the issue's bar; measured 0.3% on the
+    full demo model, docs/benchmarks.md)."""
+    config = json.loads((REPO / "examples" / "configs" / "zero3pp.json").read_text())
+    quantized = _demo_final_loss(tmp_path, config, "quantized")
+    config["zero_optimization"].update(zero_quantized_weights=False, zero_quantized_gradients=False)
+    exact = _demo_final_loss(tmp_path, config, "exact")
+    assert abs(quantized - exact) / exact < 0.02, (quantized, exact)
