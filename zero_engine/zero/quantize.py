@@ -190,17 +190,16 @@ class QuantizedGather:
         if shards is None:
             shards = run[0].shard if len(run) == 1 else torch.cat([p.shard for p in run])
         per_rank = shards.numel()
-        world = self.comm.world_size
-        label = f"{name or run[0].fqn} (int8)"
+        # Quantized and allocated on the current stream, held by ``work`` until wait() (streams.py's rule for a
+        # collective's buffers); only the collective runs on the all-gather stream.
+        send = quantize(shards.view(1, per_rank), WEIGHT_BITS)
+        recv = torch.empty(self.comm.world_size, send.numel(), dtype=torch.uint8, device=send.device)
+        work.keep_alive.append(send)
+        work.runs.append((recv, run, per_rank))
 
         def issue():
-            send = quantize(shards.view(1, per_rank), WEIGHT_BITS)
-            recv = torch.empty(world, send.numel(), dtype=torch.uint8, device=send.device)
-            work.keep_alive.append(send)
-            work.runs.append((recv, run, per_rank))
-            return self.comm.all_gather_into_tensor(recv, send, async_op=True, name=label)
+            return self.comm.all_gather_into_tensor(recv, send, async_op=True, name=f"{name or run[0].fqn} (int8)")
 
-        # On CUDA the quantize kernel runs on the all-gather stream too (it reads only this rank's shard).
         work.pending.append(issue() if self.streams is None else
                             self.streams.collective_on(self.streams.all_gather, issue))
 
@@ -220,6 +219,8 @@ class _QuantizedReduce:
         world = self.recv.shape[0]
         pieces = dequantize(self.recv, self.out.numel(), GRADIENT_BITS)  # [world, per rank]: every rank's piece
         self.out.copy_(pieces.sum(dim=0).div_(world))
+        if self.recv.is_cuda:  # allocated on the reduce-scatter stream, read above on this one: free after it
+            self.recv.record_stream(torch.cuda.current_stream(self.recv.device))
         if self.accounting is not None:
             self.accounting.add("comm_buffers", -2 * self.recv.numel())
         self.send = self.recv = None
