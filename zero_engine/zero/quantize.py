@@ -28,6 +28,10 @@ is every ``GatheredParameters`` and checkpoint gather: user-visible values are t
 (zero/hpz.py) the forward's quantized gather fills the 16-bit secondary shards from the dequantized values, so
 backward's gathers within the hpZ group move 16-bit copies of exactly the weights forward used (backward and
 forward agree bit for bit; only the cross-group primary gather is quantized, where the bandwidth is scarce).
+DeepSpeed differs here: its ``all_gather_coalesced`` (partition_parameters.py) quantizes the secondary-tensor
+gathers too, from a secondary partition refreshed from the 16-bit shards after the step, so its backward reads a
+second int8 rounding of the weights over the intra-node links. Ours spends 16-bit bytes within the hpZ group (a
+node: the fast links) to keep one rounding and forward/backward consistency.
 Gradients of a parameter that got one on some ranks only (presence.py) are reduced on their own, exactly.
 
 [Note: qgZ is one all-to-all]
