@@ -79,6 +79,24 @@ def test_int4_packs_two_values_a_byte_and_int8_halves_bf16():
     assert payload_bytes(n, 4) / (2 * n) == pytest.approx(0.2578, abs=1e-4)  # qgZ vs a bf16 reduce-scatter
 
 
+# ---- the communicator's all-to-all (qgZ's collective) -------------------------------------------------------------------
+def _all_to_all_body():
+    from zero_engine.comm import Communicator
+
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    send = torch.arange(world * 2, dtype=torch.float32) + 100 * rank  # chunk j (2 elements) goes to rank j
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, async_op=True, name="probe").wait()
+    expected = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * r for r in range(world)])
+    return torch.equal(recv, expected), comm.stats()["all_to_all"]
+
+
+def test_all_to_all_single_exchanges_chunks_and_counts_the_input():
+    for same, counted in run_ranks(_all_to_all_body, 3, timeout=TIMEOUT):
+        assert same and counted == {"calls": 1, "bytes": 3 * 2 * 4}
+
+
 # ---- parity with one process --------------------------------------------------------------------------------------------
 def ds_config(gas=2, micro=2, lr=1e-3, **zero):
     zero_section = {"stage": 3, "reduce_bucket_size": 700, "stage3_prefetch_bucket_size": 3000,
