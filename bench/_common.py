@@ -101,6 +101,9 @@ class System:
     mics: int = 0
     hpz: int = 0
     hsdp: int = 0
+    quantized: bool = False  # ours: ZeRO++ zero_quantized_weights + zero_quantized_gradients (issue 24)
+    # relative loss tolerance of this system (None: compare.py's for the dtype); quantized systems change numerics
+    loss_rtol: float | None = None
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
@@ -113,6 +116,10 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
            compiled=True),
     System("zero3-mics", "ours ZeRO-3, MiCS shard 2", "ours Z3\nMiCS 2", "ours", stage=3, mics=2),
     System("zero3-hpz", "ours ZeRO-3, hpZ 2", "ours Z3\nhpZ 2", "ours", stage=3, fully_sharded=True, hpz=2),
+    # qwZ + qgZ: int8 weights and int4 gradients move the loss by ~1e-3 within a few steps at lr 1e-3 (measured
+    # 2e-4 in tests/test_zeropp_quant.py's parity test); 1e-2 still catches a missing average or a stale parameter.
+    System("zero3-hpz-qwz-qgz", "ours ZeRO-3, hpZ 2 + qwZ + qgZ", "ours Z3\nhpZ+qwZ+qgZ", "ours", stage=3,
+           fully_sharded=True, hpz=2, quantized=True, loss_rtol=1e-2),
     System("fsdp2-hsdp", "torch FSDP2 HSDP 2 x 2", "FSDP2\nHSDP", "torch", hsdp=2),
     System("zero3-seq", "ours ZeRO-3 sequential", "ours Z3\nsequential", "ours", stage=3, sequential=True,
            fully_sharded=True, leaf_units=False),
@@ -154,6 +161,8 @@ def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str =
             zero["mics_shard_size"] = system.mics
         if system.hpz:
             zero["zero_hpz_partition_size"] = system.hpz
+        if system.quantized:
+            zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
     return {
         "train_micro_batch_size_per_gpu": size.micro_batch(world),
         "gradient_accumulation_steps": 1,

@@ -255,7 +255,8 @@ def run_group(args, runner: Runner, size_name: str, world: int, systems: list[st
         notes[system] += [note] if note else []
         complete = all(timed[system]) and measured
         ranks = _merge_passes(timed[system], measured) if complete else []
-        rows.append(_report.build_row(size_name, world, system, ranks, reference, args.loss_rtol,
+        loss_rtol = max(args.loss_rtol, SYSTEMS[system].loss_rtol or 0.0)  # quantized systems: their own
+        rows.append(_report.build_row(size_name, world, system, ranks, reference, loss_rtol,
                                       "; ".join(notes[system])))
     return rows
 

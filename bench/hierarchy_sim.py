@@ -1,4 +1,5 @@
-"""On paper (issue 24): cross-node bytes and a modelled step time for flat ZeRO-3, MiCS and hpZ at 64 nodes x 8 GPUs.
+"""On paper (issue 24): cross-node bytes and a modelled step time for flat ZeRO-3, MiCS, hpZ and hpZ + qwZ + qgZ
+at 64 nodes x 8 GPUs.
 
     python bench/hierarchy_sim.py                          # LLaMA-7B shape, 64 x 8, MiCS 8 and hpZ 8, 100 Gb/s
     python bench/hierarchy_sim.py --nodes 8 --inter-gbps 400 --json out.json
@@ -12,7 +13,8 @@ these assumptions:
   MiCS's ``dp_shard`` and hpZ's ``hpz`` groups (of gpus_per_node consecutive ranks) stay within a node and MiCS's
   ``dp_replicate`` groups (one rank per node) span every node, gpus_per_node of them side by side;
 * ring collectives, bandwidth term only (no latency, no contention model): in a group of n ranks a rank moves
-  (n - 1) / n of its all-gather / reduce-scatter bytes and 2 (n - 1) / n of its all-reduce bytes; with the ring
+  (n - 1) / n of its all-gather / reduce-scatter / all-to-all bytes and 2 (n - 1) / n of its all-reduce bytes (an
+  all-to-all is no ring, but over a node-spanning group it sends the same (n - 1) / n across); with the ring
   ordered by node, a node's inter-node link carries that volume once per group of this node (so a node-spanning
   group with r ranks per node costs the node gpus_per_node / r times one rank's volume);
 * one inter-node link per node (``--inter-gbps``, one direction) shared by its GPUs; inside a node, each GPU moves
@@ -38,8 +40,11 @@ import zero_engine  # noqa: E402
 from scale_sim import llama_7b_on_meta, model_vocab  # noqa: E402
 from zero_engine.testing import fake_world  # noqa: E402
 
-LAYOUTS = {"flat ZeRO-3": {}, "MiCS 8": {"mics_shard_size": 8}, "hpZ 8": {"zero_hpz_partition_size": 8}}
-RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+LAYOUTS = {"flat ZeRO-3": {}, "MiCS 8": {"mics_shard_size": 8}, "hpZ 8": {"zero_hpz_partition_size": 8},
+           "hpZ 8 + qwZ + qgZ": {"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
+                                 "zero_quantized_gradients": True}}
+# all-to-all (qgZ): a rank keeps 1 / n of what it sends, as a ring all-gather / reduce-scatter keeps 1 / n
+RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
 
 

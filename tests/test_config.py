@@ -59,6 +59,7 @@ DEEPSPEED_DEFAULTS = {
         "max_reuse_distance": 1_000_000_000, "allgather_sequential": False,
         "gather_16bit_weights_on_model_save": False, "round_robin_gradients": False,
         "module_granularity_threshold": 0, "mics_shard_size": -1, "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False, "zero_quantized_gradients": False,
     },
     "zero_optimization.leaf_module": {  # deepspeed/runtime/zero/leaf_module_config.py
         "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
@@ -532,11 +533,9 @@ def test_several_bad_values_are_reported_together():
 # --- not supported yet -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"zero_optimization": {"zero_quantized_weights": True}},
-     "zero_optimization.zero_quantized_weights: true is not supported yet (ZeRO++ quantized weights); "
-     "accepted: only false"),
-    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients: true is"
-     " not supported yet (ZeRO++ quantized gradients)"),
+    ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}},
+     "zero_optimization.zero_quantized_nontrainable_weights: true is not supported yet (ZeRO++ int8 storage of "
+     "frozen weights; zero_quantized_weights quantizes their gathers); accepted: only false"),
     ({"zero_optimization": {"mics_hierarchical_params_gather": True}},
      "zero_optimization.mics_hierarchical_params_gather: true is not supported yet (MiCS hierarchical (two-level)"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
@@ -643,7 +642,7 @@ def test_schema_validates_a_typical_zero3_config_and_rejects_bad_types():
     load_config(TRANSFORMERS_ZERO3, world_size=1)  # and load_config agrees
     for bad in ({"zero_optimization": {"stage": "three"}}, {"zero_optimization": {"stage": 4}},
                 {"fp16": {"enabled": "yes"}}, {"zero_optimization": {"stage3_prefetch_bucket_sze": 1}},
-                {"zero_optimization": {"zero_quantized_weights": True}}, {"optimizer": {"type": "AdamW",
+                {"zero_optimization": {"zero_quantized_nontrainable_weights": True}}, {"optimizer": {"type": "AdamW",
                                                                                        "params": {"lr": "fast"}}}):
         assert list(validator.iter_errors({**TRANSFORMERS_ZERO3, **bad})), bad
 

@@ -1,7 +1,7 @@
 """The 40 real ds_config.json files in ../shared/dsconfigs: each one's exact outcome.
 
 A file either loads (checked at world sizes 1, 2 and 8, where its batch numbers allow -- at 16 and 32 for the MiCS
-file, whose shard groups of 16 must divide the world -- with the resolved batch
+and ZeRO++ files, whose groups of 16 must divide the world -- with the resolved batch
 sizes, stage, precision, optimizer, scheduler and offload devices), or fails with "not supported yet" for a feature
 we lack, or -- the one real typo -- with the did-you-mean error. Two files carry no batch size at all; DeepSpeed
 refuses those, and so do we (each also loads once a micro batch is added, so nothing else in it is a problem).
@@ -60,8 +60,10 @@ def nsy(message: str) -> Fails:
 EXPECTED: dict[str, Loads | Fails] = {
     "CarperAI__trlx__examples__summarize_rlhf__sft__ds_config_gptj.json":
         Loads(per_rank(128), 2, "fp16", "adamw", "WarmupLR", ("cpu", "cpu")),
+    # ZeRO++ hpZ 16 + qwZ + qgZ: loads where 16 divides the world (tests/test_zeropp_quant.py trains hpZ 2 + qwZ + qgZ
+    # at world 4)
     "LLaVA-VL__LLaVA-NeXT__scripts__zero3pp.json":
-        nsy("2 config problems:\n  zero_optimization.zero_quantized_weights: true is not supported yet"),
+        Loads({16: (128, 8, 1), 32: (256, 8, 1)}, 3, "fp32", "adamw", None, ("none", "none")),
     "LambdaLabsML__distributed-training-guide__alternative-frameworks__deepspeed__ds_config.json":
         Loads(micro_only(1), 3, "bf16", "adamw", "WarmupCosineLR", ("-", "-")),
     # MiCS shard groups of 16: loads where 16 divides the world (tests/test_mesh.py trains it at world 4 with the

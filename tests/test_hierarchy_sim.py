@@ -23,7 +23,7 @@ def test_inter_node_bytes_flat_mics_hpz(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert hierarchy_sim.main(["--nodes", "2", "--json", str(out)]) == 0
     assert "| hpZ 8 |" in capsys.readouterr().out
-    flat, mics, hpz = json.loads(out.read_text())["rows"]
+    flat, mics, hpz, zpp = json.loads(out.read_text())["rows"]
     assert (flat["layout"], mics["layout"], hpz["layout"]) == ("flat ZeRO-3", "MiCS 8", "hpZ 8")
     world = flat["comm_stats"]["world"]
     # flat: everything crosses nodes (one ring of 16, half its hops inter-node), nothing stays inside one
@@ -38,3 +38,10 @@ def test_inter_node_bytes_flat_mics_hpz(tmp_path, capsys):
     # hpZ: the backward all-gather moves into the node, so fewer bytes cross it
     assert hpz["comm_stats"]["hpz"]["all_gather"]["bytes"] > 0
     assert hpz["inter_node_bytes"] < 0.8 * flat["inter_node_bytes"]
+    # hpZ + qwZ + qgZ: the forward all-gather in int8 (about half) and the gradients as an int4 all-to-all (about an
+    # eighth of the fp32 reduce-scatter) cross the nodes
+    world_q = zpp["comm_stats"]["world"]
+    assert world_q["reduce_scatter"]["bytes"] == 0 and world_q["all_to_all"]["bytes"] > 0
+    assert world_q["all_to_all"]["bytes"] < 0.14 * world["reduce_scatter"]["bytes"]
+    assert world_q["all_gather"]["bytes"] < 0.55 * hpz["comm_stats"]["world"]["all_gather"]["bytes"]
+    assert zpp["inter_node_bytes"] < 0.3 * hpz["inter_node_bytes"]

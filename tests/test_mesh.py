@@ -380,8 +380,8 @@ def test_bad_config_input_names_the_key_and_the_fix():
              ({"stage": 2, "zero_hpz_partition_size": 2}, "2 needs zero_optimization.stage 3"),
              ({"stage": 3, "zero_hpz_partition_size": 3}, "3 does not divide the data-parallel world of 4 ranks"),
              ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, "not supported yet"),
-             ({"stage": 3, "zero_quantized_weights": True}, "not supported yet"),
-             ({"stage": 3, "zero_quantized_gradients": True}, "not supported yet")]
+             ({"stage": 2, "zero_quantized_weights": True}, "true needs zero_optimization.stage 3"),
+             ({"stage": 1, "zero_quantized_gradients": True}, "true needs zero_optimization.stage 3")]
     for zero, message in cases:
         with pytest.raises(ConfigError, match="zero_optimization.") as caught:
             load_config({**base, "zero_optimization": zero}, world_size=WORLD)

@@ -124,7 +124,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
                                  reduce_dtype=engine.communication_data_type,
                                  grad_dtype=engine.compute_dtype, async_op=zc.overlap_comm,
                                  accounting=engine.accounting, streams=engine.streams,
-                                 grad_device=engine.placement.optimizer_device, pin_memory=engine.placement.pins)
+                                 grad_device=engine.placement.optimizer_device, pin_memory=engine.placement.pins,
+                                 quantized=_quantized_reduce(engine, zc))
     if engine.stage >= 2:
         engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine.on_grad_ready, sp))
                              for sp in trainable]
@@ -146,7 +147,19 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
         if not sp.is_persistent and sp.is_available:
             sp.release()
     gatherer = make_gatherer(engine.shard_comm, zc, engine.accounting, engine.streams)
+    if zc.zero_quantized_weights:  # ZeRO++ qwZ: zero/quantize.py
+        if engine.placement.params != DEVICE:
+            raise NotImplementedError("zero_optimization.zero_quantized_weights with offload_param is not supported "
+                                      "yet; drop one of the two")
+        from .zero.quantize import QuantizedGather
+
+        gatherer = QuantizedGather(gatherer, engine.shard_comm, zc.prefetch_bucket_size, engine.accounting,
+                                   engine.streams)
     if engine.shard_groups:  # expert parameters gather over their own group (zero/expert.py)
+        if zc.zero_quantized_weights or zc.zero_quantized_gradients:
+            raise NotImplementedError("zero_optimization.zero_quantized_weights / zero_quantized_gradients with MoE "
+                                      "expert parallelism (parameters marked allreduce=False) is not supported yet; "
+                                      "turn the ZeRO++ quantization off")
         gatherer = GroupedGather(gatherer, {g.name: make_gatherer(g.comm, zc, engine.accounting, engine.streams)
                                             for g in set(engine.shard_groups.values())})
     if engine.placement.params == NVME:
@@ -178,6 +191,15 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
     return unit_groups
+
+
+def _quantized_reduce(engine, zc):
+    """ZeRO++ qgZ (``zero_quantized_gradients``): the reducer's quantized all-to-all, or None (exact)."""
+    if not zc.zero_quantized_gradients:
+        return None
+    from .zero.quantize import QuantizedReduceScatter
+
+    return QuantizedReduceScatter(engine.accounting)
 
 
 def build_gathering(engine, model: nn.Module) -> None:

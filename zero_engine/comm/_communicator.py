@@ -5,6 +5,7 @@
 
 * ``all_gather``: the OUTPUT, i.e. the full gathered tensor (world_size x the shard);
 * ``reduce_scatter``: the INPUT, i.e. the full unreduced tensor (world_size x the shard);
+* ``all_to_all``: the INPUT, i.e. every chunk this rank sends (ZeRO++ qgZ's quantized gradients, zero/quantize.py);
 * ``all_reduce`` and ``broadcast``: the tensor;
 * ``object``: ``all_gather_object`` calls, with the pickled size of this rank's object.
 
@@ -36,7 +37,7 @@ from zero_engine.comm._consistency import (
     mismatch_message,
 )
 
-_COUNTED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "object")
+_COUNTED_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast", "object")
 _REDUCE_SCATTER_OPS = ("sum", "avg")
 
 
@@ -307,6 +308,22 @@ class Communicator:
         record = self._record("all_reduce" if in_place else kind, input, input.numel(), name)
         with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.reduce_scatter(output, input, op, True, input_is_scratch)
+        self._count(kind, _nbytes(input))
+        return self._pending(issued, output, record, async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                          name: str = "") -> Pending:
+        """Rank r sends chunk j of ``input`` (``world_size`` equal chunks) to rank j, which stores it as chunk r of
+        ``output``. Equal sizes only. Counts the input bytes."""
+        kind = "all_to_all"
+        self._check_pair(kind, name, output, input)
+        self._require(output.numel() == input.numel() and input.numel() % self.world_size == 0, kind, name,
+                      f"input ({input.numel()}) and output ({output.numel()}) must have the same number of "
+                      f"elements, a multiple of world_size {self.world_size}")
+        self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), name=name)
+        record = self._record(kind, input, input.numel(), name)
+        with record_function(_RANGE_NAMES[kind], name):
+            issued = self._issuer.all_to_all(output, input, True)
         self._count(kind, _nbytes(input))
         return self._pending(issued, output, record, async_op)
 

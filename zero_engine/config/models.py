@@ -347,6 +347,7 @@ class EngineConfig(Section):
             )
         _check_mics_shard_size(self.zero_optimization, self.world_size)
         _check_hpz_partition_size(self.zero_optimization, self.world_size)
+        _check_quantized(self.zero_optimization)
         expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
         if self.train_batch_size != expected:
             raise PydanticCustomError(
@@ -393,6 +394,14 @@ def _check_hpz_partition_size(zc, world_size: int) -> None:
     elif world_size % k:
         fix = _not_a_divisor(k, world_size, "the ranks per node", off=1)
     _raise_if(fix, "zero_optimization.zero_hpz_partition_size")
+
+
+def _check_quantized(zc) -> None:
+    """ZeRO++ qwZ / qgZ quantize stage 3's gathers and gradient reduction (zero_engine/zero/quantize.py)."""
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zc, key) and zc.stage != 3:
+            _raise_if(f"true needs zero_optimization.stage 3 (ZeRO++ quantizes stage 3's collectives); set stage 3 "
+                      "or false", f"zero_optimization.{key}")
 
 
 def _not_a_divisor(k: int, world_size: int, meaning: str, off: int) -> str:

@@ -104,7 +104,8 @@ class GradReducer:
 
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
                  grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None, streams=None,
-                 grad_device: torch.device | None = None, pin_memory: bool = False, replicate_comm=None):
+                 grad_device: torch.device | None = None, pin_memory: bool = False, replicate_comm=None,
+                 quantized=None):
         self.comm = comm  # the group the gradient shards are partitioned over (a mesh's dp_shard; the world if flat)
         # the replicas of those shards (a mesh's dp_replicate), or None: see [Note: gradients across replicas]
         self.replicate_comm = replicate_comm
@@ -112,6 +113,9 @@ class GradReducer:
         self.grad_device = grad_device
         self.pin_memory = pin_memory
         self.streams = streams  # CommStreams on CUDA: reduce-scatters issued from its side stream
+        # ZeRO++ qgZ (zero/quantize.py's QuantizedReduceScatter): each bucket's reduce-scatter becomes its int4
+        # all-to-all; None: the exact reduce-scatter
+        self.quantized = quantized
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype
         self.async_op = async_op
@@ -308,6 +312,8 @@ class GradReducer:
         compute stream and stay referenced by the bucket until ``_complete`` has waited (see [Note: streams, events
         and buffer lifetime] in streams.py)."""
         def issue():  # the send buffer is not read again: gloo may all-reduce it in place (see _backend.py)
+            if self.quantized is not None:  # ZeRO++ qgZ (zero/quantize.py); never with experts (wiring.py)
+                return self.quantized.reduce_scatter(bucket.comm, out, inp, bucket.name, self.async_op)
             return bucket.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
                                                      name=bucket.name, input_is_scratch=True)
         return issue() if self.streams is None else self.streams.collective_on(self.streams.reduce_scatter, issue)

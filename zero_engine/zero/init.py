@@ -86,7 +86,8 @@ class Init:
       release around modules, so linear needs no special version).
     * ``data_parallel_group``: None or the world group; ``mpu``, ``zero_param_parallel_group``,
       ``sequence_data_parallel_group``, ``param_swapper`` and the ``zero_quantized_*`` flags (model, hierarchical
-      and sequence parallelism, NVMe swapping, quantized weights) are refused when set.
+      and sequence parallelism, NVMe swapping, quantized weights: ZeRO++ qwZ is the engine config's
+      ``zero_quantized_weights``) are refused when set.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
@@ -203,6 +204,10 @@ class Init:
 
 def _refuse_set(**arguments) -> None:
     for name, value in arguments.items():
+        if name == "zero_quantized_weights" and value:  # ZeRO++ qwZ is the engine's, from its config
+            raise NotImplementedError("zero.Init(zero_quantized_weights=True): zero.Init builds exact shards; set "
+                                      "zero_optimization.zero_quantized_weights in the engine's config, which "
+                                      "quantizes the stage-3 gathers (zero_engine/zero/quantize.py)")
         if value is not None and value is not False:
             raise NotImplementedError(f"zero.Init({name}=...): not supported by zero_engine (data-parallel ZeRO "
                                       f"over the whole world, unquantized weights); leave {name} unset")
