@@ -1,0 +1,139 @@
+"""ZeRO composed with tensor parallelism (zero_engine/zero/tensor_parallel.py): a test GPT whose MLPs are split by
+torch's parallelize_module (ColwiseParallel fc, RowwiseParallel proj) over mesh["tp"] of a 2 x 2 ("dp", "tp") mesh,
+ZeRO over mesh["dp"], at world 4 over gloo against one process training on the full batch.
+
+Bodies named ``_*_body`` run on every rank of the simulated world (module level, so the rank pool imports them).
+
+Tolerances. As in test_mesh.py: the gradients are averaged by a reduce-scatter over dp (and the RowwiseParallel
+outputs summed over tp), so sums run in another order than the reference: losses and the gradient norm within 1e-5
+relative, parameters within 1e-5 relative L2 with SGD and 2e-4 with AdamW (its division by sqrt(v) amplifies a 1e-7
+difference of a near-zero gradient). The parameters split over tp are Shard(0) (fc weight and bias), Shard(1) (proj
+weight) and Replicate (proj bias, a DTensor); LayerNorms, embeddings and attention stay plain tensors, replicated
+over tp: the gradient norm counts them once (the norm check fails by a factor of up to sqrt(2) otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_engine
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+TIMEOUT = 120
+WORLD, DP, TP = 4, 2, 2
+
+
+def tp_mesh_2x2():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+
+
+def parallelize_mlps(model: GPT, tp_mesh) -> GPT:
+    """The Megatron split of each block's MLP over ``tp_mesh``: fc column-wise, proj row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        parallelize_module(block.mlp, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    return model
+
+
+def ds_config(stage, seq=False, optimizer="SGD", lr=0.05, gas=2, micro=2, **zero):
+    zero_section = {"stage": stage, "stage3_allgather_sequential": seq, "reduce_bucket_size": 700,
+                    "stage3_prefetch_bucket_size": 3000, "stage3_param_persistence_threshold": 40,
+                    "stage3_max_reuse_distance": 2000, "overlap_comm": True}
+    zero_section.update(zero)
+    params = {"lr": lr, "weight_decay": 0.1} if optimizer == "AdamW" else {"lr": lr, "momentum": 0.9}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+            "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero_section}
+
+
+def train_dp_rows(engine, x, y, gas, micro, dp_rank, dp_size) -> float:
+    """One optimizer step on this dp rank's rows of the global batch (both tp ranks of a dp rank read the same
+    rows); the mean loss over every rank and micro-step."""
+    total = torch.zeros(())
+    for m in range(gas):
+        lo = (m * dp_size + dp_rank) * micro
+        loss = engine(x[lo: lo + micro], y[lo: lo + micro])
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach()
+    dist.all_reduce(total)
+    return total.item() / (dist.get_world_size() * gas)
+
+
+def whole_values(engine, tensor_of=lambda sp: sp.shard) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value, put together by the test itself: the dp shards all-gathered over the engine's
+    shard group into the tp-local tensor, then a DTensor's pieces all-gathered over tp (torch's full_tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for sp in engine.sharded:
+        shard = tensor_of(sp)
+        buf = torch.empty(sp.padded_numel, dtype=shard.dtype)
+        dist.all_gather_into_tensor(buf, shard.contiguous(), group=engine.shard_comm.group)
+        local = buf[: sp.numel].view(sp.shape)
+        if isinstance(sp.param, DTensor):
+            local = DTensor.from_local(local, sp.param.device_mesh, sp.param.placements, run_check=False,
+                                       shape=sp.param.shape, stride=sp.param.stride()).full_tensor()
+        out[sp.fqn] = local
+    return out
+
+
+def relative_l2(ours: dict, reference) -> float:
+    ref = dict(reference.named_parameters())
+    diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    return (diff / sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()).item()
+
+
+# ---- parity with one process ----------------------------------------------------------------------------------------
+def _parity_body(stage, seq, optimizer, offload):
+    mesh = tp_mesh_2x2()
+    cfg = GPTConfig(mlp_extra=0, frozen_param=True)
+    lr = 1e-3 if optimizer == "AdamW" else 0.05
+    zero = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
+    config = ds_config(stage, seq, optimizer=optimizer, lr=lr, **zero)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=parallelize_mlps(model, mesh["tp"]), config=config, mesh=mesh)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1) if optimizer == "AdamW" else \
+        torch.optim.SGD(params, lr=lr, momentum=0.9)
+    gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
+    worst_loss, norms, clipped = 0.0, [], 0
+    for x, y in make_batches(cfg, 4, DP * micro * gas):
+        ref_opt.zero_grad()
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        clipped += ref_norm > 1.0
+        ref_opt.step()
+        ours = train_dp_rows(engine, x, y, gas, micro, mesh.get_local_rank("dp"), DP)
+        worst_loss = max(worst_loss, abs(ours - ref_loss.item()) / abs(ref_loss.item()))
+        norms.append(abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)
+    param_err = relative_l2(whole_values(engine), reference)
+    local_shapes = {sp.fqn: tuple(sp.shape) for sp in engine.sharded if "mlp" in sp.fqn}
+    engine.destroy()
+    return worst_loss, param_err, max(norms), clipped, local_shapes
+
+
+PARITY = [(3, False, "SGD", False), (3, True, "SGD", False), (1, False, "SGD", False), (3, False, "AdamW", False),
+          (2, False, "AdamW", False), (3, False, "SGD", True)]
+
+
+@pytest.mark.parametrize("stage,seq,optimizer,offload", PARITY)
+def test_tp_parity_with_one_process(stage, seq, optimizer, offload):
+    tolerance = 2e-4 if optimizer == "AdamW" else 1e-5
+    for loss_err, param_err, norm_err, clipped, shapes in run_ranks(_parity_body, WORLD, stage, seq, optimizer,
+                                                                     offload, timeout=TIMEOUT):
+        assert loss_err < 1e-5 and param_err < tolerance and norm_err < 1e-5, (loss_err, param_err, norm_err)
+        assert clipped > 0  # the clipping (and so the norm over every dim) decides the updates
+        # each rank holds its tp piece: fc rows and proj columns halved (n_embd 33, hidden 132)
+        assert shapes["blocks.0.mlp.fc.weight"] == (66, 33) and shapes["blocks.0.mlp.proj.weight"] == (33, 66)
+        assert shapes["blocks.0.mlp.fc.bias"] == (66,) and shapes["blocks.0.mlp.proj.bias"] == (33,)
