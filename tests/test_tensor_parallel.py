@@ -137,3 +137,131 @@ def test_tp_parity_with_one_process(stage, seq, optimizer, offload):
         # each rank holds its tp piece: fc rows and proj columns halved (n_embd 33, hidden 132)
         assert shapes["blocks.0.mlp.fc.weight"] == (66, 33) and shapes["blocks.0.mlp.proj.weight"] == (33, 66)
         assert shapes["blocks.0.mlp.fc.bias"] == (66,) and shapes["blocks.0.mlp.proj.bias"] == (33,)
+
+
+# ---- reading a TP parameter: tp-local or whole ---------------------------------------------------------------------
+def _read_body():
+    from zero_engine.utils import safe_get_full_fp32_param, safe_get_full_grad, tp_full_tensor
+    from zero_engine.zero import GatheredParameters
+
+    mesh = tp_mesh_2x2()
+    cfg = GPTConfig(mlp_extra=0)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=parallelize_mlps(model, mesh["tp"]),
+                                        config=ds_config(3, stage3_param_persistence_threshold=0), mesh=mesh)
+    fc, ref_fc = model.blocks[0].mlp.fc.weight, reference.blocks[0].mlp.fc.weight.detach()
+    tp_rank = mesh.get_local_rank("tp")
+    rows = slice(tp_rank * 66, (tp_rank + 1) * 66)  # ColwiseParallel: Shard(0), this tp rank's rows
+    with GatheredParameters(fc):
+        local_ok = torch.equal(fc.to_local(), ref_fc[rows])
+        whole_ok = torch.equal(fc.full_tensor(), ref_fc)
+    released = fc.to_local().numel() == 0  # released again after the block
+    full = safe_get_full_fp32_param(fc)
+    safe_ok = torch.equal(full, ref_fc[rows]) and torch.equal(tp_full_tensor(fc, full), ref_fc)
+    plain = model.blocks[0].ln_1.weight  # not split: tp_full_tensor gives it back as it is
+    plain_ok = torch.equal(tp_full_tensor(plain, safe_get_full_fp32_param(plain)), reference.blocks[0].ln_1.weight)
+    # the gradient, whole over dp, of the rows of this tp rank: the reference's on the same global batch
+    x, y = make_batches(cfg, 1, DP * 2)[0]
+    dp_rank = mesh.get_local_rank("dp")
+    engine.backward(engine(x[dp_rank * 2: dp_rank * 2 + 2], y[dp_rank * 2: dp_rank * 2 + 2]))
+    reference(x, y).backward()
+    grad = tp_full_tensor(fc, safe_get_full_grad(fc)) * 2  # gradient_accumulation_steps 2: backward divided by it
+    grad_err = ((grad - reference.blocks[0].mlp.fc.weight.grad).norm() / grad.norm()).item()
+    try:
+        with GatheredParameters(fc, modifier_rank=0):
+            pass
+        modifier = None
+    except NotImplementedError as exc:
+        modifier = str(exc)
+    engine.destroy()
+    return local_ok, whole_ok, released, safe_ok, plain_ok, grad_err, modifier
+
+
+def test_gathered_and_safe_get_give_the_tp_local_piece_and_tp_full_tensor_the_whole():
+    for local_ok, whole_ok, released, safe_ok, plain_ok, grad_err, modifier in run_ranks(_read_body, WORLD,
+                                                                                           timeout=TIMEOUT):
+        assert local_ok and whole_ok and released and safe_ok and plain_ok
+        assert grad_err < 1e-5, grad_err
+        assert "blocks.0.mlp.fc.weight" in modifier and "not supported yet" in modifier
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------------
+def _bad_input_body():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = ds_config(3)
+    errors = {}
+
+    def attempt(key, model, **kwargs):
+        try:
+            zero_engine.initialize(model=model, config=config, **kwargs)[0].destroy()
+            errors[key] = None
+        except (ValueError, NotImplementedError) as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+
+    mesh = tp_mesh_2x2()
+    other = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("data", "model"))
+    torch.manual_seed(0)
+    attempt("other mesh", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), other["model"]), mesh=mesh)
+    attempt("no tp mesh", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), mesh["tp"]))
+    attempt("uneven", parallelize_mlps(GPT(GPTConfig()), mesh["tp"]), mesh=mesh)  # hidden 133 over 2
+    tp_first = init_device_mesh("cpu", (TP, DP), mesh_dim_names=("tp", "dp"))
+    attempt("tp first", GPT(GPTConfig(mlp_extra=0)), mesh=tp_first)
+    config = ds_config(0)
+    attempt("stage 0", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), mesh["tp"]), mesh=mesh)
+    return errors
+
+
+def test_bad_input_names_the_parameter_or_the_key():
+    errors = run_ranks(_bad_input_body, WORLD, timeout=TIMEOUT)[0]
+    assert "blocks.0.mlp.fc.weight" in errors["other mesh"] and "tp dim of the mesh given" in errors["other mesh"]
+    assert "blocks.0.mlp.fc.weight" in errors["no tp mesh"] and "\"tp\"" in errors["no tp mesh"]
+    assert errors["uneven"].startswith("ValueError: blocks.0.mlp.fc.weight: tp size 2 does not divide its dim 0 "
+                                       "of size 133")
+    assert errors["tp first"].startswith("NotImplementedError") and "'tp'" in errors["tp first"]
+    assert errors["stage 0"].startswith("NotImplementedError: zero_optimization.stage: 0 with a tp mesh dim")
+
+
+# ---- saving -----------------------------------------------------------------------------------------------------------
+def _save_body(path):
+    transformers = pytest.importorskip("transformers")
+    from zero_engine.hf import save_pretrained
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = tp_mesh_2x2()
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                   "down_proj": RowwiseParallel()})
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, stage3_param_persistence_threshold=0),
+                                        mesh=mesh)
+    save_pretrained(engine, path)
+    refused = []
+    for call in (lambda: engine.save_checkpoint(path + "-ckpt"), lambda: engine.load_checkpoint(path + "-ckpt")):
+        try:
+            call()
+        except NotImplementedError as exc:
+            refused.append(str(exc))
+    engine.destroy()
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None, refused
+    loaded = transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
+    same = {k: torch.equal(loaded[k], reference[k]) for k in reference}
+    return same, refused
+
+
+def test_save_pretrained_writes_whole_tensors_and_checkpoints_refuse_clearly(tmp_path):
+    pytest.importorskip("transformers")
+    results = run_ranks(_save_body, WORLD, str(tmp_path / "hf"), timeout=TIMEOUT)
+    same = results[0][0]
+    assert same and all(same.values()), [k for k, ok in same.items() if not ok]
+    for _, refused in results:
+        assert len(refused) == 2 and all("not supported yet" in r and "tp mesh dim" in r for r in refused)

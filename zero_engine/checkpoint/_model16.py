@@ -20,6 +20,7 @@ from ._atomic import private_temporary
 from ._collective import agree, rendezvous
 from ._metadata import state_dict_layout
 from ._views import buffer_items
+from ..zero.tensor_parallel import refuse_with_tp
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -32,6 +33,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     Every rank must call it. A rank that does not makes the others raise within
     ``zero_engine.collective_timeout_s`` seconds (naming it, on gloo) instead of waiting forever.
     """
+    refuse_with_tp(engine.mesh, "save_16bit_model")
     comm = engine.comm
     if engine.stage == 3 and not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
         if comm.rank == 0:

@@ -39,6 +39,7 @@ from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, FORMAT, GRADS_LOCA
                         CheckpointMeta, rank_file_name, state_dict_layout, write_metadata)
 from ._tensorfile import FileDigest, sha256_of_file, write_tensor_file
 from ._views import ParamView, buffer_items, param_views, states_in_memory
+from ..zero.tensor_parallel import refuse_with_tp
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -60,6 +61,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     Cost: each rank writes its own states once (no gather, no copy): 2 bytes per parameter / world for bf16/fp16
     shards, plus 4 for the fp32 master (not separate in fp32 training) and the optimizer's state (8 for Adam).
     """
+    refuse_with_tp(engine.mesh, "save_checkpoint")
     comm = engine.comm
     started = time.perf_counter()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"

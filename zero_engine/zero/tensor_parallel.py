@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["is_dtensor", "local_of", "local_grad", "splits_over_tp", "check_tp_params", "norm_counted"]
+__all__ = ["is_dtensor", "local_of", "local_grad", "splits_over_tp", "check_tp_params", "norm_counted", "refuse_with_tp"]
 
 
 def is_dtensor(tensor) -> bool:
@@ -89,3 +89,14 @@ def norm_counted(sharded, mesh) -> "set[int] | None":
     if mesh.replicate_rank != 0:
         return set()
     return {id(sp) for sp in sharded if mesh.tp_rank == 0 or splits_over_tp(sp.param)}
+
+
+def refuse_with_tp(mesh, what: str) -> None:
+    """What does not handle tp pieces yet raises, naming itself, instead of writing one tp rank's pieces as if they
+    were the model."""
+    if mesh.tp_size > 1:
+        raise NotImplementedError(
+            f"{what} with a tp mesh dim ({mesh.describe()}) is not supported yet (issue 25): the tp ranks hold "
+            "different pieces of the parameters split by parallelize_module. Use zero_engine.hf.save_pretrained "
+            "(whole tensors), or GatheredParameters / safe_get_full_fp32_param with zero_engine.utils.tp_full_tensor "
+            "to read whole values")
