@@ -265,3 +265,81 @@ def test_save_pretrained_writes_whole_tensors_and_checkpoints_refuse_clearly(tmp
     assert same and all(same.values()), [k for k, ok in same.items() if not ok]
     for _, refused in results:
         assert len(refused) == 2 and all("not supported yet" in r and "tp mesh dim" in r for r in refused)
+
+
+# ---- shape-only at scale: 8 (tp) x 8 (dp) and 8 x 64 on the fake process group ----------------------------------------
+class _SplitMLPs(torch.nn.Module):
+    """Only weights that tensor parallelism splits (no biases, no norms): model states are exactly 16 Psi / (tp dp)."""
+
+    def __init__(self, dim=64, hidden=256, layers=2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(dim, hidden, bias=False),
+                                                              torch.nn.GELU(),
+                                                              torch.nn.Linear(hidden, dim, bias=False))
+                                          for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+def _step_on_fake_world(model_factory, parallelize, dp, tp, make_input):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_engine.memory.engine_stats import model_state_bytes
+    from zero_engine.memory.estimator import estimate_zero3_model_states_mem_needs_all_live
+    from zero_engine.testing import fake_world
+
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0}}
+    with fake_world(dp * tp, rank=9):
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = model_factory()
+        parallelize(model, mesh["tp"])
+        estimate = estimate_zero3_model_states_mem_needs_all_live(model, num_ranks_per_node=tp, num_nodes=dp,
+                                                                  stages=(3,), precisions=("bf16",), tp_size=tp,
+                                                                  print_table=False).get(3, "bf16")
+        engine, *_ = zero_engine.initialize(model=model, config=config, mesh=mesh)
+        for _ in range(2):  # the second step follows the recorded trace
+            engine.reset_comm_stats()
+            engine.backward(engine(*make_input()))
+            engine.step()
+        stats, states = engine.comm_stats(by_group=True), model_state_bytes(engine.memory_stats())
+        local_numels = {sp.fqn: sp.numel for sp in engine.sharded}
+        psi = sum(sp.padded_numel * 2 for sp in engine.sharded)  # bf16 bytes of the padded tp-local pieces
+        engine.destroy()
+    return stats, states, estimate.model_states, local_numels, psi
+
+
+@pytest.mark.parametrize("dp", [8, 64])
+def test_per_rank_states_at_8_tp_shape_only(dp):
+    """A bf16 AdamW step as rank 9 of 8 x 8 = 64 and of 8 x 64 = 512 ranks: each rank holds 16 bytes per element of
+    its tp piece / dp (2 shard + 4 master + 2 gradient + 8 Adam), the estimator says the same, and the dp group
+    carries the ZeRO-3 traffic of the tp-local pieces (all-gathers 2 Psi_local, reduce-scatter 2 Psi_local in fp32)
+    while the world carries only control values (the gradient norm and the step fingerprint)."""
+    tp = 8
+    stats, states, estimated, numels, psi = _step_on_fake_world(
+        _SplitMLPs, _split_mlps, dp, tp, lambda: (torch.zeros(2, 64, device="meta"),))
+    whole = sum(p.numel() for p in _SplitMLPs(dim=64, hidden=256).parameters())
+    assert states == estimated == 16 * whole // (tp * dp)  # exactly 16 Psi / (tp dp): every size divides
+    assert stats["dp_shard"]["all_gather"]["bytes"] == stats["dp_shard"]["reduce_scatter"]["bytes"] == 2 * psi
+    assert stats["world"]["all_gather"]["calls"] == stats["world"]["reduce_scatter"]["calls"] == 0
+
+    cfg = GPTConfig(n_embd=32, n_head=2, mlp_extra=0)
+    stats, states, estimated, numels, psi = _step_on_fake_world(
+        lambda: GPT(cfg), parallelize_mlps, dp, tp,
+        lambda: (torch.zeros(1, cfg.block_size, dtype=torch.long, device="meta"),) * 2)
+    # the MLPs split over tp (16 Psi / (tp dp)), the rest replicated over tp (16 Psi / dp), each padded to dp
+    assert numels["blocks.0.mlp.fc.weight"] == 4 * 32 * 32 // tp and numels["wte.weight"] == 97 * 32
+    assert states == estimated == 16 * sum(-(-n // dp) for n in numels.values())
+
+
+def _split_mlps(model: _SplitMLPs, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
