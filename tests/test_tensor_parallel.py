@@ -92,8 +92,13 @@ def relative_l2(ours: dict, reference) -> float:
 
 
 # ---- parity with one process ----------------------------------------------------------------------------------------
-def _parity_body(stage, seq, optimizer, offload):
-    mesh = tp_mesh_2x2()
+def _parity_body(stage, seq, optimizer, offload, replicas=1):
+    """``replicas`` 2: a ("dp_replicate", "dp_shard", "tp") mesh of 2 x 1 x 2 (HSDP replicas of the tp pieces)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = tp_mesh_2x2() if replicas == 1 else init_device_mesh(
+        "cpu", (replicas, DP // replicas, TP), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_rank = dist.get_rank() // TP
     cfg = GPTConfig(mlp_extra=0, frozen_param=True)
     lr = 1e-3 if optimizer == "AdamW" else 0.05
     zero = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
@@ -114,24 +119,27 @@ def _parity_body(stage, seq, optimizer, offload):
         ref_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         clipped += ref_norm > 1.0
         ref_opt.step()
-        ours = train_dp_rows(engine, x, y, gas, micro, mesh.get_local_rank("dp"), DP)
+        ours = train_dp_rows(engine, x, y, gas, micro, dp_rank, DP)
         worst_loss = max(worst_loss, abs(ours - ref_loss.item()) / abs(ref_loss.item()))
         norms.append(abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)
     param_err = relative_l2(whole_values(engine), reference)
     local_shapes = {sp.fqn: tuple(sp.shape) for sp in engine.sharded if "mlp" in sp.fqn}
+    groups = (engine.mesh.shard_size, engine.mesh.replicate_size, engine.mesh.tp_size)
     engine.destroy()
-    return worst_loss, param_err, max(norms), clipped, local_shapes
+    return worst_loss, param_err, max(norms), clipped, local_shapes, groups
 
 
-PARITY = [(3, False, "SGD", False), (3, True, "SGD", False), (1, False, "SGD", False), (3, False, "AdamW", False),
-          (2, False, "AdamW", False), (3, False, "SGD", True)]
+PARITY = [(3, False, "SGD", False, 1), (3, True, "SGD", False, 1), (1, False, "SGD", False, 1),
+          (3, False, "AdamW", False, 1), (2, False, "AdamW", False, 1), (3, False, "SGD", True, 1),
+          (3, False, "SGD", False, 2), (1, False, "SGD", False, 2)]
 
 
-@pytest.mark.parametrize("stage,seq,optimizer,offload", PARITY)
-def test_tp_parity_with_one_process(stage, seq, optimizer, offload):
+@pytest.mark.parametrize("stage,seq,optimizer,offload,replicas", PARITY)
+def test_tp_parity_with_one_process(stage, seq, optimizer, offload, replicas):
     tolerance = 2e-4 if optimizer == "AdamW" else 1e-5
-    for loss_err, param_err, norm_err, clipped, shapes in run_ranks(_parity_body, WORLD, stage, seq, optimizer,
-                                                                     offload, timeout=TIMEOUT):
+    for loss_err, param_err, norm_err, clipped, shapes, groups in run_ranks(
+            _parity_body, WORLD, stage, seq, optimizer, offload, replicas, timeout=TIMEOUT):
+        assert groups == (DP // replicas, replicas, TP)
         assert loss_err < 1e-5 and param_err < tolerance and norm_err < 1e-5, (loss_err, param_err, norm_err)
         assert clipped > 0  # the clipping (and so the norm over every dim) decides the updates
         # each rank holds its tp piece: fc rows and proj columns halved (n_embd 33, hidden 132)
@@ -224,7 +232,7 @@ def test_bad_input_names_the_parameter_or_the_key():
     assert errors["stage 0"].startswith("NotImplementedError: zero_optimization.stage: 0 with a tp mesh dim")
 
 
-# ---- saving -----------------------------------------------------------------------------------------------------------
+# ---- saving ----------------------------------------------------------------------------------------------------------
 def _save_body(path):
     transformers = pytest.importorskip("transformers")
     from zero_engine.hf import save_pretrained
@@ -267,7 +275,7 @@ def test_save_pretrained_writes_whole_tensors_and_checkpoints_refuse_clearly(tmp
         assert len(refused) == 2 and all("not supported yet" in r and "tp mesh dim" in r for r in refused)
 
 
-# ---- shape-only at scale: 8 (tp) x 8 (dp) and 8 x 64 on the fake process group ----------------------------------------
+# ---- shape-only at scale: 8 (tp) x 8 (dp) and 8 x 64 on the fake process group ---------------------------------------
 class _SplitMLPs(torch.nn.Module):
     """Only weights that tensor parallelism splits (no biases, no norms): model states are exactly 16 Psi / (tp dp)."""
 

@@ -12,7 +12,9 @@ parameter's data": its shape and numel are the local ones, ``ShardedParam.full``
 (released and re-gathered over dp exactly like a plain parameter's), and the DTensor wrapper -- its identity, its
 placements, its global shape -- never changes. DTensor placements belong to torch: nothing here redistributes a
 weight. The one redistribution is torch's own, of a gradient whose placement differs from its parameter's
-(a Partial gradient of a Replicate bias, as FSDP2 does in ``_get_grad_inner_tensor``).
+(a Partial gradient of a Replicate bias, as FSDP2 does in ``_get_grad_inner_tensor``). A DTensor parameter keeps
+its class (ZeroParameter's read check is for plain parameters): while released its local tensor holds no elements,
+so read it outside the model's forward inside GatheredParameters, as any partitioned parameter.
 
 [Note: the global gradient norm with tp]
 After the dp reduce-scatter each dp rank holds the averaged gradient shards of its tp rank's local tensors. A
@@ -27,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["is_dtensor", "local_of", "local_grad", "splits_over_tp", "check_tp_params", "norm_counted", "refuse_with_tp"]
+__all__ = ["is_dtensor", "local_of", "local_grad", "splits_over_tp", "check_tp_params", "norm_counted",
+           "refuse_with_tp"]
 
 
 def is_dtensor(tensor) -> bool:
