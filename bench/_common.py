@@ -72,6 +72,17 @@ SIZES: dict[str, BenchSize] = {
                         leaf_classes=("Block",)),
         warmup=3, steps=10,
     ),
+    # The demo model with an MLP hidden size of 4 x 256 = 1024 (not 1025) so that it splits over tp ranks: the size
+    # the tensor-parallel systems run (zero3-tp, fsdp2-tp), with the others beside them on the same model.
+    "demo-tp": BenchSize(
+        name="demo-tp",
+        gpt=dict(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256, mlp_extra=0),
+        global_batch=16,
+        knobs=ZeroKnobs(reduce_bucket_size=500_000, prefetch_bucket_size=1_000_000, param_persistence_threshold=1_000,
+                        max_live_parameters=2_000_000, max_reuse_distance=100_000, allgather_bucket_size=500_000,
+                        leaf_classes=("Block",)),
+        warmup=3, steps=10,
+    ),
     # GPT-2-small-like blocks with a 16k vocabulary: 97.7M parameters. Buckets of about 2/3 of a block; the live
     # budget holds the tied embedding (12.6M) plus a prefetch bucket.
     "100m": BenchSize(
@@ -104,6 +115,13 @@ class System:
     quantized: bool = False  # ours: ZeRO++ zero_quantized_weights + zero_quantized_gradients (issue 24)
     # relative loss tolerance of this system (None: compare.py's for the dtype); quantized systems change numerics
     loss_rtol: float | None = None
+    # Tensor parallelism (issue 25): a (world / tp, tp) ("dp", "tp") mesh, each block's MLP split over "tp" by
+    # parallelize_module (fc column-wise, proj row-wise); ours ZeRO over "dp", FSDP2 fully_shard over mesh["dp"].
+    tp: int = 0
+
+    def data_parallel(self, world: int) -> int:
+        """The ranks that read different rows of the batch (the tp ranks of one dp rank read the same)."""
+        return world // self.tp if self.tp else world
 
 
 SYSTEMS: dict[str, System] = {s.key: s for s in (
@@ -121,6 +139,9 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("zero3-hpz-qwz-qgz", "ours ZeRO-3, hpZ 2 + qwZ + qgZ", "ours Z3\nhpZ+qwZ+qgZ", "ours", stage=3,
            fully_sharded=True, hpz=2, quantized=True, loss_rtol=1e-2),
     System("fsdp2-hsdp", "torch FSDP2 HSDP 2 x 2", "FSDP2\nHSDP", "torch", hsdp=2),
+    System("zero3-tp", "ours ZeRO-3 + TP 2 (dp x tp mesh)", "ours Z3\n+ TP 2", "ours", stage=3, tp=2),
+    System("zero1-tp", "ours ZeRO-1 + TP 2 (dp x tp mesh)", "ours Z1\n+ TP 2", "ours", stage=1, tp=2),
+    System("fsdp2-tp", "torch FSDP2 + TP 2 (dp x tp mesh)", "FSDP2\n+ TP 2", "torch", tp=2),
     System("zero3-seq", "ours ZeRO-3 sequential", "ours Z3\nsequential", "ours", stage=3, sequential=True,
            fully_sharded=True, leaf_units=False),
     System("zero3-module", "ours ZeRO-3 coalesced, a unit per module", "ours Z3\nper module", "ours", stage=3,
@@ -164,7 +185,7 @@ def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str =
         if system.quantized:
             zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
     return {
-        "train_micro_batch_size_per_gpu": size.micro_batch(world),
+        "train_micro_batch_size_per_gpu": size.micro_batch(system.data_parallel(world)),
         "gradient_accumulation_steps": 1,
         "gradient_clipping": GRADIENT_CLIPPING,
         "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},

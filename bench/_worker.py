@@ -53,9 +53,11 @@ def _adamw(params):
 class TorchRunner:
     """Reference (one process), DDP, or FSDP2: a plain torch training step."""
 
-    def __init__(self, model, system: str, world: int, dtype: str = "fp32"):
+    def __init__(self, model, system: str, world: int, dtype: str = "fp32", tp_mesh=None):
+        """``tp_mesh``: the ("dp", "tp") mesh the model's MLPs were split over (tensor_parallel), or None."""
         self.system = system
         self.model = model
+        self.tp_mesh = tp_mesh
         # bf16 for torch: FSDP2 casts parameters (MixedPrecisionPolicy, fp32 reduce), DDP runs under autocast; the
         # reference stays fp32 (what every system is checked against).
         self.autocast = dtype == "bf16" and system == "ddp"
@@ -72,6 +74,8 @@ class TorchRunner:
             k = SYSTEMS[system].hsdp  # HSDP: shard within groups of k, replicate across world / k of them
             mesh = init_device_mesh("cpu", (world // k, k), mesh_dim_names=("dp_replicate", "dp_shard")) if k \
                 else init_device_mesh("cpu", (world,))
+            if tp_mesh is not None:  # FSDP2 + TP (torchtitan's recipe): shard over dp, the MLPs split over tp
+                mesh = tp_mesh["dp"]
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
                 else MixedPrecisionPolicy()
             for block in model.blocks:
@@ -89,7 +93,10 @@ class TorchRunner:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             loss = self.wrapped(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), GRADIENT_CLIPPING, foreach=True)
+        if self.tp_mesh is None:
+            torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), GRADIENT_CLIPPING, foreach=True)
+        else:
+            _clip_dtensor_grads(list(self.wrapped.parameters()), GRADIENT_CLIPPING)
         self.optimizer.step()
         return loss.detach()
 
@@ -107,11 +114,22 @@ class TorchRunner:
         return {}
 
 
+def _clip_dtensor_grads(params, max_norm: float) -> None:
+    """clip_grad_norm_ for FSDP2 + TP, whose gradients are DTensors on two meshes (dp x tp for the split ones, dp for
+    the rest), which torch's foreach norm cannot stack: each norm made whole (full_tensor), then one coefficient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
 class ZeroEngineRunner:
-    def __init__(self, model, config: dict):
+    def __init__(self, model, config: dict, mesh=None):
         import zero_engine
 
-        self.engine, _, _, _ = zero_engine.initialize(model=model, config=config)
+        self.engine, _, _, _ = zero_engine.initialize(model=model, config=config, mesh=mesh)
 
     def step(self, x, y) -> torch.Tensor:
         loss = self.engine(x, y)
@@ -173,12 +191,25 @@ class DeepSpeedRunner:
         return {"deepspeed_version": self.version}
 
 
+def tensor_parallel(model, world: int, tp: int):
+    """A (world / tp, tp) ("dp", "tp") mesh, and each block's MLP split over its tp dim: fc column-wise, proj
+    row-wise (torch's parallelize_module)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    for block in model.blocks:
+        parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    return mesh
+
+
 def build_runner(system: str, model, size, world: int, dtype: str = "fp32"):
     spec = SYSTEMS.get(system)
+    mesh = tensor_parallel(model, world, spec.tp) if spec is not None and spec.tp else None
     if system == "reference" or (spec and spec.family == "torch"):
-        return TorchRunner(model, system, world, "fp32" if system == "reference" else dtype)
+        return TorchRunner(model, system, world, "fp32" if system == "reference" else dtype, mesh)
     if spec.family == "ours":
-        return ZeroEngineRunner(model, zero_engine_config(size, spec, world, dtype))
+        return ZeroEngineRunner(model, zero_engine_config(size, spec, world, dtype), mesh)
     if spec.family == "deepspeed":
         return DeepSpeedRunner(model, deepspeed_config(size, world, dtype))
     raise ValueError(f"--system {system!r}: unknown; use reference or one of {', '.join(SYSTEMS)}")
@@ -256,8 +287,11 @@ def main(argv=None) -> None:
     torch.manual_seed(MODEL_SEED)
     model = gpt.GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    micro = size.global_batch // world
-    batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
+    spec = SYSTEMS.get(args.system)
+    dp = spec.data_parallel(world) if spec is not None else world
+    dp_rank = rank // (world // dp)  # tp innermost: the tp ranks of a dp rank read the same rows
+    micro = size.global_batch // dp
+    batches = [(x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro])
                for x, y in gpt.make_batches(cfg, plan.total, size.global_batch, seed=DATA_SEED)]
 
     runner = build_runner(args.system, model, size, world, args.dtype)

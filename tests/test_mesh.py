@@ -407,7 +407,7 @@ def _bad_mesh_body():
         else:
             errors.append(("no error", ""))
 
-    attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep")))  # tp: test_tensor_parallel.py
     attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "dp_replicate")))
     attempt(mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), config=ds_config(3, gas=1, mics=K))
     attempt(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))["dp_shard"])
@@ -427,8 +427,8 @@ def _bad_mesh_body():
 
 def test_bad_mesh_input_is_refused_clearly():
     for errors in run_ranks(_bad_mesh_body, WORLD, timeout=TIMEOUT):
-        (tp_kind, tp), (order_kind, order), (both_kind, both), (size_kind, size), (node_kind, node) = errors
-        assert tp_kind == "NotImplementedError" and "'tp' (tensor parallelism) is not supported yet" in tp
+        (ep_kind, ep), (order_kind, order), (both_kind, both), (size_kind, size), (node_kind, node) = errors
+        assert ep_kind == "NotImplementedError" and "'ep' (expert parallelism) is not supported yet" in ep
         assert order_kind == "ValueError" and "(\"dp_replicate\", \"dp_shard\") for HSDP / MiCS, in that order" in order
         assert both_kind == "ConfigError" and both.startswith("zero_optimization.mics_shard_size: 2 given together "
                                                               "with initialize(mesh=...)")

@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import DistributedError
 from .zero.partition import sharded_param_of
+from .zero.tensor_parallel import local_of
 
 log = logging.getLogger("zero_engine.engine")
 
@@ -40,25 +41,29 @@ __all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_pa
 
 # ---- rank 0's initial state -------------------------------------------------------------------------------------
 @torch.no_grad()
-def broadcast_initial_state(model: nn.Module, comm, groups: dict | None = None) -> None:
-    """Overwrite every rank's parameters and buffers with rank 0's (one broadcast per tensor, once).
+def broadcast_initial_state(model: nn.Module, comms: list, groups: dict | None = None) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's (one broadcast per tensor and communicator, once).
 
-    Parameters partitioned by zero.Init are skipped: Init broadcast them from rank 0 before sharding. ``groups``:
-    id(param) -> the ShardGroup of a parameter that differs across the world (an MoE expert, zero/expert.py),
-    broadcast from the first rank of its group instead.
+    ``comms``: the groups whose ranks hold the same values, broadcast over in turn (mesh.value_comms: the world; with
+    tensor parallelism the data-parallel groups, each rank keeping its own tp piece, a DTensor's local tensor).
+    ``groups``: id(param) -> the ShardGroup of a parameter that differs across the world (an MoE expert,
+    zero/expert.py), broadcast from the first rank of its group instead.
+    Parameters partitioned by zero.Init are skipped: Init broadcast them from rank 0 before sharding.
     """
-    if comm.world_size == 1:
+    comms = [comm for comm in comms if comm.world_size > 1]
+    if not comms:
         return
     groups = groups or {}
-    tensors = [(name, p.data, groups.get(id(p))) for name, p in model.named_parameters()
+    tensors = [(name, local_of(p).data, groups.get(id(p))) for name, p in model.named_parameters()
                if sharded_param_of(p) is None]
-    tensors += [(name, b, None) for name, b in model.named_buffers()]
+    tensors += [(name, local_of(b), None) for name, b in model.named_buffers()]
     for name, tensor, group in tensors:
         if tensor.numel() == 0:
             continue
         # Collectives need contiguous memory, and gloo has no bool: send a contiguous/uint8 copy, copy it back.
         wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor.contiguous()
-        (comm if group is None else group.comm).broadcast(wire, src=0, name=f"initialize {name}")
+        for comm in (comms if group is None else [group.comm]):
+            comm.broadcast(wire, src=0, name=f"initialize {name}")
         if wire is not tensor:
             tensor.copy_(wire)
 

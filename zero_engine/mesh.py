@@ -9,8 +9,11 @@ hold replicas of them.
 
 Dim names are torchtitan's: ``dp`` (every data-parallel rank: ZeRO as it always was), or ``dp_replicate`` x
 ``dp_shard`` (HSDP / MiCS: model states sharded within each ``dp_shard`` group of k ranks, replicated across the
-``dp_replicate`` groups). ``("edp", "ep")``: expert parallelism (moe.py, zero/expert.py): flat ZeRO over every
-rank for dense parameters, MoE experts over their ``edp`` group. ``tp`` belongs to model parallelism (issue 25).
+``dp_replicate`` groups). A last dim ``tp`` (tensor parallelism: ``("dp", "tp")`` or ``("dp_replicate", "dp_shard",
+"tp")``) holds parameters split by torch's ``parallelize_module`` into DTensors on ``mesh["tp"]``; ZeRO shards each
+rank's local piece over the data-parallel dims (zero/tensor_parallel.py). ``("edp", "ep")``: expert parallelism
+(moe.py, zero/expert.py): flat ZeRO over every rank for dense parameters, MoE experts over their ``edp`` group.
+Other model-parallel dims are refused for now.
 
 [Note: what runs on which group]
 * ``dp_shard`` (``ZeroMesh.shard_group``; the world when flat): every all-gather of parameters (forward, backward,
@@ -22,6 +25,11 @@ rank for dense parameters, MoE experts over their ``edp`` group. ``tp`` belongs 
 * the world: everything that must agree across every rank: the initial broadcast of the model, the step fingerprint,
   gradient presence (a parameter with a gradient on some ranks only), the module-order check, the non-finite-loss
   exchange, checkpoint agreement, the auto gather budget.
+* with a ``tp`` dim, the ranks of the world no longer hold the same model: tp ranks hold different local pieces. What
+  moves model values runs on the data-parallel groups of one tp rank (``value_comms``: the initial broadcast); what
+  only agrees on control flow stays on the world; the gradient norm is one all-reduce over the world with each value
+  counted on one rank ([Note: the global gradient norm with tp] in zero/tensor_parallel.py). Ranks are laid out
+  with ``tp`` innermost (world rank = dp rank x tp + tp rank), as ``init_device_mesh`` does.
 The sub-group communicators share the world communicator's progress records and stall watchdog: every shard group
 issues the same collectives (same kinds, sizes and names) in the same order, so the records of all ranks of the world
 still line up, the step fingerprint compares them across the world, and a stall in a sub-group collective is
@@ -50,9 +58,9 @@ from .errors import ConfigError
 log = logging.getLogger("zero_engine.mesh")
 
 __all__ = ["ZeroMesh", "resolve_mesh", "check_mpu", "named_communicators", "summed_stats", "DP", "DP_REPLICATE",
-           "DP_SHARD"]
+           "DP_SHARD", "TP", "value_comms"]
 
-DP, DP_REPLICATE, DP_SHARD = "dp", "dp_replicate", "dp_shard"
+DP, DP_REPLICATE, DP_SHARD, TP = "dp", "dp_replicate", "dp_shard", "tp"
 _MODEL_PARALLEL_DIMS = {"tp": "tensor parallelism", "ep": "expert parallelism", "cp": "context parallelism",
                         "pp": "pipeline parallelism", "sp": "sequence parallelism"}
 
@@ -74,18 +82,29 @@ class ZeroMesh:
     device_mesh: Any = None
     hpz_size: int = 1  # ZeRO++ hpZ: the secondary partition's group size (1: off); see zero/hpz.py
     hpz_group: Any = None
+    tp_size: int = 1  # tensor parallelism: the mesh's innermost dim "tp" (1: none); see zero/tensor_parallel.py
+    tp_group: Any = None
 
     @property
     def is_hierarchical(self) -> bool:
         return self.replicate_size > 1
 
     @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size  # tp innermost
+
+    @property
+    def tp_mesh(self):
+        """The mesh's tp dim, where DTensor parameters must live; None without one."""
+        return self.device_mesh[TP] if self.tp_size > 1 else None
+
+    @property
     def shard_rank(self) -> int:
-        return self.rank % self.shard_size  # [Note: rank layout of a hierarchical mesh]
+        return (self.rank // self.tp_size) % self.shard_size  # [Note: rank layout of a hierarchical mesh]
 
     @property
     def replicate_rank(self) -> int:
-        return self.rank // self.shard_size
+        return self.rank // (self.shard_size * self.tp_size)
 
     @property
     def saves_shards(self) -> bool:
@@ -93,10 +112,13 @@ class ZeroMesh:
         return self.replicate_rank == 0
 
     def describe(self) -> str:
+        tp = f" x {TP} {self.tp_size}" if self.tp_size > 1 else ""
         if not self.is_hierarchical:
+            if tp:
+                return f"{DP} {self.shard_size}{tp} ({self.source}): each tp piece sharded over {self.shard_size} ranks"
             return f"flat over {self.world_size} ranks ({self.source})"
-        return (f"{DP_REPLICATE} {self.replicate_size} x {DP_SHARD} {self.shard_size} ({self.source}): model states "
-                f"sharded within groups of {self.shard_size} ranks, replicated {self.replicate_size} times")
+        return (f"{DP_REPLICATE} {self.replicate_size} x {DP_SHARD} {self.shard_size}{tp} ({self.source}): model "
+                f"states sharded within groups of {self.shard_size} ranks, replicated {self.replicate_size} times")
 
 
 def flat_mesh(world_size: int, rank: int, source: str = "flat") -> ZeroMesh:
@@ -112,6 +134,8 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
     if k in (1, found.world_size):
         return found
     key = "zero_optimization.zero_hpz_partition_size"
+    if found.tp_size > 1 and k != 1:
+        raise NotImplementedError(f"{key}: {k} with a tp mesh dim is not supported yet; use 1 (off)")
     if found.is_hierarchical:
         raise ConfigError(f"{key}: {k} with a hierarchical mesh ({found.describe()}) is not supported yet; use hpZ "
                           "(states sharded over every rank) or MiCS / HSDP, not both")
@@ -164,16 +188,21 @@ def _from_device_mesh(mesh, world: int, rank: int) -> ZeroMesh:
         groups = expert_parallel_groups(mesh=mesh)
         return flat_mesh(world, rank, f"DeviceMesh edp {groups.edp_size} x ep {groups.ep_size}: dense parameters "
                                       "sharded over every rank, experts over edp (zero/expert.py)")
-    for name in names:
+    dp_names = names[:-1] if names[-1] == TP else names  # tp: the innermost dim (see [Note: what runs on which group])
+    for name in dp_names:
         if name in _MODEL_PARALLEL_DIMS:
+            where = " other than a last \"tp\"" if name == TP else ""
             raise NotImplementedError(
-                f"initialize(mesh=...): mesh dim {name!r} ({_MODEL_PARALLEL_DIMS[name]}) is not supported yet: "
-                "zero_engine shards over data-parallel dims only (model parallelism is issue 25); use a mesh with "
-                "dims (\"dp\",) or (\"dp_replicate\", \"dp_shard\")")
+                f"initialize(mesh=...): mesh dim {name!r} ({_MODEL_PARALLEL_DIMS[name]}){where} is not supported yet: "
+                "zero_engine shards over data-parallel dims and composes with tensor parallelism on a last dim "
+                "\"tp\"; use a mesh with dims (\"dp\",), (\"dp_replicate\", \"dp_shard\"), (\"dp\", \"tp\") or "
+                "(\"dp_replicate\", \"dp_shard\", \"tp\")")
     if mesh.size() != world:
         raise ValueError(f"initialize(mesh=...): the mesh's dims {dict(zip(names, mesh.mesh.shape))} multiply to "
                          f"{mesh.size()} ranks, the world has {world}; give a mesh over every rank "
                          f"(init_device_mesh(device, (...), mesh_dim_names=...) whose sizes multiply to {world})")
+    if dp_names != names:
+        return _with_tp(mesh, dp_names, world, rank)
     if names == (DP,):
         return flat_mesh(world, rank, "DeviceMesh dp")
     if names == (DP_REPLICATE, DP_SHARD):
@@ -193,6 +222,24 @@ def _hierarchical(mesh, world: int, rank: int, source: str) -> ZeroMesh:
         return flat_mesh(world, rank, source + " (one replica: flat)")
     return ZeroMesh(world, rank, shard, replicate, mesh.get_group(DP_SHARD), mesh.get_group(DP_REPLICATE),
                     source, mesh)
+
+
+def _with_tp(mesh, dp_names: tuple, world: int, rank: int) -> ZeroMesh:
+    """A mesh whose last dim is ``tp``: ZeRO's groups are its data-parallel dims, taken from the mesh itself."""
+    if dp_names not in ((DP,), (DP_REPLICATE, DP_SHARD)):
+        raise ValueError(f"initialize(mesh=...): dim names {dp_names + (TP,)} are not understood; use (\"dp\", \"tp\") "
+                         "or (\"dp_replicate\", \"dp_shard\", \"tp\"), in that order")
+    if not torch.equal(mesh.mesh.flatten().cpu(), torch.arange(world)):
+        raise NotImplementedError(
+            f"initialize(mesh=...): ranks {mesh.mesh.tolist()} are not laid out with tp innermost (world rank = dp "
+            "rank x tp size + tp rank) -- another order is not supported yet; build the mesh with init_device_mesh")
+    sizes = dict(zip(dp_names + (TP,), (int(n) for n in mesh.mesh.shape)))
+    shard_dim = dp_names[-1]
+    replicate = sizes.get(DP_REPLICATE, 1)
+    source = "DeviceMesh " + " x ".join(dp_names + (TP,))
+    return ZeroMesh(world, rank, sizes[shard_dim], replicate, mesh.get_group(shard_dim),
+                    mesh.get_group(DP_REPLICATE) if replicate > 1 else None, source, mesh,
+                    tp_size=sizes[TP], tp_group=mesh.get_group(TP))
 
 
 def check_mpu(mpu) -> None:
@@ -245,7 +292,7 @@ def mesh_communicators(mesh: ZeroMesh, world_comm) -> tuple[Any, Optional[Any]]:
     """(shard communicator, replicate communicator or None): the world communicator itself when flat; else
     communicators on the mesh's groups that share its progress records and watchdog ([Note: what runs on which
     group])."""
-    if not mesh.is_hierarchical:
+    if mesh.shard_group is None:
         return world_comm, None
     from .comm import Communicator
 
@@ -253,7 +300,15 @@ def mesh_communicators(mesh: ZeroMesh, world_comm) -> tuple[Any, Optional[Any]]:
         return Communicator(group, debug=world_comm.debug, collective_timeout_s=world_comm.collective_timeout_s,
                             share_records_with=world_comm)
 
-    return sub(mesh.shard_group), sub(mesh.replicate_group)
+    return sub(mesh.shard_group), sub(mesh.replicate_group) if mesh.replicate_group is not None else None
+
+
+def value_comms(mesh: ZeroMesh, world_comm, shard_comm, replicate_comm) -> list:
+    """The communicators whose ranks hold the same model values, to broadcast them over in turn: the world without
+    tp; with tp, the data-parallel groups of this rank's tp piece (shard group, then replicas)."""
+    if mesh.tp_size == 1:
+        return [world_comm]
+    return [comm for comm in (shard_comm, replicate_comm) if comm is not None]
 
 
 def named_communicators(world_comm, shard_comm, replicate_comm, hpz_comm) -> dict:

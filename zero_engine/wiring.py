@@ -18,7 +18,7 @@ from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
-from .mesh import hpz_communicator, mesh_communicators, resolve_mesh
+from .mesh import hpz_communicator, mesh_communicators, resolve_mesh, value_comms
 from .offload.placement import DEVICE, HOST, NVME
 from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .utils import register_engine
@@ -30,6 +30,7 @@ from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
 from .zero.presence import GradientPresence
+from .zero.tensor_parallel import check_tp_params, norm_counted
 from .zero.units import apply_leaf_module_config, gather_units, mark_by_granularity
 
 log = logging.getLogger("zero_engine.engine")
@@ -44,9 +45,18 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
     engine.mesh = resolve_mesh(zc, engine.device.type, mesh, mpu)  # collective when it creates groups
     engine.shard_comm, engine.replicate_comm = mesh_communicators(engine.mesh, engine.comm)
     engine.hpz_comm = hpz_communicator(engine.mesh, engine.comm)
+    check_tp_params(model.named_parameters(), engine.mesh.tp_mesh)
+    if engine.mesh.tp_size > 1 and engine.stage == 0:
+        raise NotImplementedError(f"zero_optimization.stage: 0 with a tp mesh dim ({engine.mesh.describe()}) is not "
+                                  "supported yet; use stage 1, 2 or 3")
     # MoE experts: sharded and reduced over their expert-data-parallel group (zero/expert.py); {} without experts
     engine.shard_groups = expert_shard_groups(model, engine)
-    broadcast_initial_state(model, engine.comm, engine.shard_groups)
+    if engine.shard_groups and engine.mesh.tp_size > 1:
+        raise NotImplementedError(f"MoE expert parameters (allreduce=False) with a tp mesh dim "
+                                  f"({engine.mesh.describe()}) are not supported yet; use expert parallelism or "
+                                  "tensor parallelism, not both")
+    broadcast_initial_state(model, value_comms(engine.mesh, engine.comm, engine.shard_comm, engine.replicate_comm),
+                            engine.shard_groups)
     engine.snapshot = ModelSnapshot(model)
     engine.accounting = MemoryAccounting()
     engine.compute_dtype = compute_dtype_of(engine.config)
@@ -77,7 +87,8 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
         engine.optimizer = ZeroOptimizer(engine.sharded, engine.reducer, engine.comm, engine.config.gradient_clipping,
                                          optimizer, engine.config.optimizer, groups, zc.sub_group_size,
                                          engine.placement, zc.offload_optimizer, engine.config.aio,
-                                         loss_scaler=engine.loss_scaler, unit_groups=unit_groups) \
+                                         loss_scaler=engine.loss_scaler, unit_groups=unit_groups,
+                                         norm_counted=norm_counted(engine.sharded, engine.mesh)) \
             if trains else None
         if engine.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
             if engine.optimizer is not None:

@@ -29,6 +29,7 @@ from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, GRADS_LOCAL, GRADS
                         CheckpointMeta, check_buffers_match, check_params_match, read_metadata)
 from ._reader import CheckpointReader, verify_files
 from ._views import ParamView, buffer_items, param_views, states_in_memory
+from ..zero.tensor_parallel import refuse_with_tp
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -57,6 +58,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     from ..zero.expert import refuse_expert_params
 
     refuse_expert_params(engine, "load_checkpoint()")  # one shard layout over the world in its files
+    refuse_with_tp(engine.mesh, "load_checkpoint")
     comm = engine.comm
     located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(
         check_dir_argument("load_checkpoint", "load_dir", load_dir), tag, missing_ok), share=True)

@@ -20,6 +20,7 @@ from ._atomic import private_temporary
 from ._collective import agree, rendezvous
 from ._metadata import state_dict_layout
 from ._views import buffer_items
+from ..zero.tensor_parallel import refuse_with_tp
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -35,6 +36,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     from ..zero.expert import refuse_expert_params
 
     refuse_expert_params(engine, "save_16bit_model()")  # one shard layout over the world in its files
+    refuse_with_tp(engine.mesh, "save_16bit_model")
     comm = engine.comm
     if engine.stage == 3 and not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
         if comm.rank == 0:

@@ -39,6 +39,7 @@ from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, FORMAT, GRADS_LOCA
                         CheckpointMeta, rank_file_name, state_dict_layout, write_metadata)
 from ._tensorfile import FileDigest, sha256_of_file, write_tensor_file
 from ._views import ParamView, buffer_items, param_views, states_in_memory
+from ..zero.tensor_parallel import refuse_with_tp
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -63,6 +64,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     from ..zero.expert import refuse_expert_params
 
     refuse_expert_params(engine, "save_checkpoint()")  # one shard layout over the world in its files
+    refuse_with_tp(engine.mesh, "save_checkpoint")
     comm = engine.comm
     started = time.perf_counter()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"

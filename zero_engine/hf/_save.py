@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..checkpoint._atomic import private_temporary
 from ..zero.partition import ShardedParam, sharded_param_of
+from ..zero.tensor_parallel import is_dtensor
 from ._transformers import require_transformers
 from ._writer import SafetensorsWriter, parse_size, plan_shards
 
@@ -113,6 +114,8 @@ def _tensors_to_save(model, engine, dtype) -> list[tuple[str, torch.Tensor, torc
 
 
 def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    if is_dtensor(tensor):  # split by tensor parallelism: the whole tensor is saved
+        return tuple(tensor.shape)
     sp = sharded_param_of(tensor)
     return tuple(sp.shape if sp is not None else tensor.shape)
 
@@ -133,9 +136,16 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
         source = _source_shard(sp, out_dtype)
         local = source if source.dtype == out_dtype else source.to(out_dtype)
         shard_comm = engine.shard_comm  # the world, or a mesh's dp_shard group (MiCS / HSDP: zero_engine/mesh.py)
+        if is_dtensor(tensor):  # every rank's tp piece whole over dp, then torch's all-gather over tp
+            from ..utils import tp_full_tensor
+
+            piece = torch.empty(sp.padded_numel, dtype=out_dtype, device=local.device)
+            shard_comm.all_gather_into_tensor(piece, local, name=f"save_pretrained {sp.fqn}").wait()
+            full = tp_full_tensor(tensor, piece[: sp.numel])
+            return full.to("cpu", copy=True) if comm.rank == 0 else None
         if shard_comm.world_size == 1:
             return local[: sp.numel].view(sp.shape).to("cpu", copy=True)
-        if not engine.mesh.saves_shards:  # another replica: replica 0's group (world rank 0's) gathers
+        if not engine.mesh.saves_shards or engine.mesh.tp_rank != 0:  # replica 0 of tp rank 0 (world rank 0's)
             return None
         full = torch.empty(sp.padded_numel, dtype=out_dtype, device=local.device) if comm.rank == 0 else None
         dist.gather(local, list(full.chunk(shard_comm.world_size)) if full is not None else None, dst=0,

@@ -61,6 +61,7 @@ import torch.nn as nn
 
 from zero_engine.offload.placement import Placement
 from zero_engine.zero.partition import shard_numel_for
+from zero_engine.zero.tensor_parallel import is_dtensor, local_of
 from zero_engine.zero.units import gather_units
 
 __all__ = [
@@ -165,7 +166,8 @@ class ModelCounts:
 
 
 def count_model_params(model: nn.Module) -> ModelCounts:
-    """Sizes of a model's unique parameters and layers, without touching their data (meta tensors are fine)."""
+    """Sizes of a model's unique parameters and layers, without touching their data (meta tensors are fine). A
+    parameter split by tensor parallelism (a DTensor) counts its tp-local piece: what one rank shards over dp."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     params = list(model.parameters())  # unique by identity: a tied weight is counted once
@@ -182,7 +184,7 @@ def count_model_params(model: nn.Module) -> ModelCounts:
     for name, own in units.items():
         for p in own:
             owners[id(p)] = owners.get(id(p), 0) + 1
-        own_numel = sum(p.numel() for p in own)
+        own_numel = sum(local_of(p).numel() for p in own)
         if own_numel > largest:
             largest, largest_name = own_numel, name or "<root>"
         chain, ancestor = [], name
@@ -190,10 +192,11 @@ def count_model_params(model: nn.Module) -> ModelCounts:
             ancestor = ancestor.rpartition(".")[0]
             chain.append(units.get(ancestor, ()))
         live = {id(p): p for params in [*reversed(chain), own] for p in params}  # outermost first
-        layers.append(tuple(p.numel() for p in live.values()))
-    return ModelCounts(numels=tuple(p.numel() for p in params), trainable=tuple(p.requires_grad for p in params),
-                       layers=tuple(layers), largest_layer_params=largest, largest_layer_name=largest_name,
-                       shared_numels=tuple(p.numel() for p in params if owners.get(id(p), 0) > 1))
+        layers.append(tuple(local_of(p).numel() for p in live.values()))
+    return ModelCounts(numels=tuple(local_of(p).numel() for p in params),
+                       trainable=tuple(p.requires_grad for p in params), layers=tuple(layers),
+                       largest_layer_params=largest, largest_layer_name=largest_name,
+                       shared_numels=tuple(local_of(p).numel() for p in params if owners.get(id(p), 0) > 1))
 
 
 @dataclass(frozen=True)
@@ -394,11 +397,13 @@ class MemoryEstimate:
     policy: GatherPolicy
     rows: tuple[RankMemory, ...] = field(repr=False)
     shard_size: int | None = None  # MiCS / HSDP (zero_optimization.mics_shard_size): states sharded over this many
+    tp_size: int = 1  # tensor parallelism: the world is dp x tp; each rank shards its tp piece over dp
 
     @property
     def partition_size(self) -> int:
-        """Ranks each model state is sharded over: the world, or the MiCS shard group (16 Psi / k per rank)."""
-        return self.shard_size or self.world_size
+        """Ranks each model state is sharded over: the data-parallel world (world / tp), or the MiCS shard group
+        (16 Psi / k per rank)."""
+        return self.shard_size or self.world_size // self.tp_size
 
     @property
     def world_size(self) -> int:
@@ -421,7 +426,9 @@ class MemoryEstimate:
                 f"Setup: {self.num_nodes} node(s) x {self.num_ranks_per_node} rank(s) per node = "
                 f"{self.world_size} rank(s)"
                 + (f", model states sharded within groups of {self.shard_size} (MiCS / HSDP) and replicated "
-                   f"{self.world_size // self.shard_size} times" if self.shard_size else "")
+                   f"{self.world_size // self.tp_size // self.shard_size} times" if self.shard_size else "")
+                + (f", tensor parallel {self.tp_size} x data parallel {self.world_size // self.tp_size} (counts: one "
+                   "tp rank's pieces)" if self.tp_size > 1 else "")
                 + f". Stage 3 gather policy: persistence_threshold="
                 f"{self.policy.persistence_threshold}, prefetch={self.policy.prefetch_numel}, "
                 f"max_live={self.policy.max_live_numel}, reuse_distance={self.policy.reuse_numel}.",
@@ -462,8 +469,8 @@ def format_bytes(n: int) -> str:
 def _estimate(counts: ModelCounts, num_ranks_per_node: int, num_nodes: int, stages: Iterable[int],
               precisions: Iterable[str], zero_config, policy: GatherPolicy | None,
               optimizer_states_per_param: int, print_table: bool, offload_optimizer: str | None = None,
-              offload_param: str | None = None, accelerator: bool = True) -> MemoryEstimate:
-    for arg, value in (("num_ranks_per_node", num_ranks_per_node), ("num_nodes", num_nodes)):
+              offload_param: str | None = None, accelerator: bool = True, tp_size: int = 1) -> MemoryEstimate:
+    for arg, value in (("num_ranks_per_node", num_ranks_per_node), ("num_nodes", num_nodes), ("tp_size", tp_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be a positive integer, got {value!r}")
     if policy is not None and zero_config is not None:
@@ -485,6 +492,10 @@ def _estimate(counts: ModelCounts, num_ranks_per_node: int, num_nodes: int, stag
     if unknown:
         raise ValueError(f"precisions: unknown {unknown}; choose from {sorted(PRECISIONS)}")
     world = num_ranks_per_node * num_nodes
+    if world % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide the {world} ranks (num_nodes x num_ranks_per_node); the "
+                         "world is data parallel x tensor parallel")
+    world //= tp_size  # the data-parallel ranks each tp piece is sharded over (counts: one tp rank's pieces)
     shard_size = _mics_shard_size(zero_config, world)
     hpz = getattr(zero_config, "zero_hpz_partition_size", 1) if zero_config is not None else 1
     if hpz > 1 and world % hpz:
@@ -495,7 +506,7 @@ def _estimate(counts: ModelCounts, num_ranks_per_node: int, num_nodes: int, stag
         offload_optimizer=(offload_optimizer or "none") if stage else "none", offload_param=offload_param or "none",
         accelerator=accelerator, **swap_knobs), counts, policy, hpz if hpz not in (1, world) else 1)
         for stage in stages for p in precisions)
-    result = MemoryEstimate(counts, num_ranks_per_node, num_nodes, policy, rows, shard_size)
+    result = MemoryEstimate(counts, num_ranks_per_node, num_nodes, policy, rows, shard_size, tp_size)
     if print_table:
         print(result.table())  # the documented output of this function, as DeepSpeed's, not debugging
     return result
@@ -538,7 +549,7 @@ def estimate_zero3_model_states_mem_needs_all_live(
         optimizer_states_per_param: int = 2, print_table: bool = True,
         num_gpus_per_node: int | None = None, cpu_offload: bool = False, cpu_offload_params: bool = False,
         offload_optimizer: str | None = None, offload_param: str | None = None,
-        accelerator: bool = True) -> MemoryEstimate:
+        accelerator: bool = True, tp_size: int = 1) -> MemoryEstimate:
     """Estimate per-rank memory for training ``model`` with ZeRO on ``num_nodes x num_ranks_per_node`` ranks.
 
     ``model`` may be built on the meta device (``with torch.device("meta"): model = Big()``): only shapes are
@@ -555,12 +566,20 @@ def estimate_zero3_model_states_mem_needs_all_live(
 
     Prints the table (as DeepSpeed's function does) unless ``print_table=False``; returns a ``MemoryEstimate``.
     ``num_gpus_per_node`` is DeepSpeed's name for ``num_ranks_per_node``, accepted so that existing calls work.
+
+    Tensor parallelism (``tp_size`` > 1): the world is data parallel x ``tp_size``; ``model`` is one already split
+    by ``parallelize_module`` (on the meta device, over a mesh's tp dim), whose DTensor parameters count their
+    tp-local pieces: a parameter split over tp costs 16 Psi / (tp x dp) per rank, one replicated over tp 16 Psi / dp.
     """
     num_ranks_per_node = _ranks_per_node(num_ranks_per_node, num_gpus_per_node)
+    if tp_size > 1 and not any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(f"tp_size={tp_size}: the model has no parameter split by tensor parallelism (DTensor); "
+                         "parallelize it (parallelize_module over a mesh's tp dim, on the meta device) first, or use "
+                         "estimate_from_counts(..., tp_size=...)")
     return _estimate(count_model_params(model), num_ranks_per_node, num_nodes, stages, precisions, zero_config,
                      policy, optimizer_states_per_param, print_table,
                      offload_optimizer or ("cpu" if cpu_offload else None),
-                     offload_param or ("cpu" if cpu_offload_params else None), accelerator)
+                     offload_param or ("cpu" if cpu_offload_params else None), accelerator, tp_size)
 
 
 def estimate_from_counts(total_params: int, largest_layer_params: int, num_ranks_per_node: int = 1,
@@ -570,20 +589,24 @@ def estimate_from_counts(total_params: int, largest_layer_params: int, num_ranks
                          print_table: bool = True, num_gpus_per_node: int | None = None,
                          cpu_offload: bool = False, cpu_offload_params: bool = False,
                          offload_optimizer: str | None = None, offload_param: str | None = None,
-                         accelerator: bool = True) -> MemoryEstimate:
+                         accelerator: bool = True, tp_size: int = 1) -> MemoryEstimate:
     """As ``estimate_zero3_model_states_mem_needs_all_live`` from two counts instead of a model.
 
     Without the individual parameter sizes, the parameters are treated as one flat tensor: padding is at most
     N - 1 elements instead of up to N - 1 per parameter, and no parameter counts as persistent, so a model's own
-    estimate is slightly higher (see ``padding_numel``). All parameters are taken as trainable.
+    estimate is slightly higher (see ``padding_numel``). All parameters are taken as trainable. ``tp_size`` > 1:
+    every parameter is taken as split evenly over the tp ranks (16 Psi / (tp x dp) per rank).
     """
     num_ranks_per_node = _ranks_per_node(num_ranks_per_node, num_gpus_per_node)
     total, largest = int(total_params), int(largest_layer_params)
     if total < 1 or largest < 0 or largest > total:
         raise ValueError(f"need total_params >= 1 and 0 <= largest_layer_params <= total_params; got "
                          f"total_params={total_params}, largest_layer_params={largest_layer_params}")
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+    total, largest = -(-total // tp_size), -(-largest // tp_size)  # one tp rank's pieces
     counts = ModelCounts(numels=(total,), trainable=(True,), layers=((largest,),) if largest else (),
                          largest_layer_params=largest)
     return _estimate(counts, num_ranks_per_node, num_nodes, stages, precisions, zero_config, policy,
                      optimizer_states_per_param, print_table, offload_optimizer or ("cpu" if cpu_offload else None),
-                     offload_param or ("cpu" if cpu_offload_params else None), accelerator)
+                     offload_param or ("cpu" if cpu_offload_params else None), accelerator, tp_size)

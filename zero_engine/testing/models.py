@@ -28,6 +28,7 @@ class GPTConfig:
     reuse_block: bool = False  # apply the last block twice per forward
     optional_branch: bool = False  # a module used only when forward(..., use_branch=True)
     checkpoint_blocks: bool = False  # torch.utils.checkpoint around each block (use_reentrant=False)
+    mlp_extra: int = 1  # the MLP's hidden size is 4 * n_embd + mlp_extra: odd by default, 0 to split it over tp ranks
 
 
 class CausalSelfAttention(nn.Module):
@@ -48,8 +49,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd + 1)
-        self.proj = nn.Linear(4 * cfg.n_embd + 1, cfg.n_embd)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd + cfg.mlp_extra)
+        self.proj = nn.Linear(4 * cfg.n_embd + cfg.mlp_extra, cfg.n_embd)
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x)))

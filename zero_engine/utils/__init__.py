@@ -10,6 +10,12 @@ all-gather this rank's shard with the others', so they cost one parameter's wort
 ``local`` functions touch only this rank's shard: a flat tensor of ``param.ds_tensor.numel()`` elements (padded
 with zeros on the last rank). Values are fp32 and unscaled (the fp16 loss scale is divided out of gradients).
 
+With tensor parallelism (a mesh with a ``tp`` dim, zero_engine/zero/tensor_parallel.py) a parameter split by
+``parallelize_module`` is a DTensor, and these functions work on this rank's **tp-local** piece, the tensor the
+rank's forward computes with (``param.to_local()``'s shape): ``full`` means whole over the data-parallel ranks,
+``local`` this rank's dp shard of it. ``tp_full_tensor(param, value)`` turns such a tp-local value into the whole
+tensor of the unsplit model (torch's all-gather over tp; collective), and ``safe_set_full_*`` take tp-local values.
+
 When each state is valid (as in DeepSpeed): gradients after ``backward()`` and until the ``step()`` that applies
 them (then None); fp32 parameters and optimizer states at any time, updated by ``step()``. Optimizer states exist
 from the first applied step on. A parameter that no engine trains (frozen, or not passed to ``initialize``) gives
@@ -28,7 +34,9 @@ from typing import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..mesh import value_comms
 from ..zero.partition import ShardedParam, sharded_param_of
+from ..zero.tensor_parallel import is_dtensor, local_grad
 from ..zero.units import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                           set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
 
@@ -36,7 +44,7 @@ __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_opti
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
-           "safe_update_full_grad_vectorized", "logger", "log_dist",
+           "safe_update_full_grad_vectorized", "tp_full_tensor", "logger", "log_dist",
            # ZeRO-3 leaf modules (zero/units.py): call before initialize
            "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
            "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix"]
@@ -244,13 +252,30 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     if engine.stage <= 1:  # gradients are still whole and local: reduced only inside step()
         if param.grad is None:
             return None
-        grad = param.grad.detach().float().clone()
-        engine.comm.all_reduce(grad, op="sum", name="safe_get_full_grad").wait()
-        return grad.div_(engine.world_size * _loss_scale(engine))
+        grad = local_grad(param, param.grad).detach().float().clone()
+        # over the ranks holding the same values: the world; with tp, the data-parallel groups (mesh.value_comms)
+        for comm in value_comms(engine.mesh, engine.comm, engine.shard_comm, engine.replicate_comm):
+            comm.all_reduce(grad, op="sum", name="safe_get_full_grad").wait()
+        return grad.div_(engine.world_size // engine.mesh.tp_size * _loss_scale(engine))
     shard = engine.reducer.shard_grad(sp)
     if shard is None:
         return None
     return _gather(engine, sp, shard, "safe_get_full_grad").div_(_loss_scale(engine))
+
+
+def tp_full_tensor(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of the unsplit model from ``value``, this rank's tp-local piece of ``param`` (what
+    ``safe_get_full_*`` return, or ``param.to_local()`` inside GatheredParameters): torch's all-gather over the tp
+    ranks (``DTensor.full_tensor``), collective over them. A parameter not split by tensor parallelism: ``value``
+    as it is."""
+    if not is_dtensor(param):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    sp = sharded_param_of(param)  # the local shape: a released parameter's local tensor holds 0 elements
+    local = value.reshape(sp.shape if sp is not None else param.to_local().shape)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride()).full_tensor()
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:

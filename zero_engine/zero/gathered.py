@@ -14,6 +14,10 @@ are written, so the fp32 master of everything not edited keeps its bits instead 
 
 ``fwd_module=module`` registers the parameters as external parameters of ``module`` (external.py), as DeepSpeed does.
 
+A parameter split by tensor parallelism (a DTensor on a mesh's ``tp`` dim) is gathered over the data-parallel
+ranks only: inside the block it is a whole DTensor, ``param.to_local()`` this rank's tp piece and
+``param.full_tensor()`` the whole tensor of the unsplit model (torch's all-gather over tp). Read-only for now.
+
 Engine calls inside the block (a forward, an eval loop) work: the parameters stay gathered for the block (the
 engine's coordinator does not release what a block holds), and the block's exit hands each one back to the
 coordinator that counted it, so its live-parameter budget stays right.
@@ -28,6 +32,7 @@ from ..comm import Communicator, init_distributed
 from .external import register_external_parameter
 from .gather import SequentialGather
 from .partition import ParamStatus, ShardedParam, sharded_param_of
+from .tensor_parallel import is_dtensor
 from .unit import release_if_unused
 
 __all__ = ["GatheredParameters"]
@@ -87,6 +92,13 @@ class GatheredParameters:
         if self.modifier_rank is not None and not 0 <= self.modifier_rank < self.comm.world_size:
             raise ValueError(f"GatheredParameters: modifier_rank={self.modifier_rank} is not a rank of this "
                              f"world (0..{self.comm.world_size - 1})")
+        split = [sp.fqn for sp in self.sharded if is_dtensor(sp.param)]
+        if self.modifier_rank is not None and split:
+            raise NotImplementedError(
+                f"GatheredParameters(modifier_rank={self.modifier_rank}): {', '.join(split)} are split by tensor "
+                "parallelism (DTensors), whose pieces differ across tp ranks, and broadcasting edits of them is not "
+                "supported yet; read them without modifier_rank, or set values with "
+                "zero_engine.utils.safe_set_full_fp32_param (tp-local values)")
         for sp in self.sharded:
             if sp.status is ParamStatus.INFLIGHT:
                 raise RuntimeError(f"GatheredParameters: {sp.fqn} is being gathered by the engine right now")

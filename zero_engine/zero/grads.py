@@ -57,6 +57,7 @@ from __future__ import annotations
 import torch
 
 from .partition import ShardedParam
+from .tensor_parallel import local_grad
 
 __all__ = ["GradReducer", "all_reduce_grads"]
 
@@ -148,6 +149,7 @@ class GradReducer:
             bucket.irregular = sum(id(p) in irregular for p in bucket.params)
 
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
+        grad = local_grad(p.param, grad)  # a DTensor's: its local piece (tensor_parallel.py)
         if grad.numel() != p.numel:  # the last line of defence: see external.py for how reads are gathered
             raise RuntimeError(
                 f"{p.fqn}: gradient of {grad.numel()} elements on rank {self.comm.rank}, expected {p.numel} "

@@ -169,8 +169,12 @@ class ZeroOptimizer(_OptimizerWrapper):
 
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
                  optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9, placement=None,
-                 offload=None, aio=None, loss_scaler=None, unit_groups: list[list[ShardedParam]] | None = None):
+                 offload=None, aio=None, loss_scaler=None, unit_groups: list[list[ShardedParam]] | None = None,
+                 norm_counted: set[int] | None = None):
+        """``norm_counted``: with tensor parallelism, the ids of the parameters whose gradient shards this rank adds
+        to the norm summed over the world (``comm``); None: all, summed over the shard group (tensor_parallel.py)."""
         self.loss_scaler = loss_scaler
+        self.norm_counted = norm_counted
         self.reducer = reducer
         self.comm = comm
         # the compute device: the grad-norm all-reduce runs there (NCCL reduces device tensors only)
@@ -298,12 +302,22 @@ class ZeroOptimizer(_OptimizerWrapper):
         if self.host_copies and self.device.type == "cuda":  # offload only: see [Note: host syncs per step]
             torch.cuda.current_stream(self.device).synchronize()  # host gradient shards copied (grads.py)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        counted = self.norm_counted
         for bucket in self.reducer.buckets:
-            if bucket.shard_grads is not None:  # fp32 accumulation per bucket, as clip_grad_norm_; no copy
+            if bucket.shard_grads is None:
+                continue
+            if counted is None or all(id(p) in counted for p in bucket.params):
+                # fp32 accumulation per bucket, as clip_grad_norm_; no copy
                 sq += (torch.linalg.vector_norm(bucket.shard_grads, dtype=torch.float32).double() ** 2).to(sq.device)
+                continue
+            for p in bucket.params:  # tp: replicated parameters counted on tp rank 0 only
+                if id(p) in counted:
+                    grad = self.reducer.shard_grad(p)
+                    sq += (torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2).to(sq.device)
         # over the group the gradient shards are partitioned on: under a hierarchical mesh the replicas hold the same
-        # shards (averaged across them, grads.py), so the world would count each one replicate_size times
-        self.reducer.comm.all_reduce(sq, op="sum", name="grad norm")
+        # shards (averaged across them, grads.py), so the world would count each one replicate_size times; with tp
+        # over the world, each value counted on one rank ([Note: the global gradient norm with tp])
+        (self.reducer.comm if counted is None else self.comm).all_reduce(sq, op="sum", name="grad norm")
         value = read_step_values(sq, fingerprint)
         return math.sqrt(value) if math.isfinite(value) else float("inf")
 

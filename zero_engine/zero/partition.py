@@ -49,6 +49,8 @@ import torch.nn as nn
 
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .tensor_parallel import local_of
+
 __all__ = ["GatheredZeroParameter", "ParamStatus", "ShardBucket", "ShardedParam", "ZeroParameter", "DIRECT_GATHER_NUMEL", "flatten_shards",
            "runs", "shard_numel_for", "sharded_param_of"]
 
@@ -192,11 +194,14 @@ class ShardedParam:
         """Shard ``param`` (its current full data) for ``rank``; ``dtype``: the compute dtype to cast to;
         ``fp32_master``: keep the exact fp32 value for a master (16-bit training with an optimizer)."""
         self.param = param
+        # the tensor whose storage is managed: a DTensor's local piece ([Note: the local tensor is the parameter's
+        # data] in tensor_parallel.py), a plain parameter itself; shape and numel are its own
+        self.local = local_of(param)
         self.fqn = fqn
         self.index = index  # position in the fixed parameter order: gradient buckets are built from it
         self.uid = next(_IDS)
-        self.shape = param.shape
-        self.numel = param.numel()
+        self.shape = self.local.shape
+        self.numel = self.local.numel()
         self.dtype = dtype or param.dtype
         self.shard_numel = shard_numel_for(self.numel, world_size)
         self.padded_numel = self.shard_numel * world_size
@@ -218,7 +223,7 @@ class ShardedParam:
         self.bucket_offset = 0
         self._empty = torch.empty(0, dtype=self.dtype, device=param.device)
 
-        flat = param.detach().reshape(-1)
+        flat = self.local.detach().reshape(-1)
         exact = torch.zeros(self.shard_numel, dtype=param.dtype, device=param.device)
         local = self.local_slice()
         exact[: local.stop - local.start].copy_(flat[local])
@@ -231,7 +236,7 @@ class ShardedParam:
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=param.device)
         self.full[: self.numel].copy_(flat)
         self.full[self.numel:].zero_()
-        param.data = self.full[: self.numel].view(self.shape)
+        self.local.data = self.full[: self.numel].view(self.shape)
         self.status = ParamStatus.AVAILABLE
         _REGISTRY[param] = self
         if type(param) is nn.Parameter:  # subclasses of users' own are left as they are
@@ -252,7 +257,7 @@ class ShardedParam:
         sp = cls(meta_param, fqn, index, rank, world_size)  # on meta: metadata only, nothing allocated
         del _REGISTRY[meta_param]
         param = nn.Parameter(torch.empty(0, dtype=sp.dtype, device=device), requires_grad=meta_param.requires_grad)
-        sp.param = param
+        sp.param = sp.local = param
         sp.shard = torch.zeros(sp.shard_numel, dtype=sp.dtype, device=device)
         sp.master_init = None if sp.master_init is None else torch.zeros(sp.shard_numel, dtype=torch.float32,
                                                                          device=device)
@@ -283,7 +288,7 @@ class ShardedParam:
     def to_available(self) -> None:
         if self.status is not ParamStatus.INFLIGHT:
             raise AssertionError(f"{self.fqn}: made available while {self.status.name} on rank {self.rank}")
-        self.param.data = self.full[: self.numel].view(self.shape)
+        self.local.data = self.full[: self.numel].view(self.shape)
         self.status = ParamStatus.AVAILABLE
         if type(self.param) is ZeroParameter:
             self.param.__class__ = GatheredZeroParameter
@@ -292,7 +297,7 @@ class ShardedParam:
         """Free the full data (see [Note: release resizes storage, it does not swap tensors])."""
         if self.status is not ParamStatus.AVAILABLE:
             raise AssertionError(f"{self.fqn}: released while {self.status.name} on rank {self.rank}")
-        self.param.data = self._empty
+        self.local.data = self._empty
         self.full.untyped_storage().resize_(0)
         self.status = ParamStatus.NOT_AVAILABLE
         if type(self.param) is GatheredZeroParameter:
@@ -341,7 +346,7 @@ class ShardedParam:
         self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
         self.full.untyped_storage().resize_(0)
         self._empty = torch.empty(0, dtype=dtype, device=self.shard.device)
-        self.param.data = self._empty
+        self.local.data = self._empty
 
     # ---- views -------------------------------------------------------------------------------------------------
     @property

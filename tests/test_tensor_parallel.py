@@ -1,0 +1,353 @@
+"""ZeRO composed with tensor parallelism (zero_engine/zero/tensor_parallel.py): a test GPT whose MLPs are split by
+torch's parallelize_module (ColwiseParallel fc, RowwiseParallel proj) over mesh["tp"] of a 2 x 2 ("dp", "tp") mesh,
+ZeRO over mesh["dp"], at world 4 over gloo against one process training on the full batch.
+
+Bodies named ``_*_body`` run on every rank of the simulated world (module level, so the rank pool imports them).
+
+Tolerances. As in test_mesh.py: the gradients are averaged by a reduce-scatter over dp (and the RowwiseParallel
+outputs summed over tp), so sums run in another order than the reference: losses and the gradient norm within 1e-5
+relative, parameters within 1e-5 relative L2 with SGD and 2e-4 with AdamW (its division by sqrt(v) amplifies a 1e-7
+difference of a near-zero gradient). The parameters split over tp are Shard(0) (fc weight and bias), Shard(1) (proj
+weight) and Replicate (proj bias, a DTensor); LayerNorms, embeddings and attention stay plain tensors, replicated
+over tp: the gradient norm counts them once (the norm check fails by a factor of up to sqrt(2) otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_engine
+from zero_engine.testing import run_ranks
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+TIMEOUT = 120
+WORLD, DP, TP = 4, 2, 2
+
+
+def tp_mesh_2x2():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+
+
+def parallelize_mlps(model: GPT, tp_mesh) -> GPT:
+    """The Megatron split of each block's MLP over ``tp_mesh``: fc column-wise, proj row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        parallelize_module(block.mlp, tp_mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    return model
+
+
+def ds_config(stage, seq=False, optimizer="SGD", lr=0.05, gas=2, micro=2, **zero):
+    zero_section = {"stage": stage, "stage3_allgather_sequential": seq, "reduce_bucket_size": 700,
+                    "stage3_prefetch_bucket_size": 3000, "stage3_param_persistence_threshold": 40,
+                    "stage3_max_reuse_distance": 2000, "overlap_comm": True}
+    zero_section.update(zero)
+    params = {"lr": lr, "weight_decay": 0.1} if optimizer == "AdamW" else {"lr": lr, "momentum": 0.9}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+            "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero_section}
+
+
+def train_dp_rows(engine, x, y, gas, micro, dp_rank, dp_size) -> float:
+    """One optimizer step on this dp rank's rows of the global batch (both tp ranks of a dp rank read the same
+    rows); the mean loss over every rank and micro-step."""
+    total = torch.zeros(())
+    for m in range(gas):
+        lo = (m * dp_size + dp_rank) * micro
+        loss = engine(x[lo: lo + micro], y[lo: lo + micro])
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach()
+    dist.all_reduce(total)
+    return total.item() / (dist.get_world_size() * gas)
+
+
+def whole_values(engine, tensor_of=lambda sp: sp.shard) -> dict[str, torch.Tensor]:
+    """Every parameter's whole value, put together by the test itself: the dp shards all-gathered over the engine's
+    shard group into the tp-local tensor, then a DTensor's pieces all-gathered over tp (torch's full_tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for sp in engine.sharded:
+        shard = tensor_of(sp)
+        buf = torch.empty(sp.padded_numel, dtype=shard.dtype)
+        dist.all_gather_into_tensor(buf, shard.contiguous(), group=engine.shard_comm.group)
+        local = buf[: sp.numel].view(sp.shape)
+        if isinstance(sp.param, DTensor):
+            local = DTensor.from_local(local, sp.param.device_mesh, sp.param.placements, run_check=False,
+                                       shape=sp.param.shape, stride=sp.param.stride()).full_tensor()
+        out[sp.fqn] = local
+    return out
+
+
+def relative_l2(ours: dict, reference) -> float:
+    ref = dict(reference.named_parameters())
+    diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    return (diff / sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()).item()
+
+
+# ---- parity with one process ----------------------------------------------------------------------------------------
+def _parity_body(stage, seq, optimizer, offload, replicas=1):
+    """``replicas`` 2: a ("dp_replicate", "dp_shard", "tp") mesh of 2 x 1 x 2 (HSDP replicas of the tp pieces)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = tp_mesh_2x2() if replicas == 1 else init_device_mesh(
+        "cpu", (replicas, DP // replicas, TP), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_rank = dist.get_rank() // TP
+    cfg = GPTConfig(mlp_extra=0, frozen_param=True)
+    lr = 1e-3 if optimizer == "AdamW" else 0.05
+    zero = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
+    config = ds_config(stage, seq, optimizer=optimizer, lr=lr, **zero)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=parallelize_mlps(model, mesh["tp"]), config=config, mesh=mesh)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1) if optimizer == "AdamW" else \
+        torch.optim.SGD(params, lr=lr, momentum=0.9)
+    gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
+    worst_loss, norms, clipped = 0.0, [], 0
+    for x, y in make_batches(cfg, 4, DP * micro * gas):
+        ref_opt.zero_grad()
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        clipped += ref_norm > 1.0
+        ref_opt.step()
+        ours = train_dp_rows(engine, x, y, gas, micro, dp_rank, DP)
+        worst_loss = max(worst_loss, abs(ours - ref_loss.item()) / abs(ref_loss.item()))
+        norms.append(abs(engine.get_global_grad_norm() - ref_norm) / ref_norm)
+    param_err = relative_l2(whole_values(engine), reference)
+    local_shapes = {sp.fqn: tuple(sp.shape) for sp in engine.sharded if "mlp" in sp.fqn}
+    groups = (engine.mesh.shard_size, engine.mesh.replicate_size, engine.mesh.tp_size)
+    engine.destroy()
+    return worst_loss, param_err, max(norms), clipped, local_shapes, groups
+
+
+PARITY = [(3, False, "SGD", False, 1), (3, True, "SGD", False, 1), (1, False, "SGD", False, 1),
+          (3, False, "AdamW", False, 1), (2, False, "AdamW", False, 1), (3, False, "SGD", True, 1),
+          (3, False, "SGD", False, 2), (1, False, "SGD", False, 2)]
+
+
+@pytest.mark.parametrize("stage,seq,optimizer,offload,replicas", PARITY)
+def test_tp_parity_with_one_process(stage, seq, optimizer, offload, replicas):
+    tolerance = 2e-4 if optimizer == "AdamW" else 1e-5
+    for loss_err, param_err, norm_err, clipped, shapes, groups in run_ranks(
+            _parity_body, WORLD, stage, seq, optimizer, offload, replicas, timeout=TIMEOUT):
+        assert groups == (DP // replicas, replicas, TP)
+        assert loss_err < 1e-5 and param_err < tolerance and norm_err < 1e-5, (loss_err, param_err, norm_err)
+        assert clipped > 0  # the clipping (and so the norm over every dim) decides the updates
+        # each rank holds its tp piece: fc rows and proj columns halved (n_embd 33, hidden 132)
+        assert shapes["blocks.0.mlp.fc.weight"] == (66, 33) and shapes["blocks.0.mlp.proj.weight"] == (33, 66)
+        assert shapes["blocks.0.mlp.fc.bias"] == (66,) and shapes["blocks.0.mlp.proj.bias"] == (33,)
+
+
+# ---- reading a TP parameter: tp-local or whole ---------------------------------------------------------------------
+def _read_body():
+    from zero_engine.utils import safe_get_full_fp32_param, safe_get_full_grad, tp_full_tensor
+    from zero_engine.zero import GatheredParameters
+
+    mesh = tp_mesh_2x2()
+    cfg = GPTConfig(mlp_extra=0)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=parallelize_mlps(model, mesh["tp"]),
+                                        config=ds_config(3, stage3_param_persistence_threshold=0), mesh=mesh)
+    fc, ref_fc = model.blocks[0].mlp.fc.weight, reference.blocks[0].mlp.fc.weight.detach()
+    tp_rank = mesh.get_local_rank("tp")
+    rows = slice(tp_rank * 66, (tp_rank + 1) * 66)  # ColwiseParallel: Shard(0), this tp rank's rows
+    with GatheredParameters(fc):
+        local_ok = torch.equal(fc.to_local(), ref_fc[rows])
+        whole_ok = torch.equal(fc.full_tensor(), ref_fc)
+    released = fc.to_local().numel() == 0  # released again after the block
+    full = safe_get_full_fp32_param(fc)
+    safe_ok = torch.equal(full, ref_fc[rows]) and torch.equal(tp_full_tensor(fc, full), ref_fc)
+    plain = model.blocks[0].ln_1.weight  # not split: tp_full_tensor gives it back as it is
+    plain_ok = torch.equal(tp_full_tensor(plain, safe_get_full_fp32_param(plain)), reference.blocks[0].ln_1.weight)
+    # the gradient, whole over dp, of the rows of this tp rank: the reference's on the same global batch
+    x, y = make_batches(cfg, 1, DP * 2)[0]
+    dp_rank = mesh.get_local_rank("dp")
+    engine.backward(engine(x[dp_rank * 2: dp_rank * 2 + 2], y[dp_rank * 2: dp_rank * 2 + 2]))
+    reference(x, y).backward()
+    grad = tp_full_tensor(fc, safe_get_full_grad(fc)) * 2  # gradient_accumulation_steps 2: backward divided by it
+    grad_err = ((grad - reference.blocks[0].mlp.fc.weight.grad).norm() / grad.norm()).item()
+    try:
+        with GatheredParameters(fc, modifier_rank=0):
+            pass
+        modifier = None
+    except NotImplementedError as exc:
+        modifier = str(exc)
+    engine.destroy()
+    return local_ok, whole_ok, released, safe_ok, plain_ok, grad_err, modifier
+
+
+def test_gathered_and_safe_get_give_the_tp_local_piece_and_tp_full_tensor_the_whole():
+    for local_ok, whole_ok, released, safe_ok, plain_ok, grad_err, modifier in run_ranks(_read_body, WORLD,
+                                                                                           timeout=TIMEOUT):
+        assert local_ok and whole_ok and released and safe_ok and plain_ok
+        assert grad_err < 1e-5, grad_err
+        assert "blocks.0.mlp.fc.weight" in modifier and "not supported yet" in modifier
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------------
+def _bad_input_body():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = ds_config(3)
+    errors = {}
+
+    def attempt(key, model, **kwargs):
+        try:
+            zero_engine.initialize(model=model, config=config, **kwargs)[0].destroy()
+            errors[key] = None
+        except (ValueError, NotImplementedError) as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+
+    mesh = tp_mesh_2x2()
+    other = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("data", "model"))
+    torch.manual_seed(0)
+    attempt("other mesh", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), other["model"]), mesh=mesh)
+    attempt("no tp mesh", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), mesh["tp"]))
+    attempt("uneven", parallelize_mlps(GPT(GPTConfig()), mesh["tp"]), mesh=mesh)  # hidden 133 over 2
+    tp_first = init_device_mesh("cpu", (TP, DP), mesh_dim_names=("tp", "dp"))
+    attempt("tp first", GPT(GPTConfig(mlp_extra=0)), mesh=tp_first)
+    config = ds_config(0)
+    attempt("stage 0", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), mesh["tp"]), mesh=mesh)
+    return errors
+
+
+def test_bad_input_names_the_parameter_or_the_key():
+    errors = run_ranks(_bad_input_body, WORLD, timeout=TIMEOUT)[0]
+    assert "blocks.0.mlp.fc.weight" in errors["other mesh"] and "tp dim of the mesh given" in errors["other mesh"]
+    assert "blocks.0.mlp.fc.weight" in errors["no tp mesh"] and "\"tp\"" in errors["no tp mesh"]
+    assert errors["uneven"].startswith("ValueError: blocks.0.mlp.fc.weight: tp size 2 does not divide its dim 0 "
+                                       "of size 133")
+    assert errors["tp first"].startswith("NotImplementedError") and "'tp'" in errors["tp first"]
+    assert errors["stage 0"].startswith("NotImplementedError: zero_optimization.stage: 0 with a tp mesh dim")
+
+
+# ---- saving ----------------------------------------------------------------------------------------------------------
+def _save_body(path):
+    transformers = pytest.importorskip("transformers")
+    from zero_engine.hf import save_pretrained
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = tp_mesh_2x2()
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                   "down_proj": RowwiseParallel()})
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, stage3_param_persistence_threshold=0),
+                                        mesh=mesh)
+    save_pretrained(engine, path)
+    refused = []
+    for call in (lambda: engine.save_checkpoint(path + "-ckpt"), lambda: engine.load_checkpoint(path + "-ckpt")):
+        try:
+            call()
+        except NotImplementedError as exc:
+            refused.append(str(exc))
+    engine.destroy()
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None, refused
+    loaded = transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
+    same = {k: torch.equal(loaded[k], reference[k]) for k in reference}
+    return same, refused
+
+
+def test_save_pretrained_writes_whole_tensors_and_checkpoints_refuse_clearly(tmp_path):
+    pytest.importorskip("transformers")
+    results = run_ranks(_save_body, WORLD, str(tmp_path / "hf"), timeout=TIMEOUT)
+    same = results[0][0]
+    assert same and all(same.values()), [k for k, ok in same.items() if not ok]
+    for _, refused in results:
+        assert len(refused) == 2 and all("not supported yet" in r and "tp mesh dim" in r for r in refused)
+
+
+# ---- shape-only at scale: 8 (tp) x 8 (dp) and 8 x 64 on the fake process group ---------------------------------------
+class _SplitMLPs(torch.nn.Module):
+    """Only weights that tensor parallelism splits (no biases, no norms): model states are exactly 16 Psi / (tp dp)."""
+
+    def __init__(self, dim=64, hidden=256, layers=2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(dim, hidden, bias=False),
+                                                              torch.nn.GELU(),
+                                                              torch.nn.Linear(hidden, dim, bias=False))
+                                          for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+def _step_on_fake_world(model_factory, parallelize, dp, tp, make_input):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_engine.memory.engine_stats import model_state_bytes
+    from zero_engine.memory.estimator import estimate_zero3_model_states_mem_needs_all_live
+    from zero_engine.testing import fake_world
+
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0}}
+    with fake_world(dp * tp, rank=9):
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = model_factory()
+        parallelize(model, mesh["tp"])
+        estimate = estimate_zero3_model_states_mem_needs_all_live(model, num_ranks_per_node=tp, num_nodes=dp,
+                                                                  stages=(3,), precisions=("bf16",), tp_size=tp,
+                                                                  print_table=False).get(3, "bf16")
+        engine, *_ = zero_engine.initialize(model=model, config=config, mesh=mesh)
+        for _ in range(2):  # the second step follows the recorded trace
+            engine.reset_comm_stats()
+            engine.backward(engine(*make_input()))
+            engine.step()
+        stats, states = engine.comm_stats(by_group=True), model_state_bytes(engine.memory_stats())
+        local_numels = {sp.fqn: sp.numel for sp in engine.sharded}
+        psi = sum(sp.padded_numel * 2 for sp in engine.sharded)  # bf16 bytes of the padded tp-local pieces
+        engine.destroy()
+    return stats, states, estimate.model_states, local_numels, psi
+
+
+@pytest.mark.parametrize("dp", [8, 64])
+def test_per_rank_states_at_8_tp_shape_only(dp):
+    """A bf16 AdamW step as rank 9 of 8 x 8 = 64 and of 8 x 64 = 512 ranks: each rank holds 16 bytes per element of
+    its tp piece / dp (2 shard + 4 master + 2 gradient + 8 Adam), the estimator says the same, and the dp group
+    carries the ZeRO-3 traffic of the tp-local pieces (all-gathers 2 Psi_local, reduce-scatter 2 Psi_local in fp32)
+    while the world carries only control values (the gradient norm and the step fingerprint)."""
+    tp = 8
+    stats, states, estimated, numels, psi = _step_on_fake_world(
+        _SplitMLPs, _split_mlps, dp, tp, lambda: (torch.zeros(2, 64, device="meta"),))
+    whole = sum(p.numel() for p in _SplitMLPs(dim=64, hidden=256).parameters())
+    assert states == estimated == 16 * whole // (tp * dp)  # exactly 16 Psi / (tp dp): every size divides
+    assert stats["dp_shard"]["all_gather"]["bytes"] == stats["dp_shard"]["reduce_scatter"]["bytes"] == 2 * psi
+    assert stats["world"]["all_gather"]["calls"] == stats["world"]["reduce_scatter"]["calls"] == 0
+
+    cfg = GPTConfig(n_embd=32, n_head=2, mlp_extra=0)
+    stats, states, estimated, numels, psi = _step_on_fake_world(
+        lambda: GPT(cfg), parallelize_mlps, dp, tp,
+        lambda: (torch.zeros(1, cfg.block_size, dtype=torch.long, device="meta"),) * 2)
+    # the MLPs split over tp (16 Psi / (tp dp)), the rest replicated over tp (16 Psi / dp), each padded to dp
+    assert numels["blocks.0.mlp.fc.weight"] == 4 * 32 * 32 // tp and numels["wte.weight"] == 97 * 32
+    assert states == estimated == 16 * sum(-(-n // dp) for n in numels.values())
+
+
+def _split_mlps(model: _SplitMLPs, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})

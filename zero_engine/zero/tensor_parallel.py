@@ -1,0 +1,105 @@
+"""What a ``tp`` mesh dim means to ZeRO: parameters that are DTensors split over it keep being DTensors for the
+model's forward; ZeRO shards each one's *local* tensor over the data-parallel ranks, as it shards a plain tensor.
+
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(block, mesh["tp"], {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+    engine, *_ = zero_engine.initialize(model=model, config=cfg, mesh=mesh)
+
+[Note: the local tensor is the parameter's data]
+A DTensor parameter is a wrapper around ``_local_tensor`` (this rank's TP piece, e.g. rows 64..127 of a
+ColwiseParallel weight); every op on it runs on that local tensor. So ZeRO treats the local tensor as "the
+parameter's data": its shape and numel are the local ones, ``ShardedParam.full`` is the local tensor's storage
+(released and re-gathered over dp exactly like a plain parameter's), and the DTensor wrapper -- its identity, its
+placements, its global shape -- never changes. DTensor placements belong to torch: nothing here redistributes a
+weight. The one redistribution is torch's own, of a gradient whose placement differs from its parameter's
+(a Partial gradient of a Replicate bias, as FSDP2 does in ``_get_grad_inner_tensor``). A DTensor parameter keeps
+its class (ZeroParameter's read check is for plain parameters): while released its local tensor holds no elements,
+so read it outside the model's forward inside GatheredParameters, as any partitioned parameter.
+
+[Note: the global gradient norm with tp]
+After the dp reduce-scatter each dp rank holds the averaged gradient shards of its tp rank's local tensors. A
+parameter split over tp (a Shard placement) holds different values on each tp rank: every one counts. A parameter
+replicated over tp (a plain tensor, or a DTensor with a Replicate placement) holds the same values on every tp rank:
+only tp rank 0 counts it. Replicas of a hierarchical mesh (dp_replicate) hold the same shards: only replica 0
+counts. Then one all-reduce of the summed squares over the world is the norm of the whole model, each value once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["is_dtensor", "local_of", "local_grad", "splits_over_tp", "check_tp_params", "norm_counted",
+           "refuse_with_tp"]
+
+
+def is_dtensor(tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ZeRO manages: a DTensor's local piece, a plain parameter itself (see [Note: the local
+    tensor is the parameter's data])."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient as a tensor of the parameter's local shape: a DTensor gradient is first brought to its
+    parameter's placements (torch's redistribution: a Partial gradient is summed over tp)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad._local_tensor
+
+
+def splits_over_tp(param: torch.Tensor) -> bool:
+    """Holds different values on each tp rank (a Shard placement); False: the same on all (replicated)."""
+    return isinstance(param, DTensor) and any(not isinstance(p, Replicate) for p in param.placements)
+
+
+def check_tp_params(named_params, tp_mesh) -> None:
+    """Every DTensor parameter lives on the mesh's ``tp`` dim and is split evenly: clear errors naming it, not a
+    wrong result later. ``tp_mesh``: the engine mesh's tp submesh, or None when the mesh has no tp dim."""
+    for name, param in named_params:
+        if not isinstance(param, DTensor):
+            continue
+        if tp_mesh is None:
+            raise ValueError(
+                f"{name} is a DTensor (placements {param.placements} on mesh {param.device_mesh}) but initialize got "
+                "no mesh with a \"tp\" dim; pass mesh=init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", "
+                "\"tp\")) and parallelize the model over mesh[\"tp\"]")
+        if param.device_mesh != tp_mesh:
+            raise ValueError(
+                f"{name} is a DTensor on mesh {param.device_mesh} (dims {param.device_mesh.mesh_dim_names}), not on "
+                f"the tp dim of the mesh given to initialize ({tp_mesh}); parallelize the model over mesh[\"tp\"] of "
+                "that same mesh")
+        for placement in param.placements:
+            if placement.is_shard():
+                dim, size = placement.dim, param.shape[placement.dim]
+                if size % tp_mesh.size():
+                    raise ValueError(
+                        f"{name}: tp size {tp_mesh.size()} does not divide its dim {dim} of size {size} (shape "
+                        f"{tuple(param.shape)}, placement {placement}); uneven tensor-parallel splits are not "
+                        "supported yet: use a tp size that divides the features (or heads), or pad the layer")
+
+
+def norm_counted(sharded, mesh) -> "set[int] | None":
+    """Ids of the ShardedParams whose gradient shards this rank adds to the global norm's sum over the world; None
+    without tp (every shard, summed over the shard group). See [Note: the global gradient norm with tp]."""
+    if mesh.tp_size == 1:
+        return None
+    if mesh.replicate_rank != 0:
+        return set()
+    return {id(sp) for sp in sharded if mesh.tp_rank == 0 or splits_over_tp(sp.param)}
+
+
+def refuse_with_tp(mesh, what: str) -> None:
+    """What does not handle tp pieces yet raises, naming itself, instead of writing one tp rank's pieces as if they
+    were the model."""
+    if mesh.tp_size > 1:
+        raise NotImplementedError(
+            f"{what} with a tp mesh dim ({mesh.describe()}) is not supported yet (issue 25): the tp ranks hold "
+            "different pieces of the parameters split by parallelize_module. Use zero_engine.hf.save_pretrained "
+            "(whole tensors), or GatheredParameters / safe_get_full_fp32_param with zero_engine.utils.tp_full_tensor "
+            "to read whole values")
