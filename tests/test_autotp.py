@@ -266,3 +266,35 @@ def test_plan_names_every_split_linear_and_only_those():
     base = autotp_plan(tiny_hf("llama").model, TP)  # the base model: no "model." prefix
     assert sorted(base) == sorted(name.removeprefix("model.") for name in plan)
     assert len({id(style) for style in plan.values()}) == len(plan)  # one style object per module
+
+
+# ---- the config section ---------------------------------------------------------------------------------------------
+BATCH = {"train_batch_size": 4}
+
+
+def test_config_section_loads_deepspeeds_off_values():
+    from zero_engine.config import load_config
+
+    cfg = load_config({**BATCH, "tensor_parallel": {
+        "autotp_size": 1, "tp_overlap_comm": False, "tp": {"tp_size": 1, "tp_grain_size": 1},
+        "keep_module_on_host": False, "partition_config": None, "preset_model": None}}, world_size=1)
+    assert (cfg.tensor_parallel.autotp_size, cfg.tensor_parallel.size) == (1, 1)
+    assert load_config(BATCH, world_size=1).tensor_parallel.size == 1  # DeepSpeed's default 0: off
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"autotp_size": 2}, f"{KEY}: 2 is not supported yet (AutoTP training: the model plan is ready in "
+                         "zero_engine.autotp, the engine integration is pending, issue 25); accepted: 0 or 1 (off)"),
+    ({"autotp_size": -1}, f"{KEY}: invalid value -1: input should be greater than or equal to 0"),
+    ({"autotp_size": "2"}, f'{KEY}: invalid value "2": expected an integer'),
+    ({"autotp_sise": 2}, "tensor_parallel.autotp_sise: unknown key; did you mean autotp_size?"),
+    ({"autotp_size": 1, "partition_config": {"use_default_specs": False}},
+     'tensor_parallel.partition_config: {"use_default_specs": false} is not supported yet (custom AutoTP partition'),
+    ({"tp": {"tp_size": 2}}, 'tensor_parallel.tp: {"tp_size": 2} is not supported yet'),
+])
+def test_config_section_refuses_what_it_cannot_do(section, message):
+    from zero_engine.config import load_config
+
+    with pytest.raises(ConfigError) as caught:
+        load_config({**BATCH, "tensor_parallel": section}, world_size=1)
+    assert str(caught.value).startswith(message)
