@@ -127,9 +127,10 @@ def apply_autotp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` with the standard plan of its family (module docstring),
     after checking that the tp size divides the heads and the split features. Returns the model.
 
-    Every rank of the tp group must hold the same initial weights (same seed, or the same checkpoint) and feed the
-    same batch: each rank keeps its slice of a weight it holds whole, and the inputs of split Linears are taken as
-    replicated over tp. Raises ConfigError (a ValueError) naming the config attribute or parameter when the sizes do
+    Split weights are taken from the tp group's first rank (``distribute_tensor`` scatters them); the parameters
+    left whole must already be equal on every rank of the group (same seed, same checkpoint, or the engine's initial
+    broadcast, which must run before the split: afterwards ranks hold different slices). Every rank of a tp group
+    must feed the same batch: the inputs of split Linears are taken as replicated over tp. Raises ConfigError (a ValueError) naming the config attribute or parameter when the sizes do
     not divide, NotImplementedError for a model whose family is not supported."""
     if not isinstance(tp_mesh, DeviceMesh) or tp_mesh.ndim != 1:
         raise ValueError(f"apply_autotp: tp_mesh must be a 1-D DeviceMesh (the tp dim, e.g. autotp_mesh(...)"
