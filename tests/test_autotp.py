@@ -19,6 +19,8 @@ gradient bound by more than three orders of magnitude (test_a_wrong_split_is_cau
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +300,14 @@ def test_config_section_refuses_what_it_cannot_do(section, message):
     with pytest.raises(ConfigError) as caught:
         load_config({**BATCH, "tensor_parallel": section}, world_size=1)
     assert str(caught.value).startswith(message)
+
+
+# ---- bench/autotp_sim.py (docs/benchmarks.md's figures) -------------------------------------------------------------
+def test_bench_per_rank_count_is_the_formula_on_a_7b_shape():
+    path = Path(__file__).resolve().parents[1] / "bench" / "autotp_sim.py"
+    spec = importlib.util.spec_from_file_location("bench_autotp_sim", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    row = sim.per_rank("Mistral-7B", 8)  # GQA: 8 key/value heads, one per rank
+    assert row["per_rank"] == row["formula"] == 1_134_825_472
+    assert row["whole"] == 2 * 32000 * 4096 + 4096 * (2 * 32 + 1)  # embeddings, LM head, norms
