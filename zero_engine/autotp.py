@@ -24,6 +24,15 @@ Families (``SUPPORTED_FAMILIES``):
   keeps its heads' rows of q, of k and of v), ``fc`` column-wise, the two ``proj`` row-wise.
 Any other model is refused by name: apply your own plan with ``parallelize_module`` instead.
 
+[Note: gradients of whole parameters]
+A parameter the plan leaves whole (embeddings, norms, LM head as plain tensors; a row-wise Linear's bias as a
+Replicate DTensor) gets the same, complete gradient on every tp rank: tp ranks compute differently only inside a
+split region, and torch sums the gradient of that region's replicated input over tp (the backward of
+``DTensor.from_local``) before it reaches anything outside. So whole parameters need no tp reduction -- but a global
+gradient norm must count them once, not tp times. This holds only while no whole parameter is used inside a split
+region: Qwen3's per-head q_norm / k_norm are (each rank would see the gradient of its own heads only), which is why
+Qwen3 is not in the family yet.
+
 [Note: why the heads must divide]
 A column-wise split is a split of features; for q/k/v it must also be a split of heads, or a rank would hold half
 a head and attend with it. ``num_attention_heads`` and ``num_key_value_heads`` must each be divisible by the tp size
@@ -163,9 +172,8 @@ def autotp_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
 
 def _family_of(model: nn.Module):
     """(plan patterns -> style, head check) of the model's family, or None."""
-    from .testing.models import GPT
-
-    if isinstance(model, GPT):
+    test_models = sys.modules.get("zero_engine.testing.models")  # a test GPT means its module is imported
+    if test_models is not None and isinstance(model, test_models.GPT):
         return _GPT_PLAN, _check_gpt_heads
     if _is_hf_llama(model):
         return _hf_plan(model), _check_hf_heads
@@ -220,7 +228,16 @@ def _check_hf_heads(model: nn.Module, tp: int) -> None:
 
 
 def _check_divides(tp: int, sizes: dict[str, int], why: str) -> None:
-    """[Note: why the heads must divide]"""
+    """[Note: gradients of whole parameters]
+A parameter the plan leaves whole (embeddings, norms, LM head as plain tensors; a row-wise Linear's bias as a
+Replicate DTensor) gets the same, complete gradient on every tp rank: tp ranks compute differently only inside a
+split region, and torch sums the gradient of that region's replicated input over tp (the backward of
+``DTensor.from_local``) before it reaches anything outside. So whole parameters need no tp reduction -- but a global
+gradient norm must count them once, not tp times. This holds only while no whole parameter is used inside a split
+region: Qwen3's per-head q_norm / k_norm are (each rank would see the gradient of its own heads only), which is why
+Qwen3 is not in the family yet.
+
+[Note: why the heads must divide]"""
     for attribute, size in sizes.items():
         if size % tp:
             common = math.gcd(*sizes.values())
