@@ -36,6 +36,7 @@ gpu-check:
 	print('gpu-check: torch', torch.__version__, 'on', torch.cuda.get_device_name() if ok else 'no CUDA device', \
 	file=sys.stdout if ok else sys.stderr); sys.exit(0 if ok else 2)"
 	$(GPU_ENV) $(PYTHON) -m pytest -q -rs tests/test_cuda.py tests/test_device.py tests/test_ops.py -k "cuda or fused or device or stream or pinned or save_16bit or fingerprint or place"
+	$(GPU_ENV) $(PYTHON) -m pytest -q -rs tests/test_host_syncs.py tests/test_offload_optimizer.py tests/test_offload_param.py tests/test_precision.py -k cuda
 	$(GPU_ENV) $(PYTHON) bench/gpu_check.py --out bench/results/gpu_check
 
 clean:

@@ -12,6 +12,8 @@ Parts, each run in its own subprocess (one part's memory or failure never touche
                 world 1 is nothing; this is the single-GPU baseline)
   fsdp2         FSDP2 (fully_shard per block + root; bf16 params, fp32 reduce), world 1 (NCCL)
   deepspeed     DeepSpeed ZeRO-3 bf16, world 1, torch AdamW as the client optimizer, where `import deepspeed` works
+  zero3_compiled  zero3 with each block compiled by Inductor (the config's ``compile`` section: engine.compile())
+  fsdp2_compiled  fsdp2 with each block compiled (torchtitan's recipe: ``block.compile()`` after fully_shard)
   fake8_zero3   per-rank peak GPU memory at world 8 on torch's fake process group (no data moves; shapes, buffers
   fake8_fsdp2   and allocations are real): zero_engine under zero.Init vs FSDP2 built on meta
 
@@ -34,7 +36,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("adam", "zero3", "torch", "fsdp2", "deepspeed", "fake8_zero3", "fake8_fsdp2")
+PARTS = ("adam", "zero3", "torch", "fsdp2", "deepspeed", "zero3_compiled", "fsdp2_compiled", "fake8_zero3",
+         "fake8_fsdp2")
 NO_CUDA_EXIT = 2
 BYTES_PER_ADAM_ELEMENT = 28  # fp32: read param, grad, exp_avg, exp_avg_sq (16); write param, exp_avg, exp_avg_sq
 
@@ -151,26 +154,32 @@ def _build_model(cfg):
     return GPT(cfg)
 
 
-def _zero3_config(micro: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+def _zero3_config(micro: int, compiled: bool = False) -> dict:
+    compile_section = {"compile": {"enabled": True, "backend": "inductor"}} if compiled else {}
+    return {**compile_section, "train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
             "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 50_000_000,
                                   "stage3_prefetch_bucket_size": 50_000_000,
                                   "stage3_param_persistence_threshold": 100_000}}
 
 
-def part_zero3(args) -> dict:
+def part_zero3(args, compiled: bool = False) -> dict:
     import zero_engine
 
     cfg, micro = model_config(args.tiny)
     zero_engine.init_distributed()
-    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=_zero3_config(micro))
+    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=_zero3_config(micro, compiled))
     x, y = batch(cfg, micro, engine.device)
     reset_peak()
     seconds = time_steps(_train_step(engine, None, x, y, engine=True), args.warmup, args.steps)
     out = _result(cfg, seconds, micro * cfg.block_size)
     out["params"] = sum(sp.numel for sp in engine.sharded)
     return out
+
+
+def part_zero3_compiled(args) -> dict:
+    return part_zero3(args, compiled=True)
 
 
 def part_torch(args) -> dict:
@@ -184,12 +193,14 @@ def part_torch(args) -> dict:
     return _result(cfg, seconds, micro * cfg.block_size)
 
 
-def _fully_shard(model, mesh):
+def _fully_shard(model, mesh, compiled: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
+        if compiled:
+            block.compile()
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
@@ -207,7 +218,7 @@ def _time_fsdp2(model, cfg, micro: int, dev, warmup: int, steps: int) -> dict:
     return _result(cfg, time_steps(step, warmup, steps), micro * cfg.block_size)
 
 
-def part_fsdp2(args) -> dict:
+def part_fsdp2(args, compiled: bool = False) -> dict:
     import zero_engine
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -215,8 +226,12 @@ def part_fsdp2(args) -> dict:
     zero_engine.init_distributed()
     dev = device()
     mesh = init_device_mesh(dev.type, (1,))
-    model = _fully_shard(_build_model(cfg).to(dev), mesh)
+    model = _fully_shard(_build_model(cfg).to(dev), mesh, compiled)
     return _time_fsdp2(model, cfg, micro, dev, args.warmup, args.steps)
+
+
+def part_fsdp2_compiled(args) -> dict:
+    return part_fsdp2(args, compiled=True)
 
 
 def part_deepspeed(args) -> dict:
@@ -334,7 +349,7 @@ def markdown(report: dict) -> str:
               "| runtime | ms/step | tokens/s | peak allocated | step ÷ zero3 | peak ÷ zero3 |",
               "|---|---|---|---|---|---|"]
     zero3 = r.get("zero3", {})
-    for name in ("zero3", "torch", "fsdp2", "deepspeed"):
+    for name in ("zero3", "torch", "fsdp2", "deepspeed", "zero3_compiled", "fsdp2_compiled"):
         res = r.get(name, {})
         if "step_ms" in res:
             lines.append(f"| {name} | {res['step_ms']:.1f} | {res['tokens_per_s']:.0f} | {_gib(res['peak_bytes'])} | "
@@ -378,14 +393,15 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(["python", "bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
               "tiny": args.tiny, "results": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in parts:
         print(f"gpu-check: {name} ...", flush=True)
         report["results"][name] = result = run_part(name, args)
         print(f"gpu-check: {name}: {json.dumps(result)[:300]}", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    out.with_suffix(".md").write_text(markdown(report))
+        # written after every part: a run stopped from outside keeps the figures of the parts that finished
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+        out.with_suffix(".md").write_text(markdown(report))
     print(f"gpu-check: wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     failed = [name for name, res in report["results"].items() if "error" in res]
     if failed:

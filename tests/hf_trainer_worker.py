@@ -233,6 +233,24 @@ def suite_precision(work):
     check(lrs[0] == lrs[engine.skipped_steps] == 1e-2, f"fp16: the LR moved during skipped steps: {lrs}")
 
 
+def suite_compile(work):
+    """TrainingArguments.torch_compile at stage 3: the engine compiles each decoder layer (zero_config's compile
+    section, filled from the arguments), Accelerate compiles nothing; the losses are the uncompiled Trainer's (the
+    aot_eager backend runs the traced graphs without Inductor's reordered float math, and compiles in seconds)."""
+    from zero_engine.compile import compiled_modules
+
+    plain, zero = plain_and_zero(work, "compile", STAGE3, max_steps=3, torch_compile=True,
+                                 torch_compile_backend="aot_eager")
+    zero.train()
+    layers = zero.engine.module.model.layers
+    compiled = compiled_modules(zero.engine.module)
+    check(zero.engine.config.compile.backend == "aot_eager", f"compile section: {zero.engine.config.compile}")
+    check(all(id(layer) in compiled for layer in layers), f"compile: {len(compiled)} compiled modules, "
+          f"{len(layers)} decoder layers")
+    check(id(zero.engine.module) not in compiled, "compile: the whole model was compiled")
+    close(history(zero), history(plain), 1e-4, "torch_compile log history")
+
+
 def suite_best(work):
     """load_best_model_at_end (here the eval loss rises: the best is the first step's, not the last)."""
     best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, max_steps=3,

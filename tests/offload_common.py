@@ -34,7 +34,7 @@ def run_steps(engine, batches) -> list[float]:
     for x, y in batches:
         for m in range(2):
             lo = (m * world + rank) * 2
-            loss = engine(x[lo: lo + 2], y[lo: lo + 2])
+            loss = engine(x[lo: lo + 2].to(engine.device), y[lo: lo + 2].to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float().item())

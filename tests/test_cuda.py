@@ -104,7 +104,8 @@ def _save16_body(save_dir):
     from zero_engine.testing.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=4, n_embd=96, n_head=4, vocab_size=4096))
+    # many blocks and a small vocabulary: twice the largest parameter plus slack stays far below the whole model
+    model = GPT(GPTConfig(n_layer=8, n_embd=256, n_head=4, vocab_size=256))
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,

@@ -50,11 +50,11 @@ def test_stage3_matches_ddp_trainer_eval_predict_generate_save_resume(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_stages_1_2_bf16_fp16_overflow_best_model_lora(tmp_path):
+def test_stages_1_2_bf16_fp16_overflow_best_model_compile_lora(tmp_path):
     """Stages 1 and 2; bf16 against the Trainer's bf16 autocast; fp16 whose first steps overflow (the schedule
-    stays put); load_best_model_at_end; PEFT LoRA (base weights partitioned and frozen, transformers' default
+    stays put); load_best_model_at_end; torch_compile (each decoder layer compiled by the engine); PEFT LoRA (base weights partitioned and frozen, transformers' default
     non-reentrant activation checkpointing) with the adapter saved and reloaded by PEFT."""
-    suites = "stages12,precision,best"
+    suites = "stages12,precision,best,compile"
     if importlib.util.find_spec("peft") is not None:
         suites += ",peft"
     _assert_ok(suites, tmp_path)
@@ -134,6 +134,13 @@ def test_zero_config_completed_from_training_arguments(tmp_path):
         config_for_trainer({"train_micro_batch_size_per_gpu": 4}, args, world_size=2)
     with pytest.raises(ValueError, match=r"bf16.enabled=false but TrainingArguments\(bf16=True\)"):
         config_for_trainer({"bf16": {"enabled": False}}, _args(tmp_path, bf16=True), world_size=1)
+    compiled, _ = config_for_trainer({}, _args(tmp_path, torch_compile=True, torch_compile_mode="max-autotune"),
+                                     world_size=1)
+    assert compiled["compile"] == {"enabled": True, "backend": "inductor", "kwargs": {"mode": "max-autotune"}}
+    with pytest.raises(ValueError, match=r"compile.backend='eager' but TrainingArguments gives 'inductor' "
+                                         r"\(torch_compile_backend\)"):
+        config_for_trainer({"compile": {"backend": "eager"}}, _args(tmp_path, torch_compile=True), world_size=1)
+    assert "compile" not in config_for_trainer({}, args, world_size=1)[0]
     with pytest.raises(ValueError, match="zero_config: required"):
         config_for_trainer(None, args, world_size=1)
 

@@ -11,7 +11,11 @@ presence, with their own synchronisations; see [Note: when the presence walk run
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 TIMEOUT = 120
+ROOT = Path(__file__).resolve().parent.parent
 _READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
 
@@ -120,6 +125,17 @@ def _cuda_body(dtype: str):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run `make gpu-check` on a GPU)")
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_cuda_forward_backward_do_not_synchronize(dtype):
-    # world 1, as test_cuda.py's engine tests (the simulated ranks use gloo; one GPU cannot hold two NCCL ranks):
-    # the hooks, the reducer and the coordinator run as at any size; the presence walk and the fingerprint need 2
-    assert all(run_ranks(_cuda_body, 1, dtype, timeout=TIMEOUT))
+    # World 1 over NCCL, started by torchrun as test_cuda.py's engine tests: NCCL's wait() is a stream dependency,
+    # where gloo's (the simulated ranks' backend) waits on the host for CUDA tensors, which is gloo's sync, not ours
+    # (the first GPU run, 2026-11-27, failed here under run_ranks for that reason). The hooks, the reducer and the
+    # coordinator run as at any size; the presence walk and the fingerprint need 2 ranks.
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__, dtype]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0 and "OK" in proc.stdout, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+
+
+if __name__ == "__main__":  # one rank of the CUDA test above, under torchrun
+    zero_engine.init_distributed()  # NCCL where CUDA is available
+    assert dist.get_backend() == "nccl", dist.get_backend()
+    print("OK" if _cuda_body(sys.argv[1]) else "FAILED")

@@ -59,6 +59,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     # shards averaged across replicas over replicate_comm (None when flat)
     shard_comm = replicate_comm = None
     hpz_comm = hpz = None  # ZeRO++ hpZ: the secondary partition's group and gatherer (zero/hpz.py)
+    shard_groups: dict = {}  # id(param) -> ShardGroup of MoE experts (their edp group: zero/expert.py); read-only
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
     compiled_at_units = frozenset()  # ids of the compiled modules when the units were made (compile.py)
@@ -323,8 +324,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
             comm.reset_stats()
 
     def communicators(self) -> dict:
-        """The communicators by group name: "world", and "dp_shard" / "dp_replicate" / "hpz" where they exist."""
-        return named_communicators(self.comm, self.shard_comm, self.replicate_comm, self.hpz_comm)
+        """The communicators by group name: "world", and "dp_shard" / "dp_replicate" / "hpz" / "edp ep_size_<k>"
+        (MoE experts' group) where they exist."""
+        found = named_communicators(self.comm, self.shard_comm, self.replicate_comm, self.hpz_comm)
+        return found | {f"edp {group.name}": group.comm for group in set(self.shard_groups.values())}
 
     def memory_stats(self) -> dict:
         """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs).

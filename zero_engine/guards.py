@@ -40,21 +40,25 @@ __all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_pa
 
 # ---- rank 0's initial state -------------------------------------------------------------------------------------
 @torch.no_grad()
-def broadcast_initial_state(model: nn.Module, comm) -> None:
+def broadcast_initial_state(model: nn.Module, comm, groups: dict | None = None) -> None:
     """Overwrite every rank's parameters and buffers with rank 0's (one broadcast per tensor, once).
 
-    Parameters partitioned by zero.Init are skipped: Init broadcast them from rank 0 before sharding.
+    Parameters partitioned by zero.Init are skipped: Init broadcast them from rank 0 before sharding. ``groups``:
+    id(param) -> the ShardGroup of a parameter that differs across the world (an MoE expert, zero/expert.py),
+    broadcast from the first rank of its group instead.
     """
     if comm.world_size == 1:
         return
-    tensors = [(name, p.data) for name, p in model.named_parameters() if sharded_param_of(p) is None]
-    tensors += list(model.named_buffers())
-    for name, tensor in tensors:
+    groups = groups or {}
+    tensors = [(name, p.data, groups.get(id(p))) for name, p in model.named_parameters()
+               if sharded_param_of(p) is None]
+    tensors += [(name, b, None) for name, b in model.named_buffers()]
+    for name, tensor, group in tensors:
         if tensor.numel() == 0:
             continue
         # Collectives need contiguous memory, and gloo has no bool: send a contiguous/uint8 copy, copy it back.
         wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor.contiguous()
-        comm.broadcast(wire, src=0, name=f"initialize {name}")
+        (comm if group is None else group.comm).broadcast(wire, src=0, name=f"initialize {name}")
         if wire is not tensor:
             tensor.copy_(wire)
 
@@ -167,7 +171,8 @@ def tear_down(engine, wait: bool = True) -> None:
                 if engine.param_swapper is not None:
                     engine.param_swapper.close()  # no optimizer, or it failed before taking the swapper: files too
             finally:
-                for sub in (engine.shard_comm, engine.replicate_comm, engine.hpz_comm):
+                experts = {group.comm for group in engine.shard_groups.values()}  # MoE experts' edp groups
+                for sub in (engine.shard_comm, engine.replicate_comm, engine.hpz_comm, *experts):
                     if sub is not None and sub is not engine.comm:
                         sub.close()  # a mesh's sub-groups: only let go; the world communicator waits
                 engine.comm.close(wait=wait)

@@ -9,7 +9,8 @@ hold replicas of them.
 
 Dim names are torchtitan's: ``dp`` (every data-parallel rank: ZeRO as it always was), or ``dp_replicate`` x
 ``dp_shard`` (HSDP / MiCS: model states sharded within each ``dp_shard`` group of k ranks, replicated across the
-``dp_replicate`` groups). ``tp`` and ``ep`` belong to model parallelism (issue 25) and are refused for now.
+``dp_replicate`` groups). ``("edp", "ep")``: expert parallelism (moe.py, zero/expert.py): flat ZeRO over every
+rank for dense parameters, MoE experts over their ``edp`` group. ``tp`` belongs to model parallelism (issue 25).
 
 [Note: what runs on which group]
 * ``dp_shard`` (``ZeroMesh.shard_group``; the world when flat): every all-gather of parameters (forward, backward,
@@ -157,6 +158,12 @@ def _from_device_mesh(mesh, world: int, rank: int) -> ZeroMesh:
     if not names:
         raise ValueError("initialize(mesh=...): the DeviceMesh has no dim names; build it with mesh_dim_names=(\"dp\","
                          ") or (\"dp_replicate\", \"dp_shard\") (torchtitan's names)")
+    if names == ("edp", "ep"):  # expert parallel: dense states flat over the world, experts over edp (moe.py)
+        from .moe import expert_parallel_groups
+
+        groups = expert_parallel_groups(mesh=mesh)
+        return flat_mesh(world, rank, f"DeviceMesh edp {groups.edp_size} x ep {groups.ep_size}: dense parameters "
+                                      "sharded over every rank, experts over edp (zero/expert.py)")
     for name in names:
         if name in _MODEL_PARALLEL_DIMS:
             raise NotImplementedError(

@@ -23,6 +23,7 @@ from .offload.placement import DEVICE, HOST, NVME
 from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .utils import register_engine
 from .zero.coordinator import ParamCoordinator
+from .zero.expert import GroupedGather, expert_shard_groups
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
 from .zero.grads import GradReducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
@@ -43,7 +44,9 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
     engine.mesh = resolve_mesh(zc, engine.device.type, mesh, mpu)  # collective when it creates groups
     engine.shard_comm, engine.replicate_comm = mesh_communicators(engine.mesh, engine.comm)
     engine.hpz_comm = hpz_communicator(engine.mesh, engine.comm)
-    broadcast_initial_state(model, engine.comm)
+    # MoE experts: sharded and reduced over their expert-data-parallel group (zero/expert.py); {} without experts
+    engine.shard_groups = expert_shard_groups(model, engine)
+    broadcast_initial_state(model, engine.comm, engine.shard_groups)
     engine.snapshot = ModelSnapshot(model)
     engine.accounting = MemoryAccounting()
     engine.compute_dtype = compute_dtype_of(engine.config)
@@ -143,6 +146,9 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
         if not sp.is_persistent and sp.is_available:
             sp.release()
     gatherer = make_gatherer(engine.shard_comm, zc, engine.accounting, engine.streams)
+    if engine.shard_groups:  # expert parameters gather over their own group (zero/expert.py)
+        gatherer = GroupedGather(gatherer, {g.name: make_gatherer(g.comm, zc, engine.accounting, engine.streams)
+                                            for g in set(engine.shard_groups.values())})
     if engine.placement.params == NVME:
         from .offload.param_swap import ParamSwapper, SwapInGather
 
@@ -226,13 +232,17 @@ def _choose_gather_per_bucket(engine) -> None:
 def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_master: bool) -> ShardedParam:
     """A new ShardedParam, or the one zero.Init (or a destroyed engine) made before: adopted, cast, named."""
     dtype = engine.compute_dtype if param.is_floating_point() else param.dtype
+    group = engine.shard_groups.get(id(param))  # an MoE expert's edp group (zero/expert.py), else None
+    comm = engine.shard_comm if group is None else group.comm
     sp = sharded_param_of(param)
     if sp is None:
-        return ShardedParam(param, name, index, engine.shard_comm.rank, engine.shard_comm.world_size, dtype=dtype,
-                            fp32_master=fp32_master)
-    if sp.world_size != engine.shard_comm.world_size:
-        raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine shards over "
-                         f"{engine.shard_comm.world_size} (mesh: {engine.mesh.describe()}). Build the model without "
-                         "zero.Init, or without a hierarchical mesh (mics_shard_size)")
+        sp = ShardedParam(param, name, index, comm.rank, comm.world_size, dtype=dtype, fp32_master=fp32_master)
+        sp.group = group
+        return sp
+    if sp.world_size != comm.world_size or sp.group is not group:
+        raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine shards it over "
+                         f"{comm.world_size} (mesh: {engine.mesh.describe()}"
+                         f"{'' if group is None else ', expert group ' + group.name}). Build the model without "
+                         "zero.Init, or without a hierarchical mesh (mics_shard_size) or expert parallelism")
     sp.adopt(name, index, dtype, fp32_master)
     return sp

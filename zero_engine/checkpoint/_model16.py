@@ -32,6 +32,9 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     Every rank must call it. A rank that does not makes the others raise within
     ``zero_engine.collective_timeout_s`` seconds (naming it, on gloo) instead of waiting forever.
     """
+    from ..zero.expert import refuse_expert_params
+
+    refuse_expert_params(engine, "save_16bit_model()")  # one shard layout over the world in its files
     comm = engine.comm
     if engine.stage == 3 and not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
         if comm.rank == 0:

@@ -40,6 +40,9 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
     """Write ``engine.module`` (a transformers model) to ``path``; see the module docstring. ``dtype``: None for
     the compute dtype (the values the engine computes with), ``torch.float32`` for the fp32 master weights
     (exactly what the optimizer holds), or another floating dtype (cast from the masters)."""
+    from ..zero.expert import refuse_expert_params
+
+    refuse_expert_params(engine, "zero_engine.hf.save_pretrained()")  # one shard layout over the world in its files
     require_transformers("zero_engine.hf.save_pretrained")
     model = engine.module
     if not hasattr(model, "config") or not hasattr(model.config, "save_pretrained"):

@@ -14,6 +14,10 @@ is an error naming both, since one of them would silently not act:
     optimizer block   params.lr / betas / eps / weight_decay "auto" <- learning_rate, adam_beta1/2,
                                                           adam_epsilon, weight_decay
     scheduler block   params "auto" <- filled when the run's length is known (scheduler_params_for)
+    compile section   enabled / backend / kwargs.mode <- torch_compile / torch_compile_backend / torch_compile_mode
+                                                          (only when torch_compile is on: the engine compiles each
+                                                          block, one graph per block, instead of Accelerate
+                                                          compiling the whole model)
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def config_for_trainer(zero_config, args, world_size: int) -> tuple[dict, dict |
                                  ("weight_decay", args.weight_decay, "weight_decay")):
             if params.get(key) == AUTO:
                 params[key] = value
+    if getattr(args, "torch_compile", False):
+        _fill(config, ("compile", "enabled"), True, "torch_compile")
+        _fill(config, ("compile", "backend"), args.torch_compile_backend or "inductor", "torch_compile_backend")
+        if args.torch_compile_mode is not None:
+            _fill(config, ("compile", "kwargs", "mode"), args.torch_compile_mode, "torch_compile_mode")
     scheduler = config.pop("scheduler", None)
     load_config(config, world_size=world_size)  # every mistake reported now, not at the first step
     return config, scheduler

@@ -54,9 +54,6 @@ CHECKPOINT_TAG = "zero_engine"  # the engine checkpoint's directory inside check
 _REFUSED_ARGS = {
     "fsdp": "FSDP and ZeRO both partition the model: use one (zero_config's zero_optimization.stage 3)",
     "auto_find_batch_size": "the engine is built once for one micro-batch size",
-    "torch_compile": "Trainer compiles the whole model, which at ZeRO-3 breaks the graph at every gather unit; not "
-                     "supported yet with ZeroTrainer: put a compile section in zero_config ({\"compile\": "
-                     "{\"enabled\": true}}: one graph per block) or call block.compile() on the model's blocks",
     "use_liger_kernel": "Liger's fused kernels read weights outside their modules' forward; not supported yet",
     "neftune_noise_alpha": "not supported yet with ZeroTrainer",
     # TRL's SFTConfig: its offloading context wraps training_step, which ZeroTrainerMixin replaces
@@ -186,6 +183,9 @@ class ZeroTrainerMixin:
     def _build_accelerator_args(self, **kwargs):
         accelerator_args = super()._build_accelerator_args(**kwargs)
         accelerator_args["mixed_precision"] = "no"  # the engine casts and scales (bf16/fp16 in zero_config)
+        # torch_compile: the engine compiles each block (zero_config's compile section, filled from the arguments);
+        # Accelerate's plugin would compile the whole model again when evaluation prepares it
+        accelerator_args.pop("dynamo_plugin", None)
         return accelerator_args
 
     def _move_model_to_device(self, model, device) -> None:

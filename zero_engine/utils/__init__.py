@@ -132,8 +132,9 @@ def _loss_scale(engine) -> float:
 def _gather(engine, sp: ShardedParam, shard: torch.Tensor, what: str) -> torch.Tensor:
     """The whole parameter-shaped fp32 tensor from every rank's ``shard`` (one all-gather)."""
     out = torch.empty(sp.padded_numel, dtype=torch.float32, device=shard.device)
-    engine.shard_comm.all_gather_into_tensor(out, shard.detach().float().contiguous(),  # over its shard group
-                                             name=f"{what} {sp.fqn}").wait()
+    comm = engine.shard_comm if sp.group is None else sp.group.comm  # an MoE expert: its edp group (this ep rank's)
+    comm.all_gather_into_tensor(out, shard.detach().float().contiguous(),  # over its shard group
+                                name=f"{what} {sp.fqn}").wait()
     return out[: sp.numel].view(sp.shape)
 
 

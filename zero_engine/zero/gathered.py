@@ -90,6 +90,10 @@ class GatheredParameters:
         for sp in self.sharded:
             if sp.status is ParamStatus.INFLIGHT:
                 raise RuntimeError(f"GatheredParameters: {sp.fqn} is being gathered by the engine right now")
+            if sp.group is not None and self.modifier_rank is not None:  # its values differ across ep ranks
+                raise NotImplementedError(f"GatheredParameters(modifier_rank={self.modifier_rank}): {sp.fqn} is an "
+                                          f"expert parameter ({sp.group.name}); editing it is not supported yet. "
+                                          "Read it without modifier_rank (each rank sees its own experts)")
         self._gathered = [sp for sp in self.sharded if sp.status is ParamStatus.NOT_AVAILABLE]
         if self._gathered:
             from ..utils import shard_comm_of, shards_in_memory_of
@@ -97,8 +101,12 @@ class GatheredParameters:
             # gathered over the group they are sharded on (a mesh's dp_shard under MiCS / HSDP; else the world);
             # modifier_rank's broadcast below is over the world
             gather_comm = shard_comm_of(self._gathered) or self.comm
+            experts = [sp for sp in self._gathered if sp.group is not None]  # over their edp group (zero/expert.py)
+            dense = [sp for sp in self._gathered if sp.group is None]
             with shards_in_memory_of(self._gathered):  # NVMe parameter offload: the shards read in for the gather
-                SequentialGather(gather_comm).issue(self._gathered, name="GatheredParameters").wait()
+                for comm, params in [(gather_comm, dense)] + [(sp.group.comm, [sp]) for sp in experts]:
+                    if params:
+                        SequentialGather(comm).issue(params, name="GatheredParameters").wait()
         for sp in self.sharded:
             sp.held_by_user += 1
         if self.modifier_rank is None:

@@ -25,6 +25,12 @@ whole unit launches part-empty), each a fixed ~0.3 ms on gloo, and changed the g
 bits (the norm is summed per bucket), so the clipped trajectory was no longer bitwise the one before. Both are
 costs with nothing bought: a bucket is launched when its last gradient arrives whichever unit that belongs to.
 
+[Note: buckets of one group]
+Each bucket's parameters share one shard group: the reducer's (``comm``: the world when flat), or an MoE expert's
+expert-data-parallel group (``ShardedParam.group``, zero/expert.py), whose reduce-scatter runs on that group and is
+then scaled (see [Note: gradients of expert weights] in moe.py). A bucket is cut where the group changes, so a
+model without experts is bucketed exactly as before.
+
 [Note: gradient shard lifetime]
 Reduced gradient shards exist only inside an accumulation window: allocated (``empty``) by the first reduce-scatter
 of the window, which writes every element; accumulated into by later micro-steps; consumed by the optimizer step;
@@ -58,11 +64,16 @@ MAX_IN_FLIGHT = 2
 
 
 class _Bucket:
-    def __init__(self, params: list[ShardedParam], index: int, world: int):
+    def __init__(self, params: list[ShardedParam], index: int, comm):
         self.params = list(params)
         self.index = index
         self.name = f"grads bucket {index}"  # its reduce-scatter's name (built once, not per collective)
-        self.world = world
+        # the group its gradients are reduce-scattered over, and the factor after that average: the reducer's and 1,
+        # or an MoE expert's edp group (its parameters' ShardedParam.group; see [Note: buckets of one group])
+        group = self.params[0].group
+        self.comm = comm if group is None else group.comm
+        self.scale = 1.0 if group is None else group.grad_scale
+        self.world = self.comm.world_size
         self.offsets: dict[int, int] = {}  # id(p) -> offset of its shard in the [per_rank] gradient shards
         offset = 0
         for p in self.params:
@@ -106,17 +117,16 @@ class GradReducer:
         self.async_op = async_op
         self.accounting = accounting
         self.buckets: list[_Bucket] = []
-        world = comm.world_size
         current: list[ShardedParam] = []
         size = 0
-        for p in params:
-            if current and size + p.padded_numel > bucket_numel:
-                self.buckets.append(_Bucket(current, len(self.buckets), world))
+        for p in params:  # [Note: buckets of one group]
+            if current and (size + p.padded_numel > bucket_numel or p.group is not current[0].group):
+                self.buckets.append(_Bucket(current, len(self.buckets), comm))
                 current, size = [], 0
             current.append(p)
             size += p.padded_numel
         if current:
-            self.buckets.append(_Bucket(current, len(self.buckets), world))
+            self.buckets.append(_Bucket(current, len(self.buckets), comm))
         self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._irregular: set[int] = set()  # see [Note: a gradient on some ranks only] in presence.py
@@ -194,9 +204,11 @@ class GradReducer:
                 if held is not None:
                     send[: p.numel].copy_(held.reshape(-1))
                 recv = torch.empty(p.shard_numel, dtype=self.reduce_dtype, device=send.device)
-                self.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)",
-                                                input_is_scratch=True)
+                bucket.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)",
+                                                  input_is_scratch=True)
                 self._average_across_replicas(recv, f"grads of {p.fqn} (some ranks only)")
+                if bucket.scale != 1.0:
+                    recv.mul_(bucket.scale)
                 offset = bucket.offsets[id(p)]
                 bucket.shard_grads[offset: offset + p.shard_numel].add_(recv.to(bucket.shard_grads.device))
             bucket.irregular = 0
@@ -260,7 +272,7 @@ class GradReducer:
         return True
 
     def _alloc_send(self, bucket: _Bucket) -> None:
-        bucket.send = torch.empty(bucket.per_rank * self.comm.world_size, dtype=self.reduce_dtype,
+        bucket.send = torch.empty(bucket.per_rank * bucket.world, dtype=self.reduce_dtype,
                                   device=bucket.params[0].compute_device)
         self._track("comm_buffers", bucket.send.numel() * bucket.send.element_size())
 
@@ -296,8 +308,8 @@ class GradReducer:
         compute stream and stay referenced by the bucket until ``_complete`` has waited (see [Note: streams, events
         and buffer lifetime] in streams.py)."""
         def issue():  # the send buffer is not read again: gloo may all-reduce it in place (see _backend.py)
-            return self.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
-                                                   name=bucket.name, input_is_scratch=True)
+            return bucket.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
+                                                     name=bucket.name, input_is_scratch=True)
         return issue() if self.streams is None else self.streams.collective_on(self.streams.reduce_scatter, issue)
 
     def _complete(self, bucket: _Bucket) -> None:
@@ -305,6 +317,8 @@ class GradReducer:
             return
         bucket.pending.wait()
         self._average_across_replicas(bucket.recv, f"grads bucket {bucket.index}")
+        if bucket.scale != 1.0:  # an expert group's bucket: [Note: gradients of expert weights] in moe.py
+            bucket.recv.mul_(bucket.scale)
         if bucket.recv is not bucket.shard_grads:
             recv = bucket.recv
             if bucket.has_grads:

@@ -212,6 +212,9 @@ class ShardedParam:
         self.master_is_shard = False  # fp32 training: the master and the compute shard are one tensor
         self.bucket: ShardBucket | None = None  # the flat shard buffer `shard` is a view of (set by the engine)
         self.gather_sequential = False  # prefetched alone, one at a time ([Note: auto gather strategy], gather.py)
+        # the ShardGroup it is sharded and reduced over, when not the engine's shard group: an MoE expert's
+        # expert-data-parallel group (zero/expert.py); rank and world_size above are then that group's
+        self.group = None
         self.bucket_offset = 0
         self._empty = torch.empty(0, dtype=self.dtype, device=param.device)
 

@@ -1,0 +1,127 @@
+"""Expert parameters' shard group: MoE experts sharded and reduced over their expert-data-parallel group.
+
+An expert parameter is marked as DeepSpeed marks it (``param.allreduce = False``, ``param.group_name =
+"ep_size_<k>"``; zero_engine/moe.py's layer does, as ``deepspeed.moe.layer.MoE`` does). The ranks of one ep group
+hold *different* experts; the ranks of its expert-data-parallel (edp) group, W / k of them, hold the same ones (see
+[Note: expert-parallel rank layout] in moe.py). So at ZeRO-3:
+
+* a dense parameter is sharded over the whole data-parallel world, as always (``ShardedParam.group`` None);
+* an expert parameter is sharded over its edp group (``ShardedParam.group``: a ``ShardGroup``): its shards, its
+  all-gathers (``GroupedGather`` routes each parameter of a gather to its group's gatherer), its gradient
+  reduce-scatter (grads.py cuts buckets where the group changes and runs each on its group) and its fp32 master and
+  optimizer states are 1 / (W / k) of its size on each rank.
+
+[Note: the gradient norm counts every element once]
+Each rank sums the squares of all its gradient shards, dense and expert, and one all-reduce over the world adds
+them (optimizer.py, unchanged): a dense element lives in exactly one rank's shard; an expert element lives in one
+rank's shard of its edp group, and the other ep ranks' edp groups hold other experts. So every element is counted
+exactly once, with one reduction.
+
+Not supported yet (refused at initialize, naming the parameter): stages 0-2 (their whole-parameter all-reduce and
+refresh gathers run over the world), a hierarchical mesh (MiCS / HSDP), hpZ, offload_param; saving checkpoints
+(the files hold one shard layout) is refused when it is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from ..moe import ep_size_of_group_name, expert_group_name, expert_parallel_groups
+from .gather import GatherWork
+
+__all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "refuse_expert_params"]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The group some parameters are sharded and reduced over instead of the engine's shard group."""
+
+    name: str  # DeepSpeed's group name, "ep_size_<k>"
+    comm: Any  # a Communicator over the edp group, sharing the world's progress records and watchdog
+    # [Note: gradients of expert weights] in moe.py: the sum over the edp group divided by the world, i.e. the
+    # reduce-scatter's average over the edp group times edp / world (= 1 / ep size)
+    grad_scale: float
+
+
+def expert_shard_groups(model: nn.Module, engine) -> dict[int, ShardGroup]:
+    """id(param) -> its ShardGroup, for every marked expert parameter of ``model`` whose ep size is above 1 (an
+    ``ep_size_1`` expert is held by every rank: it is dense for ZeRO). Collective when it makes the groups."""
+    marked = [(name, p, expert_group_name(p)) for name, p in model.named_parameters()]
+    marked = [(name, p, group) for name, p, group in marked if group is not None]
+    sizes = {group: ep_size_of_group_name(group, name) for name, _, group in marked}
+    marked = [(name, p, group) for name, p, group in marked if sizes[group] > 1]
+    if not marked:
+        return {}
+    _refuse_unsupported(engine, marked[0][0], marked[0][2])
+    world_comm = engine.comm
+    groups: dict[str, ShardGroup] = {}
+    for group_name in sorted({group for _, _, group in marked}):  # the same order on every rank
+        ep = sizes[group_name]
+        if world_comm.world_size % ep:
+            name = next(n for n, _, g in marked if g == group_name)
+            raise ValueError(f"{name}: group_name {group_name!r}: ep size {ep} does not divide the data-parallel "
+                             f"world of {world_comm.world_size} ranks; use an ep size that divides it")
+        from ..comm import Communicator
+
+        found = expert_parallel_groups(ep, engine.device.type)
+        comm = Communicator(found.edp_group, debug=world_comm.debug,
+                            collective_timeout_s=world_comm.collective_timeout_s, share_records_with=world_comm)
+        groups[group_name] = ShardGroup(group_name, comm, found.edp_size / world_comm.world_size)
+    return {id(p): groups[group] for _, p, group in marked}
+
+
+def _refuse_unsupported(engine, name: str, group: str) -> None:
+    zc = engine.config.zero_optimization
+    why = None
+    if engine.stage != 3:
+        why = f"ZeRO stage {engine.stage} (expert parallelism runs at stage 3)"
+    elif engine.mesh.is_hierarchical:
+        why = f"a hierarchical mesh ({engine.mesh.describe()})"
+    elif engine.mesh.hpz_size > 1:
+        why = "zero_optimization.zero_hpz_partition_size"
+    elif zc.offloads_params:
+        why = f"zero_optimization.offload_param.device={zc.offload_param.device!r}"
+    if why is not None:
+        raise NotImplementedError(
+            f"{name} is an expert parameter ({group!r}: sharded over its expert-data-parallel group); together with "
+            f"{why} this is not supported yet. Use zero_optimization.stage 3 on a flat data-parallel world without "
+            "hpZ or offload_param, or build the model with ep_size 1 (every expert on every rank)")
+
+
+def refuse_expert_params(engine, what: str) -> None:
+    """``what`` (a checkpoint save, ...) does not know expert shard groups yet: refuse it clearly."""
+    for sp in engine.sharded:
+        if getattr(sp, "group", None) is not None:
+            raise NotImplementedError(
+                f"{what} with expert-parallel parameters ({sp.fqn}, {sp.group.name}) is not supported yet: its files "
+                "hold one shard layout over the whole world, expert parameters are sharded over their edp group")
+
+
+class GroupedGather:
+    """A gatherer that routes each parameter to its group's gatherer (``ShardedParam.group``; None: the engine's
+    shard group) and returns one ``GatherWork`` covering them all. Every rank issues the same collectives on each
+    group in the same order (the same parameters, in order), so groups never wait on each other."""
+
+    def __init__(self, dense, by_group: dict[str, Any]):
+        self.dense = dense
+        self.by_group = by_group
+        self.name = dense.name
+
+    def issue(self, params, name: str = "", refresh: bool = False) -> GatherWork:
+        split: dict[str | None, list] = {}
+        for p in params:
+            split.setdefault(None if p.group is None else p.group.name, []).append(p)
+        works = [(self.dense if key is None else self.by_group[key]).issue(ps, name=name, refresh=refresh)
+                 for key, ps in split.items()]
+        if len(works) == 1:
+            return works[0]
+        merged = GatherWork(params=list(params), pending=[], accounting=works[0].accounting)
+        for work in works:  # each sub-work's staging buffers were counted by its gatherer; wait() uncounts them all
+            merged.pending += work.pending
+            merged.flat += work.flat
+            merged.keep_alive += work.keep_alive
+            merged.numel += work.numel
+        return merged
