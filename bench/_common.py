@@ -76,7 +76,7 @@ SIZES: dict[str, BenchSize] = {
     # the tensor-parallel systems run (zero3-tp, fsdp2-tp), with the others beside them on the same model.
     "demo-tp": BenchSize(
         name="demo-tp",
-        gpt=dict(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256, mlp_extra=0),
+        gpt=dict(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256, mlp_hidden=1024),
         global_batch=16,
         knobs=ZeroKnobs(reduce_bucket_size=500_000, prefetch_bucket_size=1_000_000, param_persistence_threshold=1_000,
                         max_live_parameters=2_000_000, max_reuse_distance=100_000, allgather_bucket_size=500_000,

@@ -86,6 +86,7 @@ DEEPSPEED_DEFAULTS = {
     "checkpoint": {"tag_validation": "WARN"},
     # DeepSpeed's CompileConfig of 0.14 (enabled, backend, kwargs) and the older switch `disable` (null: unset).
     "compile": {"enabled": False, "disable": None, "backend": "inductor", "kwargs": {}},
+    "tensor_parallel": {"autotp_size": 0},  # deepspeed/runtime/tensor_parallel/config.py TPTrainingConfig
     # Ours, not DeepSpeed's: the values the brief fixes.
     "zero_engine": {"debug_collectives": False, "collective_timeout_s": None, "memory_limit": None,
                     "max_consecutive_skipped_steps": 10, "stall_timeout_s": 20.0, "step_fingerprint": True},
@@ -131,7 +132,7 @@ def test_defaults_table_covers_every_field():
         fields = set(model.file_fields()) - {"train_batch_size", "train_micro_batch_size_per_gpu",
                                              "gradient_accumulation_steps", "fp16", "bf16", "zero_optimization",
                                              "activation_checkpointing", "zero_engine", "memory_timeline", "aio",
-                                             "leaf_module", "checkpoint", "compile"}
+                                             "leaf_module", "checkpoint", "compile", "tensor_parallel"}
         assert fields == covered[path], f"{path}: add DeepSpeed's default of each new field to the table"
 
 
@@ -542,7 +543,8 @@ def test_several_bad_values_are_reported_together():
      "zero_optimization.offload_optimizer.ratio: 0.5 is not supported yet (partial optimizer offload)"),
     ({"amp": {"enabled": True}}, 'amp: {"enabled": true} is not supported yet (Apex AMP; use fp16 or bf16)'),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile: true is not supported yet (DeepCompile"),
-    ({"tensor_parallel": {"autotp_size": 4}}, 'tensor_parallel: {"autotp_size": 4} is not supported yet'),
+    ({"tensor_parallel": {"autotp_size": 4}}, "tensor_parallel.autotp_size: 4 is not supported yet (AutoTP"),
+    ({"tensor_parallel": {"tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm: true is not supported yet"),
     ({"sparse_attention": {"mode": "fixed"}}, 'sparse_attention: {"mode": "fixed"} is not supported yet'),
     ({"quantize_training": {"quantize_groups": 16}}, "quantize_training: {\"quantize_groups\": 16} is not"),
     ({"eigenvalue": {"enabled": True}}, 'eigenvalue: {"enabled": true} is not supported yet'),

@@ -99,7 +99,7 @@ def _parity_body(stage, seq, optimizer, offload, replicas=1):
     mesh = tp_mesh_2x2() if replicas == 1 else init_device_mesh(
         "cpu", (replicas, DP // replicas, TP), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp_rank = dist.get_rank() // TP
-    cfg = GPTConfig(mlp_extra=0, frozen_param=True)
+    cfg = GPTConfig(mlp_hidden=4 * 33, frozen_param=True)
     lr = 1e-3 if optimizer == "AdamW" else 0.05
     zero = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
     config = ds_config(stage, seq, optimizer=optimizer, lr=lr, **zero)
@@ -153,7 +153,7 @@ def _read_body():
     from zero_engine.zero import GatheredParameters
 
     mesh = tp_mesh_2x2()
-    cfg = GPTConfig(mlp_extra=0)
+    cfg = GPTConfig(mlp_hidden=4 * 33)
     torch.manual_seed(0)
     model = GPT(cfg)
     reference = copy.deepcopy(model)
@@ -212,13 +212,13 @@ def _bad_input_body():
     mesh = tp_mesh_2x2()
     other = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("data", "model"))
     torch.manual_seed(0)
-    attempt("other mesh", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), other["model"]), mesh=mesh)
-    attempt("no tp mesh", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), mesh["tp"]))
+    attempt("other mesh", parallelize_mlps(GPT(GPTConfig(mlp_hidden=4 * 33)), other["model"]), mesh=mesh)
+    attempt("no tp mesh", parallelize_mlps(GPT(GPTConfig(mlp_hidden=4 * 33)), mesh["tp"]))
     attempt("uneven", parallelize_mlps(GPT(GPTConfig()), mesh["tp"]), mesh=mesh)  # hidden 133 over 2
     tp_first = init_device_mesh("cpu", (TP, DP), mesh_dim_names=("tp", "dp"))
-    attempt("tp first", GPT(GPTConfig(mlp_extra=0)), mesh=tp_first)
+    attempt("tp first", GPT(GPTConfig(mlp_hidden=4 * 33)), mesh=tp_first)
     config = ds_config(0)
-    attempt("stage 0", parallelize_mlps(GPT(GPTConfig(mlp_extra=0)), mesh["tp"]), mesh=mesh)
+    attempt("stage 0", parallelize_mlps(GPT(GPTConfig(mlp_hidden=4 * 33)), mesh["tp"]), mesh=mesh)
     return errors
 
 
@@ -337,7 +337,7 @@ def test_per_rank_states_at_8_tp_shape_only(dp):
     assert stats["dp_shard"]["all_gather"]["bytes"] == stats["dp_shard"]["reduce_scatter"]["bytes"] == 2 * psi
     assert stats["world"]["all_gather"]["calls"] == stats["world"]["reduce_scatter"]["calls"] == 0
 
-    cfg = GPTConfig(n_embd=32, n_head=2, mlp_extra=0)
+    cfg = GPTConfig(n_embd=32, n_head=2, mlp_hidden=4 * 32)
     stats, states, estimated, numels, psi = _step_on_fake_world(
         lambda: GPT(cfg), parallelize_mlps, dp, tp,
         lambda: (torch.zeros(1, cfg.block_size, dtype=torch.long, device="meta"),) * 2)

@@ -17,6 +17,7 @@ from zero_engine.config.models import (
 )
 from zero_engine.config.optim_models import OptimizerConfig, SchedulerConfig
 from zero_engine.config.schema import config_reference_markdown, json_schema, schema_file
+from zero_engine.config.tp_models import TensorParallelConfig
 from zero_engine.config.zero_models import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zero_engine.errors import ConfigError
 
@@ -37,4 +38,5 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "ZeroEngineSection",
     "MemoryTimelineConfig",
+    "TensorParallelConfig",
 ]

@@ -40,6 +40,7 @@ from zero_engine.config.optim_models import (
     WarmupDecayLRParams,
     WarmupLRParams,
 )
+from zero_engine.config.tp_models import TensorParallelConfig
 from zero_engine.config.unsupported import HARMLESS_SECTIONS
 from zero_engine.config.zero_models import LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -63,6 +64,7 @@ SECTIONS: list[tuple[str, type[Section]]] = [
     ("activation_checkpointing", ActivationCheckpointingConfig),
     ("checkpoint", CheckpointConfig),
     ("compile", CompileConfig),
+    ("tensor_parallel", TensorParallelConfig),
     ("zero_engine", ZeroEngineSection),
     ("zero_engine.memory_timeline", MemoryTimelineConfig),
 ]

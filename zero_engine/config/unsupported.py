@@ -25,14 +25,6 @@ def _explicitly_disabled(value: Any) -> bool:
     return _absent_or_empty(value) or (isinstance(value, dict) and value.get("enabled", True) is False)
 
 
-def _tensor_parallel_off(value: Any) -> bool:
-    if _absent_or_empty(value):
-        return True
-    if not isinstance(value, dict) or not set(value) <= {"autotp_size", "tp_size"}:
-        return False
-    return all(isinstance(size, int) and size <= 1 for size in value.values())
-
-
 def _all_values_null(value: Any) -> bool:
     return _absent_or_empty(value) or (isinstance(value, dict) and all(v is None for v in value.values()))
 
@@ -49,9 +41,6 @@ _OFF = "absent, or a section with enabled false"
 
 TOP_LEVEL_NOT_SUPPORTED: dict[str, NotSupported] = {
     "amp": NotSupported(None, "Apex AMP; use fp16 or bf16", is_off=_not_enabled, accepted=_OFF),
-    "tensor_parallel": NotSupported(
-        None, "tensor parallelism (AutoTP)", is_off=_tensor_parallel_off, accepted="absent, or sizes <= 1"
-    ),
     "sparse_attention": NotSupported(None, "sparse attention", is_off=_absent_or_empty, accepted="absent"),
     "quantize_training": NotSupported(
         None, "quantization-aware training (MoQ)", is_off=_explicitly_disabled,

@@ -28,29 +28,34 @@ class GPTConfig:
     reuse_block: bool = False  # apply the last block twice per forward
     optional_branch: bool = False  # a module used only when forward(..., use_branch=True)
     checkpoint_blocks: bool = False  # torch.utils.checkpoint around each block (use_reentrant=False)
-    mlp_extra: int = 1  # the MLP's hidden size is 4 * n_embd + mlp_extra: odd by default, 0 to split it over tp ranks
+    mlp_hidden: int | None = None  # the MLP's width; None: 4 * n_embd + 1 (odd on purpose; tensor parallelism
+    # needs a width the tp size divides)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Head count and width inferred from qkv's output (-1), not n_head: under tensor parallelism (zero_engine/
+        # autotp.py) qkv yields this rank's slice of q, k and v, i.e. n_head / tp whole heads.
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd + cfg.mlp_extra)
-        self.proj = nn.Linear(4 * cfg.n_embd + cfg.mlp_extra, cfg.n_embd)
+        hidden = 4 * cfg.n_embd + 1 if cfg.mlp_hidden is None else cfg.mlp_hidden
+        self.fc = nn.Linear(cfg.n_embd, hidden)
+        self.proj = nn.Linear(hidden, cfg.n_embd)
 
     def forward(self, x):
         return self.proj(F.gelu(self.fc(x)))
