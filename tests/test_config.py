@@ -543,7 +543,6 @@ def test_several_bad_values_are_reported_together():
      "zero_optimization.offload_optimizer.ratio: 0.5 is not supported yet (partial optimizer offload)"),
     ({"amp": {"enabled": True}}, 'amp: {"enabled": true} is not supported yet (Apex AMP; use fp16 or bf16)'),
     ({"compile": {"deepcompile": True}}, "compile.deepcompile: true is not supported yet (DeepCompile"),
-    ({"tensor_parallel": {"autotp_size": 4}}, "tensor_parallel.autotp_size: 4 is not supported yet (AutoTP"),
     ({"tensor_parallel": {"tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm: true is not supported yet"),
     ({"sparse_attention": {"mode": "fixed"}}, 'sparse_attention: {"mode": "fixed"} is not supported yet'),
     ({"quantize_training": {"quantize_groups": 16}}, "quantize_training: {\"quantize_groups\": 16} is not"),

@@ -141,6 +141,8 @@ def test_zero_config_completed_from_training_arguments(tmp_path):
                                          r"\(torch_compile_backend\)"):
         config_for_trainer({"compile": {"backend": "eager"}}, _args(tmp_path, torch_compile=True), world_size=1)
     assert "compile" not in config_for_trainer({}, args, world_size=1)[0]
+    with pytest.raises(NotImplementedError, match="tensor_parallel.autotp_size above 1 with ZeroTrainer"):
+        config_for_trainer({"tensor_parallel": {"autotp_size": 2}}, args, world_size=2)
     with pytest.raises(ValueError, match="zero_config: required"):
         config_for_trainer(None, args, world_size=1)
 

@@ -69,7 +69,7 @@ class DeepSpeedEngineAPI:
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch size by changing gradient_accumulation_steps (the micro-batch size stays)."""
-        per_micro = self.train_micro_batch_size_per_gpu() * self.world_size
+        per_micro = self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if train_batch_size <= 0 or train_batch_size % per_micro != 0:
             raise ValueError(f"set_train_batch_size({train_batch_size}): must be a positive multiple of "
                              f"train_micro_batch_size_per_gpu x world = {per_micro}")
@@ -81,7 +81,7 @@ class DeepSpeedEngineAPI:
         if micro_batch_size <= 0:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be positive")
         gas = self.gradient_accumulation_steps()
-        self._set_batch_config(micro_batch_size * gas * self.world_size, micro_batch_size, gas)
+        self._set_batch_config(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas)
 
     def _set_batch_config(self, train: int, micro: int, gas: int) -> None:
         if self._backwards_since_update:
@@ -248,12 +248,13 @@ class DeepSpeedEngineAPI:
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel world: every rank (there is no model parallelism)."""
-        return self.comm.world_size
+        """Data-parallel world: the ranks that read different rows of the batch (every rank, over the tp size)."""
+        return self.mesh.data_parallel_size
 
     @property
     def mp_world_size(self) -> int:
-        return 1
+        """Model-parallel (tensor-parallel) world: the tp size, 1 without tp."""
+        return self.mesh.tp_size
 
     @property
     def local_rank(self) -> int:

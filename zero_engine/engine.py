@@ -30,6 +30,7 @@ from .compile import refresh_units_if_compiled
 from .comm import Communicator, init_distributed
 from .comm.watchdog import StepFingerprint
 from .config import EngineConfig, load_config
+from .config.tp_models import requested_autotp_size
 from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .errors import ArgumentError, UsageError
@@ -37,7 +38,7 @@ from .guards import (claim_model, client_optimizer_restorer, discard_failed_back
                      refuse_partitioned_at_stage0, tear_down, undo_failed_initialize, warn_backward_without_step)
 from .memory import reset_rss_peak
 from .memory.engine_stats import memory_stats, model_state_bytes
-from .mesh import named_communicators, summed_stats
+from .mesh import data_parallel_world, named_communicators, summed_stats
 from .offload.placement import Placement
 from .wiring import build_parts
 from .zero.partition import ShardedParam, sharded_param_of
@@ -81,8 +82,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if not isinstance(model, nn.Module):
             raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        self.config = config if isinstance(config, EngineConfig) else load_config(config, world_size=world,
-                                                                                   model=model)
+        tp = requested_autotp_size(config)  # the batch rule counts data-parallel ranks: the world over tp
+        self.config = config if isinstance(config, EngineConfig) else load_config(
+            config, world_size=data_parallel_world(world, mesh, tp), model=model)
         created_group = not dist.is_initialized()
         if created_group:
             init_distributed(timeout_s=self.config.zero_engine.collective_timeout_s)
@@ -92,9 +94,10 @@ class ZeroEngine(DeepSpeedEngineAPI):
                         "the engine (its own timeout applies) and zero_engine.stall_timeout_s=0 turns off the "
                         "watchdog that enforces it; set stall_timeout_s > 0 or create the group with that timeout",
                         self.config.zero_engine.collective_timeout_s)
-        if self.config.world_size != dist.get_world_size():
-            raise ValueError(f"config: resolved for a world of {self.config.world_size} ranks, running on "
-                             f"{dist.get_world_size()}; load it with world_size={dist.get_world_size()}")
+        data_parallel = data_parallel_world(dist.get_world_size(), mesh, self.config.tensor_parallel.size)
+        if self.config.world_size != data_parallel:
+            raise ValueError(f"config: resolved for {self.config.world_size} data-parallel ranks, running on "
+                             f"{data_parallel}; load it with world_size={data_parallel}")
         zc = self.config.zero_optimization
         self.stage = zc.stage
         self.module = model
@@ -172,7 +175,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if not self._inside_no_sync:  # as in DeepSpeed, micro-batches under no_sync() are not counted
             self.micro_steps += 1
             self._awaiting_step = True
-            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+            self.global_samples += self.config.train_micro_batch_size_per_gpu * self.mesh.data_parallel_size
         return loss / gas if gas > 1 else loss
 
     # ---- what the parts call back (hooked up in wiring.py) --------------------------------------------------------
@@ -303,7 +306,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self._backwards_since_update = 0
         self._awaiting_step = False
         self.micro_steps -= dropped
-        self.global_samples -= dropped * self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        self.global_samples -= dropped * self.config.train_micro_batch_size_per_gpu * self.mesh.data_parallel_size
         return dropped
 
     # ---- queries -------------------------------------------------------------------------------------------------

@@ -107,8 +107,9 @@ def _make_dataloader(engine, training_data, collate_fn):
     """DeepSpeed's training dataloader: this rank's part of ``training_data`` in micro-batches."""
     if training_data is None:
         return None
-    sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=engine.comm.world_size,
-                                                  rank=engine.comm.rank)
+    # the ranks of one tp group read the same rows (tensor parallelism splits the model, not the batch)
+    sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=engine.mesh.data_parallel_size,
+                                                  rank=engine.mesh.data_parallel_rank)
     return torch.utils.data.DataLoader(training_data, batch_size=engine.config.train_micro_batch_size_per_gpu,
                                        sampler=sampler, collate_fn=collate_fn,
                                        drop_last=engine.config.dataloader_drop_last)

@@ -57,7 +57,8 @@ from .errors import ConfigError
 
 log = logging.getLogger("zero_engine.mesh")
 
-__all__ = ["ZeroMesh", "resolve_mesh", "check_mpu", "named_communicators", "summed_stats", "DP", "DP_REPLICATE",
+__all__ = ["ZeroMesh", "resolve_mesh", "check_mpu", "data_parallel_world", "named_communicators", "summed_stats", "DP",
+           "DP_REPLICATE",
            "DP_SHARD", "TP", "value_comms"]
 
 DP, DP_REPLICATE, DP_SHARD, TP = "dp", "dp_replicate", "dp_shard", "tp"
@@ -88,6 +89,16 @@ class ZeroMesh:
     @property
     def is_hierarchical(self) -> bool:
         return self.replicate_size > 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different rows of the batch: the world over tp (the tp ranks of a dp rank read the same)."""
+        return self.world_size // self.tp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's row block of the batch (tp innermost: the ranks of one tp group share it)."""
+        return self.rank // self.tp_size
 
     @property
     def tp_rank(self) -> int:
@@ -240,6 +251,15 @@ def _with_tp(mesh, dp_names: tuple, world: int, rank: int) -> ZeroMesh:
     return ZeroMesh(world, rank, sizes[shard_dim], replicate, mesh.get_group(shard_dim),
                     mesh.get_group(DP_REPLICATE) if replicate > 1 else None, source, mesh,
                     tp_size=sizes[TP], tp_group=mesh.get_group(TP))
+
+
+def data_parallel_world(world: int, mesh=None, autotp_size: int = 0) -> int:
+    """The ranks that read different rows of the batch, before any group exists (the batch rule of the config needs
+    it first): the world, over the size of a last ``tp`` dim of ``mesh`` or over ``tensor_parallel.autotp_size``.
+    A size that does not divide the world is left to the mesh's own checks, which name it."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    tp = int(mesh.mesh.shape[-1]) if names and names[-1] == TP else max(int(autotp_size or 0), 1)
+    return world // tp if tp > 1 and world % tp == 0 else world
 
 
 def check_mpu(mpu) -> None:

@@ -42,6 +42,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
     """Everything ``ZeroEngine.__init__`` builds after it claimed the model, in order; if a step raises, __init__
     undoes what came before (guards.undo_failed_initialize)."""
     zc = engine.config.zero_optimization
+    mesh = _autotp(engine, model, mesh, mpu)  # tensor_parallel.autotp_size: the model split, its ("dp", "tp") mesh
     engine.mesh = resolve_mesh(zc, engine.device.type, mesh, mpu)  # collective when it creates groups
     engine.shard_comm, engine.replicate_comm = mesh_communicators(engine.mesh, engine.comm)
     engine.hpz_comm = hpz_communicator(engine.mesh, engine.comm)
@@ -260,6 +261,36 @@ def _choose_gather_per_bucket(engine) -> None:
     states_to_come = per_element * sum(sp.shard_numel for sp in engine.sharded if sp.param.requires_grad)
     engine.sequential_buckets = choose_sequential_buckets(engine.shard_buckets, budget.headroom, states_to_come,
                                                           engine.comm, budget.source)
+
+
+def _autotp(engine, model: nn.Module, mesh, mpu):
+    """``tensor_parallel.autotp_size`` k > 1: split the model with AutoTP's plan (autotp.py) over the tp dim of a new
+    ("dp", "tp") mesh, which the engine then uses as if it had been given. The model is first made equal on every
+    rank (one broadcast over the world): the split keeps each tp group's first rank's values, and from then on the
+    ranks of a tp group hold different slices, which only the dp groups can broadcast."""
+    k = engine.config.tensor_parallel.size
+    if k <= 1:
+        return mesh
+    if mesh is not None or mpu is not None:
+        given = "mesh" if mesh is not None else "mpu"
+        raise ValueError(f"tensor_parallel.autotp_size: {k} together with initialize({given}=...): give one of the "
+                         "two (a mesh with a last dim \"tp\" over which you parallelized the model yourself, or "
+                         "autotp_size and no mesh)")
+    zc = engine.config.zero_optimization
+    if zc.mics_shard_size not in (-1, engine.config.world_size) or zc.zero_hpz_partition_size > 1:
+        raise NotImplementedError("tensor_parallel.autotp_size with zero_optimization.mics_shard_size or "
+                                  "zero_hpz_partition_size is not supported yet; for HSDP with tp give initialize a "
+                                  "(\"dp_replicate\", \"dp_shard\", \"tp\") mesh")
+    if any(sharded_param_of(p) is not None for p in model.parameters()):
+        raise NotImplementedError("tensor_parallel.autotp_size with a model built under zero.Init is not supported "
+                                  "yet: AutoTP splits whole weights; build the model without zero.Init")
+    from .autotp import apply_autotp, autotp_mesh
+
+    device_mesh = autotp_mesh(engine.comm.world_size, k, engine.device.type)
+    broadcast_initial_state(model, [engine.comm])
+    apply_autotp(model, device_mesh["tp"])
+    log.info("rank %d: AutoTP split the model over tp %d (mesh %s)", engine.comm.rank, k, device_mesh)
+    return device_mesh
 
 
 def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_master: bool) -> ShardedParam:

@@ -333,9 +333,6 @@ class EngineConfig(Section):
         "zero_force_ds_cpu_optimizer": "a client optimizer is used as given; Adam built from the config runs "
                                        "zero_engine's CPUAdam on CPU unless optimizer.params.torch_adam is true",
         "activation_checkpointing": ActivationCheckpointingConfig.no_effect["profile"],
-        # [Note: the autotp_size gate] in tp_models.py: remove this entry when initialize() reads the section.
-        "tensor_parallel": "only its off values load until AutoTP's engine integration lands (issue 25); "
-                           "zero_engine.autotp splits a model by hand meanwhile",
     }
 
     @field_validator("communication_data_type", mode="before")

@@ -12,19 +12,6 @@ from pydantic import Field
 from zero_engine.config.fields import ConfigInt, NotSupported, Section
 from zero_engine.config.unsupported import _absent_or_empty
 
-# [Note: the autotp_size gate]
-# The model side of AutoTP is done (zero_engine/autotp.py: plans, checks, mesh, parity tests); training it needs
-# the engine core to shard DTensor parameters over the dp dim and initialize() to build the mesh, which land
-# separately (issue 25). Until then a size above 1 is "not supported yet", through the same table as every other
-# missing feature. Wiring it: delete the "autotp_size" entry of `not_supported` below.
-_PENDING = ("AutoTP training: the model plan is ready in zero_engine.autotp, the engine integration is pending, "
-            "issue 25")
-
-
-def _autotp_off(value: Any) -> bool:
-    # A value that is not a number is left to the field's own validation (its error names the expected type).
-    return isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 1
-
 
 def _inner_tp_off(value: Any) -> bool:
     """DeepSpeed's nested TPConfig (`tensor_parallel` / `tp`): off when absent or at sizes that split nothing."""
@@ -54,7 +41,6 @@ class TensorParallelConfig(Section):
     )
 
     not_supported = {
-        "autotp_size": NotSupported(0, _PENDING, is_off=_autotp_off, accepted="0 or 1 (off)"),
         "tp_overlap_comm": NotSupported(False, "overlapping tensor-parallel all-reduces with compute"),
         "vocab_parallel_lm_head": NotSupported(False, "a vocabulary-parallel LM head"),
         "vocab_parallel_ce_backend": NotSupported("torch", "a vocabulary-parallel loss backend"),
@@ -79,3 +65,16 @@ class TensorParallelConfig(Section):
     def size(self) -> int:
         """Ranks per tensor-parallel group: 1 when off (autotp_size 0 or 1)."""
         return max(self.autotp_size, 1)
+
+
+def requested_autotp_size(source) -> int:
+    """``tensor_parallel.autotp_size`` as written in a config source (dict, path or JSON text) or an EngineConfig,
+    before validation: the engine needs the data-parallel world for the batch rule before it loads the config. 0
+    when absent or not a number (validation then reports it)."""
+    section = getattr(source, "tensor_parallel", None)
+    if section is not None:
+        return section.size
+    from .loader import read_config_source
+
+    value = (read_config_source(source).get("tensor_parallel") or {}).get("autotp_size", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

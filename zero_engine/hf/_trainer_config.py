@@ -26,6 +26,7 @@ import copy
 
 from ..config import load_config
 from ..config.loader import read_config_source
+from ..config.tp_models import requested_autotp_size
 
 __all__ = ["config_for_trainer", "scheduler_params_for"]
 
@@ -39,6 +40,11 @@ def config_for_trainer(zero_config, args, world_size: int) -> tuple[dict, dict |
         raise ValueError("zero_config: required (a path to a ds_config.json or a dict), e.g. "
                          "ZeroTrainer(..., zero_config={'zero_optimization': {'stage': 3}})")
     config = copy.deepcopy(read_config_source(zero_config))
+    if requested_autotp_size(config) > 1:
+        raise NotImplementedError("zero_config tensor_parallel.autotp_size above 1 with ZeroTrainer is not supported "
+                                  "yet: the Trainer gives every rank its own rows of the batch, while the ranks of a "
+                                  "tp group must read the same; use zero_engine.initialize (its training_data "
+                                  "loader shards over the data-parallel ranks)")
     micro, gas = args.per_device_train_batch_size, args.gradient_accumulation_steps
     _fill(config, ("train_micro_batch_size_per_gpu",), micro, "per_device_train_batch_size")
     _fill(config, ("gradient_accumulation_steps",), gas, "gradient_accumulation_steps")
