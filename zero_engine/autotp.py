@@ -228,16 +228,8 @@ def _check_hf_heads(model: nn.Module, tp: int) -> None:
 
 
 def _check_divides(tp: int, sizes: dict[str, int], why: str) -> None:
-    """[Note: gradients of whole parameters]
-A parameter the plan leaves whole (embeddings, norms, LM head as plain tensors; a row-wise Linear's bias as a
-Replicate DTensor) gets the same, complete gradient on every tp rank: tp ranks compute differently only inside a
-split region, and torch sums the gradient of that region's replicated input over tp (the backward of
-``DTensor.from_local``) before it reaches anything outside. So whole parameters need no tp reduction -- but a global
-gradient norm must count them once, not tp times. This holds only while no whole parameter is used inside a split
-region: Qwen3's per-head q_norm / k_norm are (each rank would see the gradient of its own heads only), which is why
-Qwen3 is not in the family yet.
-
-[Note: why the heads must divide]"""
+    """Each size (config attribute -> value) must be a multiple of ``tp``: else a ConfigError naming the attribute
+    and the sizes that would fit (see [Note: why the heads must divide])."""
     for attribute, size in sizes.items():
         if size % tp:
             common = math.gcd(*sizes.values())
