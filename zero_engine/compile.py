@@ -15,6 +15,8 @@ What Dynamo guards on must not change between steps, and what it traces must not
   class ``GatheredZeroParameter``, full shape. Dynamo's guards on the parameters (type, shape, strides, dtype,
   requires_grad) hold on every call, so the region compiles once per distinct shape: blocks of one shape share one
   graph, and nothing recompiles after the first step.
+  A DTensor parameter of a tensor-parallel block keeps its spec and the identity of its local tensor likewise
+  (tensor_parallel.py, [Note: compiled blocks with DTensor parameters]).
 
 The whole model compiled (``model.compile()``) trains too, with graph breaks at the units' hooks: see
 [Note: the whole model compiled at ZeRO-3].

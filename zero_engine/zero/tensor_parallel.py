@@ -22,6 +22,16 @@ parameter split over tp (a Shard placement) holds different values on each tp ra
 replicated over tp (a plain tensor, or a DTensor with a Replicate placement) holds the same values on every tp rank:
 only tp rank 0 counts it. Replicas of a hierarchical mesh (dp_replicate) hold the same shards: only replica 0
 counts. Then one all-reduce of the summed squares over the world is the norm of the whole model, each value once.
+
+[Note: compiled blocks with DTensor parameters]
+torch.compile of a tp block works at every stage with nothing tp-specific (tests/test_tensor_parallel.py, the
+compiled cases): Dynamo guards a DTensor parameter by its type, its ``_spec`` (mesh, placements, global shape) and
+its ``_local_tensor``'s dtype, size, stride and requires_grad (seen with TORCH_LOGS=guards). ZeRO changes none of
+them inside a compiled call: the wrapper and its spec never change (above), the local tensor keeps its identity
+(gather and release swap its ``.data``), and the compiled block is one unit (compile.py), gathered before its
+compiled call, so the local tensor always has its whole local shape there. parallelize_module's input/output hooks
+and DTensor's collectives over tp trace into the block's graph (torchtitan's FSDP2 + TP + compile, with FSDP2's
+all-gathers outside the graph as ours are).
 """
 
 from __future__ import annotations
