@@ -235,11 +235,9 @@ def test_compiled_tp_blocks_match_one_process_with_one_graph():
     _check_compiled(run_ranks(_compiled_body, WORLD, COMPILED, timeout=240), COMPILED, 1e-5, 1e-5)
 
 
-def test_inductor_compiled_tp_blocks_match_one_process():
-    """The real backend on the tp blocks at ZeRO-3: Inductor's C++ kernels around the TP collectives.
-    ~40 s with a warm Inductor cache, up to ~2 minutes cold on a loaded 2-core machine."""
-    cases = [("config", 3, False, False, "inductor")]
-    _check_compiled(run_ranks(_compiled_body, WORLD, cases, timeout=600), cases, 2e-4, 1e-3)
+# Inductor on the tp blocks (the real backend) matched too when run by hand: losses 1.05e-7, parameters 5.7e-9
+# relative (README, Tensor parallel). Not in the suite: one world with a cold Inductor cache costs ~1-2 minutes here, and
+# Inductor with ZeRO-3 is covered by tests/test_compile.py.
 
 
 # ---- reading a TP parameter: tp-local or whole ---------------------------------------------------------------------
