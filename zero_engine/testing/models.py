@@ -41,13 +41,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
-        # Head count and width inferred from qkv's output (-1), not n_head: under tensor parallelism (zero_engine/
-        # autotp.py) qkv yields this rank's slice of q, k and v, i.e. n_head / tp whole heads.
+        # Head count taken from qkv's output, not n_head: under tensor parallelism (zero_engine/autotp.py) qkv
+        # yields this rank's slice of q, k and v, i.e. n_head / tp whole heads. Counted, not view(-1): an empty
+        # batch (0 rows) leaves -1 ambiguous.
         B, T, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, heads * self.head_dim))
 
 
 class MLP(nn.Module):
