@@ -77,7 +77,7 @@ def _parity_body(stage, seq, k, node, extra):
     torch.manual_seed(0)
     model = GPT(cfg)
     reference = copy.deepcopy(model)
-    batches = list(make_batches(cfg, 3, WORLD * 2 * 2))
+    batches = list(make_batches(cfg, 2, WORLD * 2 * 2))
     with ranks_per_node(node):
         flat = _train(ds_config(stage, k, False, seq, **extra), copy.deepcopy(model), batches)
         two_step = _train(ds_config(stage, k, True, seq, **extra), model, batches)

@@ -269,9 +269,9 @@ class ZeroConfig(Section):
         False,
         description="MiCS (with mics_shard_size k spanning several nodes of LOCAL_WORLD_SIZE ranks): gather "
         "parameters in two steps, as DeepSpeed's MiCS does: an all-gather across nodes among the shard group's "
-        "ranks with the same local rank, then one within the node (zero_engine/zero/mics.py). The bytes crossing "
-        "nodes per rank drop to 1/LOCAL_WORLD_SIZE of the flat gather's; the result is bitwise the same; costs a "
-        "transient buffer of the gathered size and a copy per gather. k must be a multiple of LOCAL_WORLD_SIZE; a "
+        "ranks with the same local rank, then one within the node (zero_engine/zero/mics.py). The cross-node "
+        "collective has k / LOCAL_WORLD_SIZE ranks and 1/LOCAL_WORLD_SIZE of the gathered bytes per rank; the "
+        "result is bitwise the flat gather's; costs a transient buffer of the gathered size and a copy per gather. k must be a multiple of LOCAL_WORLD_SIZE; a "
         "shard group within one node is gathered in one collective, as without the key (logged). Needs "
         "mics_shard_size.",
     )

@@ -4,12 +4,12 @@ that spans several nodes all-gathers in two steps, so that each node's data cros
 [Note: the two-step gather]
 A shard group of k ranks spans k / L nodes of L ranks (LOCAL_WORLD_SIZE); shard rank s = node j x L + local rank l
 (consecutive ranks: [Note: rank layout of a hierarchical mesh] in mesh.py). A flat all-gather of chunks of n
-elements leaves chunk s at ``out[s*n:(s+1)*n]``; on a ring every chunk of another node crosses into this node once per
-receiving rank, L times in all. In two steps:
+elements leaves chunk s at ``out[s*n:(s+1)*n]``, from one collective of k ranks across nodes. In two steps:
 
 1. across nodes, over the ``gather_inter`` group (the shard group's ranks with local rank l, one per node): each rank
-   receives the chunks of its counterparts, ``across[j] = chunk(j*L + l)``: (k/L - 1) n elements cross nodes per
-   rank, 1/L of the flat gather's k - L;
+   receives the chunks of its counterparts, ``across[j] = chunk(j*L + l)``: a collective of k/L ranks moving 1/L of
+   the gathered bytes per rank (with rings ordered node by node, k - L chunks over each node's incoming link against
+   the flat ring's k - 1, and L times fewer ranks and steps across nodes);
 2. within the node, over ``gather_intra`` (the node's L ranks of the shard group): each rank receives the others'
    ``across``, ``by_local[l'][j] = chunk(j*L + l')``, over NVLink;
 3. ``out.view(k/L, L, n) = by_local.view(L, k/L, n).transpose(0, 1)``: the flat gather's layout, bit for bit (the
