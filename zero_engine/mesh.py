@@ -20,6 +20,9 @@ Other model-parallel dims are refused for now.
   the refresh after a step at stages 1-2, GatheredParameters, safe_get_full_*), the gradient reduce-scatter, and
   the gradient-norm all-reduce: after the replica all-reduce every replica holds the same gradient shards, so the
   sum of squares over one shard group is the global one, with nothing counted twice.
+* ``gather_inter`` / ``gather_intra`` (only with ``mics_hierarchical_params_gather`` and a shard group over several
+  nodes): the engine's parameter all-gathers, in two steps, in place of ``dp_shard`` (zero/mics.py); the other
+  ``dp_shard`` collectives stay on it.
 * ``dp_replicate`` (``replicate_group``; absent when flat): one all-reduce (average) of each gradient bucket's shard
   after its reduce-scatter. Reduce-scatter (avg over k) then all-reduce (avg over N/k) is the average over N.
 * the world: everything that must agree across every rank: the initial broadcast of the model, the step fingerprint,

@@ -271,9 +271,9 @@ class ZeroConfig(Section):
         "parameters in two steps, as DeepSpeed's MiCS does: an all-gather across nodes among the shard group's "
         "ranks with the same local rank, then one within the node (zero_engine/zero/mics.py). The cross-node "
         "collective has k / LOCAL_WORLD_SIZE ranks and 1/LOCAL_WORLD_SIZE of the gathered bytes per rank; the "
-        "result is bitwise the flat gather's; costs a transient buffer of the gathered size and a copy per gather. k must be a multiple of LOCAL_WORLD_SIZE; a "
-        "shard group within one node is gathered in one collective, as without the key (logged). Needs "
-        "mics_shard_size.",
+        "result is bitwise the flat gather's; costs a transient buffer of the gathered size and a copy per "
+        "gather. k must be a multiple of LOCAL_WORLD_SIZE; a shard group within one node is gathered in one "
+        "collective, as without the key (logged). Needs mics_shard_size.",
     )
     zero_hpz_partition_size: ConfigInt = Field(
         1,
