@@ -1,5 +1,5 @@
-"""On paper (issue 24): cross-node bytes and a modelled step time for flat ZeRO-3, MiCS, hpZ and hpZ + qwZ + qgZ
-at 64 nodes x 8 GPUs.
+"""On paper (issue 24): cross-node bytes and a modelled step time for flat ZeRO-3, MiCS (within a node; over 4 nodes,
+with and without the two-step gather), hpZ and hpZ + qwZ + qgZ at 64 nodes x 8 GPUs.
 
     python bench/hierarchy_sim.py                          # LLaMA-7B shape, 64 x 8, MiCS 8 and hpZ 8, 100 Gb/s
     python bench/hierarchy_sim.py --nodes 8 --inter-gbps 400 --json out.json
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,14 @@ from zero_engine.testing import fake_world  # noqa: E402
 LAYOUTS = {"flat ZeRO-3": {}, "MiCS 8": {"mics_shard_size": 8}, "hpZ 8": {"zero_hpz_partition_size": 8},
            "hpZ 8 + qwZ + qgZ": {"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
                                  "zero_quantized_gradients": True}}
+
+
+def spanning_mics(nodes: int, gpus_per_node: int) -> dict:
+    """MiCS with shard groups over up to 4 whole nodes, without and with the two-step gather (zero/mics.py)."""
+    span = min(4, nodes)
+    k = span * gpus_per_node
+    return {f"MiCS {k} ({span} nodes)": {"mics_shard_size": k},
+            f"MiCS {k}, two-step gather": {"mics_shard_size": k, "mics_hierarchical_params_gather": True}}
 # all-to-all (qgZ): a rank keeps 1 / n of what it sends, as a ring all-gather / reduce-scatter keeps 1 / n
 RING = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
@@ -100,12 +109,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     g = args.gpus_per_node
+    os.environ["LOCAL_WORLD_SIZE"] = str(g)  # the node the two-step gather (mics_hierarchical_params_gather) splits
     world = args.nodes * g
     rank = g + 1  # node 1, local rank 1: every group is like every other's
     n_params = sum(p.numel() for p in llama_7b_on_meta().parameters())
     compute_s = 6 * n_params * args.tokens * args.gas / (args.tflops * 1e12)
     rows = []
-    for name, zero in LAYOUTS.items():
+    for name, zero in (LAYOUTS | spanning_mics(args.nodes, g)).items():
         stats, ranks, memory = engine_step_bytes(world, rank, zero, args.gas)
         row = {"layout": name, "zero": zero, "group_sizes": {k: len(v) for k, v in ranks.items()},
                "comm_stats": stats,

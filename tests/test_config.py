@@ -537,8 +537,6 @@ def test_several_bad_values_are_reported_together():
     ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}},
      "zero_optimization.zero_quantized_nontrainable_weights: true is not supported yet (ZeRO++ int8 storage of "
      "frozen weights; zero_quantized_weights quantizes their gathers); accepted: only false"),
-    ({"zero_optimization": {"mics_hierarchical_params_gather": True}},
-     "zero_optimization.mics_hierarchical_params_gather: true is not supported yet (MiCS hierarchical (two-level)"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      "zero_optimization.offload_optimizer.ratio: 0.5 is not supported yet (partial optimizer offload)"),
     ({"amp": {"enabled": True}}, 'amp: {"enabled": true} is not supported yet (Apex AMP; use fp16 or bf16)'),

@@ -23,7 +23,7 @@ def test_inter_node_bytes_flat_mics_hpz(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert hierarchy_sim.main(["--nodes", "2", "--json", str(out)]) == 0
     assert "| hpZ 8 |" in capsys.readouterr().out
-    flat, mics, hpz, zpp = json.loads(out.read_text())["rows"]
+    flat, mics, hpz, zpp, spanning, two_step = json.loads(out.read_text())["rows"]
     assert (flat["layout"], mics["layout"], hpz["layout"]) == ("flat ZeRO-3", "MiCS 8", "hpZ 8")
     world = flat["comm_stats"]["world"]
     # flat: everything crosses nodes (one ring of 16, half its hops inter-node), nothing stays inside one
@@ -45,3 +45,12 @@ def test_inter_node_bytes_flat_mics_hpz(tmp_path, capsys):
     assert world_q["all_to_all"]["bytes"] < 0.14 * world["reduce_scatter"]["bytes"]
     assert world_q["all_gather"]["bytes"] < 0.55 * hpz["comm_stats"]["world"]["all_gather"]["bytes"]
     assert zpp["inter_node_bytes"] < 0.3 * hpz["inter_node_bytes"]
+    # MiCS over both nodes (16), then with the two-step gather: the rings of its first step (2 ranks, one per node)
+    # carry 1/8 of the flat gather's bytes each, 8 of them per node, so 8 x 1/2 of a chunk per chunk of the flat ring's
+    # 15/16: the node's all-gather bytes drop to 8/15 of the flat gather's
+    assert (spanning["layout"], two_step["layout"]) == ("MiCS 16 (2 nodes)", "MiCS 16, two-step gather")
+    flat_ag = spanning["comm_stats"]["world"]["all_gather"]["bytes"]  # a shard group of the whole world: flat
+    assert two_step["comm_stats"]["world"]["all_gather"]["bytes"] == 0
+    assert two_step["comm_stats"]["gather_inter"]["all_gather"]["bytes"] * 8 == flat_ag
+    assert two_step["comm_stats"]["gather_intra"]["all_gather"]["bytes"] == flat_ag
+    assert spanning["inter_node_bytes"] - two_step["inter_node_bytes"] == pytest.approx(flat_ag * (15 / 16 - 8 / 16))

@@ -376,7 +376,7 @@ def test_bad_config_input_names_the_key_and_the_fix():
                                                   "1, 2, 4"),
              ({"stage": 0, "mics_shard_size": 2}, "needs zero_optimization.stage 1, 2 or 3"),
              ({"stage": 3, "mics_shard_size": 0}, "0 ranks per shard group"),
-             ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}, "not supported yet"),
+             ({"stage": 3, "mics_hierarchical_params_gather": True}, "true needs zero_optimization.mics_shard_size"),
              ({"stage": 2, "zero_hpz_partition_size": 2}, "2 needs zero_optimization.stage 3"),
              ({"stage": 3, "zero_hpz_partition_size": 3}, "3 does not divide the data-parallel world of 4 ranks"),
              ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, "not supported yet"),

@@ -60,6 +60,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     # shards averaged across replicas over replicate_comm (None when flat)
     shard_comm = replicate_comm = None
     hpz_comm = hpz = None  # ZeRO++ hpZ: the secondary partition's group and gatherer (zero/hpz.py)
+    mics_gather = None  # mics_hierarchical_params_gather: the two-step all-gather and its groups (zero/mics.py)
     shard_groups: dict = {}  # id(param) -> ShardGroup of MoE experts (their edp group: zero/expert.py); read-only
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
@@ -328,8 +329,9 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     def communicators(self) -> dict:
         """The communicators by group name: "world", and "dp_shard" / "dp_replicate" / "hpz" / "edp ep_size_<k>"
-        (MoE experts' group) where they exist."""
+        (MoE experts' group) / "gather_inter" and "gather_intra" (the two-step gather's) where they exist."""
         found = named_communicators(self.comm, self.shard_comm, self.replicate_comm, self.hpz_comm)
+        found |= self.mics_gather.communicators() if self.mics_gather is not None else {}
         return found | {f"edp {group.name}": group.comm for group in set(self.shard_groups.values())}
 
     def memory_stats(self) -> dict:

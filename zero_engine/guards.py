@@ -177,7 +177,8 @@ def tear_down(engine, wait: bool = True) -> None:
                     engine.param_swapper.close()  # no optimizer, or it failed before taking the swapper: files too
             finally:
                 experts = {group.comm for group in engine.shard_groups.values()}  # MoE experts' edp groups
-                for sub in (engine.shard_comm, engine.replicate_comm, engine.hpz_comm, *experts):
+                two_step = engine.mics_gather.communicators().values() if engine.mics_gather is not None else ()
+                for sub in (engine.shard_comm, engine.replicate_comm, engine.hpz_comm, *experts, *two_step):
                     if sub is not None and sub is not engine.comm:
                         sub.close()  # a mesh's sub-groups: only let go; the world communicator waits
                 engine.comm.close(wait=wait)

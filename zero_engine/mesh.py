@@ -20,6 +20,9 @@ Other model-parallel dims are refused for now.
   the refresh after a step at stages 1-2, GatheredParameters, safe_get_full_*), the gradient reduce-scatter, and
   the gradient-norm all-reduce: after the replica all-reduce every replica holds the same gradient shards, so the
   sum of squares over one shard group is the global one, with nothing counted twice.
+* ``gather_inter`` / ``gather_intra`` (only with ``mics_hierarchical_params_gather`` and a shard group over several
+  nodes): the engine's parameter all-gathers, in two steps, in place of ``dp_shard`` (zero/mics.py); the other
+  ``dp_shard`` collectives stay on it.
 * ``dp_replicate`` (``replicate_group``; absent when flat): one all-reduce (average) of each gradient bucket's shard
   after its reduce-scatter. Reduce-scatter (avg over k) then all-reduce (avg over N/k) is the average over N.
 * the world: everything that must agree across every rank: the initial broadcast of the model, the step fingerprint,
@@ -85,6 +88,10 @@ class ZeroMesh:
     hpz_group: Any = None
     tp_size: int = 1  # tensor parallelism: the mesh's innermost dim "tp" (1: none); see zero/tensor_parallel.py
     tp_group: Any = None
+    # mics_hierarchical_params_gather (zero/mics.py): the shard group's all-gathers in two steps; 0: one collective
+    gather_node_size: int = 0  # ranks per node (LOCAL_WORLD_SIZE) within the shard group
+    gather_inter_group: Any = None  # the shard group's ranks of this local rank: one per node
+    gather_intra_group: Any = None  # the shard group's ranks on this node
 
     @property
     def is_hierarchical(self) -> bool:
@@ -141,6 +148,8 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
     ``mics_shard_size``; flat when none is given; plus hpZ's group (``zero_hpz_partition_size``). Collective when
     it creates groups (every rank calls it)."""
     found = _resolve_dp(zero_config, device_type, mesh, mpu)
+    if zero_config.mics_hierarchical_params_gather:
+        found = _with_two_step_gather(found, device_type)
     k = zero_config.zero_hpz_partition_size
     if k in (1, found.world_size):
         return found
@@ -162,6 +171,39 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
     groups = init_device_mesh(device_type, (found.world_size // k, k), mesh_dim_names=("hpz_replicate", "hpz_shard"))
     return dataclasses.replace(found, hpz_size=k, hpz_group=groups.get_group("hpz_shard"),
                                source=f"{found.source}; hpZ secondary within {k} ranks")
+
+
+def _with_two_step_gather(found: ZeroMesh, device_type: str) -> ZeroMesh:
+    """``mics_hierarchical_params_gather``: the two sub-groups of each shard group that zero/mics.py gathers over,
+    made once. See [Note: the two-step gather] in zero/mics.py for the layout."""
+    key, k = "zero_optimization.mics_hierarchical_params_gather", found.shard_size
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or int(local) < 1:
+        raise ConfigError(f"{key}: true needs the ranks per node, from LOCAL_WORLD_SIZE (found {local!r}); launch "
+                          "with torchrun (which sets it) or set it yourself, or set the key false")
+    node = int(local)
+    if found.tp_size > 1:
+        raise NotImplementedError(f"{key}: true with a tp mesh dim ({found.describe()}) is not supported yet; set it "
+                                  "false")
+    if k <= node and node % k == 0:  # the shard group lies within one node: its one collective is intra-node already
+        if found.rank == 0:
+            log.info("%s: shard groups of %d ranks lie within a node of %d: gathered in one collective, as without "
+                     "the key (nothing crosses nodes)", key, k, node)
+        return found
+    if k % node:
+        raise ConfigError(f"{key}: true with mics_shard_size {k} and {node} ranks per node (LOCAL_WORLD_SIZE): a shard "
+                          f"group must span whole nodes to gather in two steps; use a mics_shard_size that is a "
+                          f"multiple of {node} (or a divisor of it: within a node), or set the key false")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    groups = init_device_mesh(device_type, (found.world_size // k, k // node, node),
+                              mesh_dim_names=("gather_replicate", "gather_inter", "gather_intra"))
+    if found.rank == 0:
+        log.info("%s: shard groups of %d ranks gather in two steps: across %d nodes (one rank each), then within the "
+                 "node of %d", key, k, k // node, node)
+    return dataclasses.replace(found, gather_node_size=node, gather_inter_group=groups.get_group("gather_inter"),
+                               gather_intra_group=groups.get_group("gather_intra"),
+                               source=f"{found.source}; two-step gather over {k // node} nodes x {node}")
 
 
 def _resolve_dp(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
@@ -306,6 +348,17 @@ def hpz_communicator(mesh: ZeroMesh, world_comm):
 
     return Communicator(mesh.hpz_group, debug=world_comm.debug, collective_timeout_s=world_comm.collective_timeout_s,
                         share_records_with=world_comm)
+
+
+def gather_communicators(mesh: ZeroMesh, world_comm) -> Optional[tuple[Any, Any]]:
+    """(inter-node, intra-node) communicators of the two-step gather (zero/mics.py), or None when it is off."""
+    if not mesh.gather_node_size:
+        return None
+    from .comm import Communicator
+
+    return tuple(Communicator(group, debug=world_comm.debug, collective_timeout_s=world_comm.collective_timeout_s,
+                              share_records_with=world_comm)
+                 for group in (mesh.gather_inter_group, mesh.gather_intra_group))
 
 
 def mesh_communicators(mesh: ZeroMesh, world_comm) -> tuple[Any, Optional[Any]]:

@@ -18,7 +18,7 @@ from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
-from .mesh import hpz_communicator, mesh_communicators, resolve_mesh, value_comms
+from .mesh import gather_communicators, hpz_communicator, mesh_communicators, resolve_mesh, value_comms
 from .offload.placement import DEVICE, HOST, NVME
 from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .utils import register_engine
@@ -110,6 +110,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
 def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[ShardedParam]]:
     """Shards, buckets, the gradient reducer and (stage 3) the gathering; returns the parameters of each gather unit
     (stages 1-2: each parameter alone), of which shard buckets and optimizer sub-groups are runs."""
+    gather_comm = _gather_comm(engine)  # the shard group's, or its two-step gather (zero/mics.py)
     engine.sharded = [_sharded_param(engine, p, name, i, fp32_masters)
                       for i, (name, p) in enumerate(model.named_parameters())]
     cast_floating_(model, engine.compute_dtype, params=False)
@@ -144,7 +145,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     if engine.stage < 3:
         for sp in engine.sharded:
             sp.is_persistent = True
-        engine.refresh_gatherer = CoalescedGather(engine.shard_comm, zc.allgather_bucket_size, engine.accounting,
+        engine.refresh_gatherer = CoalescedGather(gather_comm, zc.allgather_bucket_size, engine.accounting,
                                                   engine.streams)
         partitioned = [sp for sp in engine.sharded if not sp.is_available]  # built under zero.Init
         if partitioned:
@@ -158,14 +159,14 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
             persistent_budget -= sp.numel
         if not sp.is_persistent and sp.is_available:
             sp.release()
-    gatherer = make_gatherer(engine.shard_comm, zc, engine.accounting, engine.streams)
+    gatherer = make_gatherer(gather_comm, zc, engine.accounting, engine.streams)
     if zc.zero_quantized_weights:  # ZeRO++ qwZ: zero/quantize.py
         if engine.placement.params != DEVICE:
             raise NotImplementedError("zero_optimization.zero_quantized_weights with offload_param is not supported "
                                       "yet; drop one of the two")
         from .zero.quantize import QuantizedGather
 
-        gatherer = QuantizedGather(gatherer, engine.shard_comm, zc.prefetch_bucket_size, engine.accounting,
+        gatherer = QuantizedGather(gatherer, gather_comm, zc.prefetch_bucket_size, engine.accounting,
                                    engine.streams)
     if engine.shard_groups:  # expert parameters gather over their own group (zero/expert.py)
         if zc.zero_quantized_weights or zc.zero_quantized_gradients:
@@ -203,6 +204,18 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
     return unit_groups
+
+
+def _gather_comm(engine):
+    """What the parameter gatherers all-gather with: the shard group's communicator, or with
+    ``mics_hierarchical_params_gather`` its two-step gather (zero/mics.py), kept on the engine as ``mics_gather``."""
+    comms = gather_communicators(engine.mesh, engine.comm)
+    if comms is None:
+        return engine.shard_comm
+    from .zero.mics import TwoStepAllGather
+
+    engine.mics_gather = TwoStepAllGather(engine.shard_comm, *comms, accounting=engine.accounting)
+    return engine.mics_gather
 
 
 def _quantized_reduce(engine, zc):

@@ -351,6 +351,7 @@ class EngineConfig(Section):
             )
         _check_mics_shard_size(self.zero_optimization, self.world_size)
         _check_hpz_partition_size(self.zero_optimization, self.world_size)
+        _check_mics_hierarchical(self.zero_optimization)
         _check_quantized(self.zero_optimization)
         expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
         if self.train_batch_size != expected:
@@ -398,6 +399,19 @@ def _check_hpz_partition_size(zc, world_size: int) -> None:
     elif world_size % k:
         fix = _not_a_divisor(k, world_size, "the ranks per node", off=1)
     _raise_if(fix, "zero_optimization.zero_hpz_partition_size")
+
+
+def _check_mics_hierarchical(zc) -> None:
+    """mics_hierarchical_params_gather splits MiCS's shard group; the node size is checked by zero_engine/mesh.py."""
+    if not zc.mics_hierarchical_params_gather:
+        return
+    fix = None
+    if zc.mics_shard_size == -1:
+        fix = ("true needs zero_optimization.mics_shard_size (the shard group it gathers over in two steps); set "
+               "mics_shard_size or set the key false")
+    elif zc.zero_hpz_partition_size != 1:
+        fix = "true together with zero_hpz_partition_size is not supported yet; use one of the two"
+    _raise_if(fix, "zero_optimization.mics_hierarchical_params_gather")
 
 
 def _check_quantized(zc) -> None:

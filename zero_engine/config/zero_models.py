@@ -265,6 +265,16 @@ class ZeroConfig(Section):
         "bucket's shard is then all-reduced across the replicas (one collective per bucket, of its "
         "shard: 1/k of the bucket's bytes). Must divide the data-parallel world. -1: off (shard over every rank); the world size: the same.",
     )
+    mics_hierarchical_params_gather: ConfigBool = Field(
+        False,
+        description="MiCS (with mics_shard_size k spanning several nodes of LOCAL_WORLD_SIZE ranks): gather "
+        "parameters in two steps, as DeepSpeed's MiCS does: an all-gather across nodes among the shard group's "
+        "ranks with the same local rank, then one within the node (zero_engine/zero/mics.py). The cross-node "
+        "collective has k / LOCAL_WORLD_SIZE ranks and 1/LOCAL_WORLD_SIZE of the gathered bytes per rank; the "
+        "result is bitwise the flat gather's; costs a transient buffer of the gathered size and a copy per "
+        "gather. k must be a multiple of LOCAL_WORLD_SIZE; a shard group within one node is gathered in one "
+        "collective, as without the key (logged). Needs mics_shard_size.",
+    )
     zero_hpz_partition_size: ConfigInt = Field(
         1,
         ge=1,
@@ -314,7 +324,6 @@ class ZeroConfig(Section):
     not_supported = {
         "zero_quantized_nontrainable_weights": NotSupported(False, "ZeRO++ int8 storage of frozen weights; zero_quantized_weights quantizes their gathers"),
         "zeropp_loco_param": NotSupported(None, "LoCo-ZeRO++", is_off=_is_empty),
-        "mics_hierarchical_params_gather": NotSupported(False, "MiCS hierarchical (two-level) parameter gather; mics_shard_size gathers within the shard group in one collective"),
         "zenflow": NotSupported(None, "ZenFlow", is_off=_is_empty),
         "use_multi_rank_bucket_allreduce": NotSupported(True, "multi-rank bucket all-reduce switch"),
         "load_from_fp32_weights": NotSupported(True, "loading master weights from 16-bit copies"),
