@@ -59,7 +59,7 @@ DEEPSPEED_DEFAULTS = {
         "max_reuse_distance": 1_000_000_000, "allgather_sequential": False,
         "gather_16bit_weights_on_model_save": False, "round_robin_gradients": False,
         "module_granularity_threshold": 0, "mics_shard_size": -1, "zero_hpz_partition_size": 1,
-        "zero_quantized_weights": False, "zero_quantized_gradients": False,
+        "zero_quantized_weights": False, "zero_quantized_gradients": False, "mics_hierarchical_params_gather": False,
     },
     "zero_optimization.leaf_module": {  # deepspeed/runtime/zero/leaf_module_config.py
         "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",

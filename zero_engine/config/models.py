@@ -418,7 +418,7 @@ def _check_quantized(zc) -> None:
     """ZeRO++ qwZ / qgZ quantize stage 3's gathers and gradient reduction (zero_engine/zero/quantize.py)."""
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         if getattr(zc, key) and zc.stage != 3:
-            _raise_if(f"true needs zero_optimization.stage 3 (ZeRO++ quantizes stage 3's collectives); set stage 3 "
+            _raise_if("true needs zero_optimization.stage 3 (ZeRO++ quantizes stage 3's collectives); set stage 3 "
                       "or false", f"zero_optimization.{key}")
 
 
