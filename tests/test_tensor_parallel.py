@@ -341,31 +341,26 @@ def _save_body(path):
     for layer in model.model.layers:
         parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
                                                    "down_proj": RowwiseParallel()})
-    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, stage3_param_persistence_threshold=0),
-                                        mesh=mesh)
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(
+        3, stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True), mesh=mesh)
     save_pretrained(engine, path)
-    refused = []
-    for call in (lambda: engine.save_checkpoint(path + "-ckpt"), lambda: engine.load_checkpoint(path + "-ckpt")):
-        try:
-            call()
-        except NotImplementedError as exc:
-            refused.append(str(exc))
+    written = engine.save_16bit_model(path + "-16bit")  # whole tensors too: dp gather, then full_tensor over tp
     engine.destroy()
     dist.barrier()
     if dist.get_rank() != 0:
-        return None, refused
+        return None, written
     loaded = transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
-    same = {k: torch.equal(loaded[k], reference[k]) for k in reference}
-    return same, refused
+    model16 = torch.load(path + "-16bit/pytorch_model.bin", weights_only=True)
+    same = {k: torch.equal(loaded[k], reference[k]) and torch.equal(model16[k], reference[k]) for k in reference}
+    return same, written
 
 
-def test_save_pretrained_writes_whole_tensors_and_checkpoints_refuse_clearly(tmp_path):
+def test_save_pretrained_and_save_16bit_model_write_whole_tensors(tmp_path):
     pytest.importorskip("transformers")
     results = run_ranks(_save_body, WORLD, str(tmp_path / "hf"), timeout=TIMEOUT)
     same = results[0][0]
     assert same and all(same.values()), [k for k, ok in same.items() if not ok]
-    for _, refused in results:
-        assert len(refused) == 2 and all("not supported yet" in r and "tp mesh dim" in r for r in refused)
+    assert all(written for _, written in results)
 
 
 # ---- shape-only at scale: 8 (tp) x 8 (dp) and 8 x 64 on the fake process group ---------------------------------------

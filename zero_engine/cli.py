@@ -82,7 +82,7 @@ def _to_fp32(args) -> int:
     try:
         result = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output, tag=args.tag,
                                                             fmt=args.format, verify=not args.no_verify)
-    except CheckpointError as error:
+    except (CheckpointError, NotImplementedError) as error:  # NotImplementedError: a tensor-parallel checkpoint
         raise SystemExit(f"zero-engine to-fp32: {error}") from None
     print(f"wrote {result.path}: {result.tensors} tensors, {result.nbytes / 2**20:.1f} MiB ({result.format})")
     return 0
@@ -118,7 +118,7 @@ def _convert(args) -> int:
                             world_size=args.world_size)
         else:
             path = to_dcp(args.source, args.destination, tag=args.tag, layout=args.layout)
-    except CheckpointError as error:
+    except (CheckpointError, NotImplementedError) as error:  # NotImplementedError: a tensor-parallel checkpoint
         raise SystemExit(f"zero-engine convert: {error}") from None
     print(f"wrote {path}")
     return 0

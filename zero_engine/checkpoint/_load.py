@@ -29,7 +29,7 @@ from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, GRADS_LOCAL, GRADS
                         CheckpointMeta, check_buffers_match, check_params_match, read_metadata)
 from ._reader import CheckpointReader, verify_files
 from ._views import ParamView, buffer_items, param_views, states_in_memory
-from ..zero.tensor_parallel import refuse_with_tp
+from ..zero.tensor_parallel import grad_from_local
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -58,7 +58,6 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     from ..zero.expert import refuse_expert_params
 
     refuse_expert_params(engine, "load_checkpoint()")  # one shard layout over the world in its files
-    refuse_with_tp(engine.mesh, "load_checkpoint")
     comm = engine.comm
     located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(
         check_dir_argument("load_checkpoint", "load_dir", load_dir), tag, missing_ok), share=True)
@@ -83,7 +82,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             engine, views, path, with_optimizer, load_module_only))
         agree(comm, f"verifying {path}",
               lambda: verify_files(path, meta, sorted(meta.files)[comm.rank::comm.world_size]))
-        reader = CheckpointReader(path, meta)
+        reader = CheckpointReader(path, meta, tp_rank=engine.mesh.tp_rank)
         try:
             optimizer_state = agree(comm, f"reading optimizer states of {path}", lambda: _optimizer_state_dict(
                 engine, views, reader, engine_state)) if with_optimizer else None
@@ -127,6 +126,11 @@ def _restore_training_state(engine, views, reader, meta, engine_state, optimizer
 def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: bool,
                     module_only: bool) -> tuple[CheckpointMeta, dict]:
     meta = read_metadata(path)
+    if meta.tp_size != engine.mesh.tp_size:
+        raise NotImplementedError(
+            f"checkpoint {path} was saved at tp size {meta.tp_size}; this engine's tp size is {engine.mesh.tp_size} "
+            f"({engine.mesh.describe()}). Loading at another tp size is not supported yet (the files hold each tp "
+            f"rank's pieces); load it at tp size {meta.tp_size} (the data-parallel size may differ)")
     ours = engine.config.compute_dtype_name
     if not module_only and (meta.stage, meta.compute_dtype) != (engine.stage, ours):
         what = [f"ZeRO stage {meta.stage} (this engine: {engine.stage})" if meta.stage != engine.stage else "",
@@ -266,11 +270,11 @@ def _load_gradients(engine, views: list[ParamView], reader: CheckpointReader, me
                     reader.read_range("grad", sp.fqn, v.start, v.stop, target)
             bucket.has_grads = True
     elif meta.gradients == GRADS_LOCAL:
-        own = reader.file(engine.comm.rank)
+        own = reader.file(engine.mesh.data_parallel_rank)  # this world rank's file (same world and tp size)
         for v in views:
             if f"local_grad/{v.info.name}" in own:
-                v.param.grad = own.read(f"local_grad/{v.info.name}").to(v.param.device, v.param.dtype).view(
-                    v.param.shape)
+                local = own.read(f"local_grad/{v.info.name}").to(v.param.device, v.param.dtype)
+                v.param.grad = grad_from_local(v.param, local.view(v.info.shape))  # info: the tp-local shape
 
 
 def _load_rng_states(engine, reader: CheckpointReader, meta: CheckpointMeta) -> None:
@@ -280,7 +284,7 @@ def _load_rng_states(engine, reader: CheckpointReader, meta: CheckpointMeta) -> 
             log.info("load_checkpoint: RNG states not restored (saved on %d ranks, loading on %d)", meta.world_size,
                      comm.world_size)
         return
-    own = reader.file(comm.rank)
+    own = reader.file(engine.mesh.data_parallel_rank)  # this world rank's file (same world and tp size)
     torch.set_rng_state(own.read("rng/torch"))
     cuda_states = sorted(n for n in own.entries if n.startswith("rng/cuda/"))
     if cuda_states and torch.cuda.is_available():

@@ -12,6 +12,17 @@
 Tensor names inside a rank file: ``param/<fqn>``, ``master/<fqn>``, ``optim/<key>/<fqn>`` (sharded like the
 master), ``optim_scalar/<key>/<fqn>`` (rank 0; e.g. Adam's step), ``grad/<fqn>`` (stages 2-3, reduced shards),
 ``local_grad/<fqn>`` (stages 0-1, this rank's unreduced gradient), ``buffer/<name>`` (rank 0), ``rng/...``.
+
+[Note: checkpoints of a tensor-parallel model]
+With a ``tp`` mesh dim (tp_size > 1 in the metadata), the tp ranks hold different local pieces of the parameters
+split by parallelize_module, and ZeRO shards each piece over the data-parallel ranks. Every rank still writes
+``rank_<world rank>``; with tp innermost (world rank = dp rank x tp_size + tp rank), the files of tp rank ``t`` --
+``rank_<d * tp_size + t>`` for data-parallel rank ``d`` -- are a flat checkpoint of their own over the dp ranks:
+the shards of ``t``'s local pieces (written by replica 0), and in dp rank 0's file the per-parameter scalars, the
+non-tensor optimizer values and the buffers, as rank 0 writes them without tp. Parameter shapes in the metadata are
+the local ones (the same on every tp rank: uneven splits are refused). So loading reads, per tp rank, exactly as a
+flat checkpoint is read (CheckpointReader with ``tp_rank``), at any dp size; the tp size must be the same. A
+checkpoint without tp has no ``tp_size`` entry (files unchanged from before tp existed).
 """
 
 from __future__ import annotations
@@ -87,6 +98,7 @@ class CheckpointMeta:
     layout: str = LAYOUT
     format: str = FORMAT
     version: int = VERSION
+    tp_size: int = 1  # tensor-parallel ranks; see [Note: checkpoints of a tensor-parallel model]
 
     def param(self, name: str) -> ParamInfo:
         return self._by_name()[name]
@@ -101,6 +113,8 @@ class CheckpointMeta:
     def to_json(self) -> str:
         body = dataclasses.asdict(self)
         body.pop("_param_index", None)
+        if body["tp_size"] == 1:  # a checkpoint without tp reads exactly as before tp existed
+            del body["tp_size"]
         body["checksum"] = _checksum(body)
         return _one_entry_per_line(body)
 

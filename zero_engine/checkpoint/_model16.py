@@ -6,6 +6,10 @@ parameter is all-gathered on its own and released right after rank 0 copied it, 
 rank is one parameter; rank 0 streams each one to host memory as it arrives, so its GPU never holds more than one
 gathered parameter either; the whole model is held once, in host memory, in the compute dtype (2 bytes per
 parameter for bf16/fp16), which is what it writes.
+
+With a ``tp`` mesh dim the file holds the whole tensors of the unsplit model, as zero_engine.hf.save_pretrained
+writes them: each tp rank's piece is gathered over its dp ranks, then torch's ``DTensor.full_tensor`` all-gathers
+the pieces over tp (every rank takes part; one whole parameter at a time is the transient cost).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from ._atomic import private_temporary
 from ._collective import agree, rendezvous
 from ._metadata import state_dict_layout
 from ._views import buffer_items
-from ..zero.tensor_parallel import refuse_with_tp
+from ..zero.tensor_parallel import is_dtensor
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -36,7 +40,6 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     from ..zero.expert import refuse_expert_params
 
     refuse_expert_params(engine, "save_16bit_model()")  # one shard layout over the world in its files
-    refuse_with_tp(engine.mesh, "save_16bit_model")
     comm = engine.comm
     if engine.stage == 3 and not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
         if comm.rank == 0:
@@ -53,14 +56,12 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
         values = {name: to_host(p) for name, p in engine.module.named_parameters()}
     for sp in engine.sharded:
         if sp.is_available:  # stages 1-2, and persistent parameters at stage 3: already whole everywhere
-            if comm.rank == 0:
-                values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))
+            _keep_on_rank0(values, sp, comm.rank)
             continue
         with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
             gatherer.issue([sp], name=f"save_16bit_model {sp.fqn}").wait()
         try:
-            if comm.rank == 0:
-                values[sp.fqn] = to_host(sp.full[: sp.numel].view(sp.shape))
+            _keep_on_rank0(values, sp, comm.rank)
         finally:
             sp.release()
     for info, buffer in buffer_items(engine.module):
@@ -69,6 +70,18 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     agree(comm, f"writing {path}", lambda: _write(path, values, state_dict_layout(engine.module))
           if comm.rank == 0 else None)
     return True
+
+
+def _keep_on_rank0(values: dict, sp, rank: int) -> None:
+    """Rank 0 keeps a host copy of the gathered parameter; a DTensor's tp pieces are first put together (a
+    collective over tp, so every rank calls this)."""
+    local = sp.full[: sp.numel].view(sp.shape)
+    if is_dtensor(sp.param):
+        from ..utils import tp_full_tensor
+
+        local = tp_full_tensor(sp.param, local)
+    if rank == 0:
+        values[sp.fqn] = to_host(local)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

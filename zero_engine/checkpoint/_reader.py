@@ -44,19 +44,36 @@ def verify_files(directory: str, meta: CheckpointMeta, names: list[str] | None =
 
 
 class CheckpointReader:
-    """Lazily opened rank files of one checkpoint directory."""
+    """Lazily opened rank files of one checkpoint directory.
 
-    def __init__(self, directory: str, meta: CheckpointMeta | None = None):
+    ``tp_rank``: which tp rank's pieces to read from a checkpoint of a tensor-parallel model; its files read as a
+    flat checkpoint over the data-parallel ranks ([Note: checkpoints of a tensor-parallel model] in _metadata.py).
+    Required for such a checkpoint (whole parameters are not put together from tp pieces here); 0 or None without tp.
+    """
+
+    def __init__(self, directory: str, meta: CheckpointMeta | None = None, tp_rank: int | None = None):
         self.directory = directory
         self.meta = meta if meta is not None else read_metadata(directory)
+        tp_size = self.meta.tp_size
+        if tp_rank is None and tp_size > 1:
+            raise NotImplementedError(
+                f"{directory} is a checkpoint of a tensor-parallel model (tp size {tp_size}): its files hold each tp "
+                "rank's pieces of the split parameters, and putting whole parameters together from them offline is "
+                "not supported yet. Load it with engine.load_checkpoint at the same tp size, then write whole "
+                "tensors with zero_engine.hf.save_pretrained or engine.save_16bit_model")
+        if not 0 <= (tp_rank or 0) < tp_size:
+            raise CheckpointError(f"{directory}: no tp rank {tp_rank} in a checkpoint of tp size {tp_size}")
+        self.tp_rank = tp_rank or 0
         self._files: dict[int, TensorFile] = {}
         self._state_keys: dict[str, dict[str, list[str]]] | None = None
 
     def file(self, rank: int) -> TensorFile:
+        """The file of data-parallel rank ``rank`` of this reader's tp rank (world rank ``rank`` without tp)."""
         if rank not in self._files:
-            if not 0 <= rank < self.meta.world_size:
-                raise CheckpointError(f"{self.directory}: no rank {rank} in a checkpoint of {self.meta.world_size}")
-            path = os.path.join(self.directory, rank_file_name(rank))
+            ranks = self.meta.world_size // self.meta.tp_size
+            if not 0 <= rank < ranks:
+                raise CheckpointError(f"{self.directory}: no rank {rank} in a checkpoint of {ranks}")
+            path = os.path.join(self.directory, rank_file_name(rank * self.meta.tp_size + self.tp_rank))
             try:
                 self._files[rank] = TensorFile(path)
             except FileNotFoundError:

@@ -39,7 +39,7 @@ from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, FORMAT, GRADS_LOCA
                         CheckpointMeta, rank_file_name, state_dict_layout, write_metadata)
 from ._tensorfile import FileDigest, sha256_of_file, write_tensor_file
 from ._views import ParamView, buffer_items, param_views, states_in_memory
-from ..zero.tensor_parallel import refuse_with_tp
+from ..zero.tensor_parallel import local_grad
 
 log = logging.getLogger("zero_engine.checkpoint")
 
@@ -64,7 +64,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     from ..zero.expert import refuse_expert_params
 
     refuse_expert_params(engine, "save_checkpoint()")  # one shard layout over the world in its files
-    refuse_with_tp(engine.mesh, "save_checkpoint")
     comm = engine.comm
     started = time.perf_counter()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -153,6 +152,9 @@ def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> t
     # partition_world_size k. Every rank still writes its own file (RNG states, stage 0-1 local gradients), so the
     # checkpoint loads at any world and any mesh by the usual ranges (_partition.py).
     saves_shards = engine.mesh.saves_shards
+    # [Note: checkpoints of a tensor-parallel model] in _metadata.py: what rank 0 alone writes without tp, dp rank 0
+    # of every tp rank writes (the first file of that tp rank's flat checkpoint); the same as rank 0 without tp.
+    first = engine.mesh.data_parallel_rank == 0
     for v in views:
         if v.shard is None or not saves_shards:  # stage 0: only rank 0 saves the (replicated) parameters and optimizer state
             continue
@@ -163,9 +165,9 @@ def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> t
         for key, value in optimizer.state.get(v.opt_param, {}).items() if v.opt_param is not None else ():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == v.opt_param.numel():
                 tensors[f"optim/{key}/{name}"] = value.reshape(-1)  # shaped like the shard: resharded like it
-            elif rank == 0 and isinstance(value, torch.Tensor):
+            elif first and isinstance(value, torch.Tensor):
                 tensors[f"optim_scalar/{key}/{name}"] = value
-            elif rank == 0:
+            elif first:
                 _require_json(value, f"optimizer state {key!r} of {name}")
                 values.setdefault(name, {})[key] = value
     mode = _gradient_mode(engine, views)
@@ -176,9 +178,9 @@ def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> t
                     tensors[f"grad/{sp.fqn}"] = engine.reducer.shard_grad(sp)
     elif mode == GRADS_LOCAL:
         for v in views:
-            if v.param.grad is not None:
-                tensors[f"local_grad/{v.info.name}"] = v.param.grad
-    if rank == 0:
+            if v.param.grad is not None:  # a DTensor's: its local piece, in the parameter's placements
+                tensors[f"local_grad/{v.info.name}"] = local_grad(v.param, v.param.grad)
+    if first:
         for info, buffer in buffer_items(engine.module):
             tensors[f"buffer/{info.name}"] = buffer
         file_meta["optim_values"] = json.dumps(values)
@@ -248,7 +250,7 @@ def _finish(engine, views, reports, save_dir: str, staging: str, tag: str, save_
         counters={"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
                   "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
         files=files, config=engine.config.model_dump(mode="json"),
-        versions={"zero_engine": __version__, "torch": torch.__version__})
+        versions={"zero_engine": __version__, "torch": torch.__version__}, tp_size=engine.mesh.tp_size)
     write_metadata(staging, meta)
     final = publish(save_dir, staging, tag, expected_files={
         name: entry["bytes"] for name, entry in files.items()})

@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["is_dtensor", "local_of", "local_grad", "splits_over_tp", "check_tp_params", "norm_counted",
-           "refuse_with_tp"]
+__all__ = ["is_dtensor", "local_of", "local_grad", "grad_from_local", "splits_over_tp", "check_tp_params",
+           "norm_counted"]
 
 
 def is_dtensor(tensor) -> bool:
@@ -61,6 +61,15 @@ def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if grad.placements != param.placements:
         grad = grad.redistribute(param.device_mesh, param.placements)
     return grad._local_tensor
+
+
+def grad_from_local(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``local_grad``: a gradient for ``param`` from a tensor of its local shape (a DTensor with the
+    parameter's placements for a DTensor parameter; ``local`` itself otherwise)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def splits_over_tp(param: torch.Tensor) -> bool:
@@ -103,13 +112,3 @@ def norm_counted(sharded, mesh) -> "set[int] | None":
         return set()
     return {id(sp) for sp in sharded if mesh.tp_rank == 0 or splits_over_tp(sp.param)}
 
-
-def refuse_with_tp(mesh, what: str) -> None:
-    """What does not handle tp pieces yet raises, naming itself, instead of writing one tp rank's pieces as if they
-    were the model."""
-    if mesh.tp_size > 1:
-        raise NotImplementedError(
-            f"{what} with a tp mesh dim ({mesh.describe()}) is not supported yet (issue 25): the tp ranks hold "
-            "different pieces of the parameters split by parallelize_module. Use zero_engine.hf.save_pretrained "
-            "(whole tensors), or GatheredParameters / safe_get_full_fp32_param with zero_engine.utils.tp_full_tensor "
-            "to read whole values")
