@@ -368,7 +368,7 @@ def _engine_body(family, stage, optimizer):
         total_sq += ref[name].detach().pow(2).sum().item()
     split = sorted(n for n, p in engine.module.named_parameters() if type(p).__name__ == "DTensor")
     where = (engine.mesh.data_parallel_size, engine.mesh.tp_size, engine.dp_world_size, engine.mp_world_size,
-             engine.train_batch_size())
+             engine.train_batch_size(), engine.get_data_parallel_rank(), engine.get_tensor_parallel_rank())
     engine.destroy()
     return worst_loss, worst_norm, (diff / total_sq) ** 0.5, len(split), where, first_rows
 
@@ -378,8 +378,9 @@ def _engine_body(family, stage, optimizer):
 def test_initialize_with_autotp_size_matches_one_process(family, stage, optimizer):
     tolerance = 2e-4 if optimizer == "AdamW" else 1e-5
     results = run_ranks(_engine_body, ENGINE_WORLD, family, stage, optimizer, timeout=TIMEOUT)
-    for loss_err, norm_err, param_err, n_split, where, _ in results:
-        assert where == (ENGINE_DP, TP, ENGINE_DP, TP, 2 * 2 * ENGINE_DP)  # micro x gas x dp
+    for rank, (loss_err, norm_err, param_err, n_split, where, _) in enumerate(results):
+        # micro x gas x dp; the dp and tp coordinates of consecutive ranks in one tp group
+        assert where == (ENGINE_DP, TP, ENGINE_DP, TP, 2 * 2 * ENGINE_DP, rank // TP, rank % TP)
         assert n_split > 0
         assert loss_err < 1e-5 and norm_err < 1e-5 and param_err < tolerance, (loss_err, norm_err, param_err)
     rows = [result[-1] for result in results]

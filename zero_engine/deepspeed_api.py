@@ -271,13 +271,13 @@ class DeepSpeedEngineAPI:
         return torch.device("cpu")
 
     def get_data_parallel_rank(self) -> int:
-        return self.comm.rank
+        return self.mesh.data_parallel_rank
 
     def get_model_parallel_rank(self) -> int:
-        return 0
+        return self.mesh.tp_rank
 
     def get_tensor_parallel_rank(self) -> int:
-        return 0
+        return self.mesh.tp_rank
 
     # ---- states and memory --------------------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
