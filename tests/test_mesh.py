@@ -171,19 +171,20 @@ def test_a_gradient_on_one_rank_only_is_averaged_across_replicas_too(stage):
 
 
 # ---- collectives per group -------------------------------------------------------------------------------------------
-def _comm_body():
+def _comm_body(gas=1):
     torch.manual_seed(0)
     sizes = [(37, 29), (29, 41), (41, 23)]
     model = nn.Sequential(*[nn.Linear(a, b) for a, b in sizes])
-    config = ds_config(3, gas=1, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+    config = ds_config(3, gas=gas, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
                        stage3_prefetch_bucket_size=10**6)
     engine, *_ = zero_engine.initialize(model=model, config=config)
     per_step = []
     for _ in range(2):
         engine.reset_comm_stats()
-        out = engine(torch.randn(4, 37))
-        engine.backward(out.pow(2).mean())
-        engine.step()
+        for _ in range(gas):
+            out = engine(torch.randn(4, 37))
+            engine.backward(out.pow(2).mean())
+            engine.step()
         per_step.append(engine.comm_stats(by_group=True))
     total = engine.comm_stats()
     padded_bytes = sum(sp.padded_numel * 4 for sp in engine.sharded)  # padded over the shard group of K
@@ -192,24 +193,26 @@ def _comm_body():
     return per_step, total, padded_bytes, buckets
 
 
-def test_collectives_per_group_match_the_formula():
+@pytest.mark.parametrize("gas", [1, 3])
+def test_collectives_per_group_match_the_formula(gas):
     """Per step, with Psi the padded parameter bytes over a shard group of k: dp_shard all-gathers 2 Psi (forward and
-    backward) and reduce-scatters Psi, as flat ZeRO-3 over k ranks; dp_replicate all-reduces each bucket's shard once
-    (Psi / k bytes, one call per bucket); the world carries only the step fingerprint (and the gradient presence in
-    the step that records the trace); the grad norm is one all-reduce on dp_shard."""
-    for per_step, total, psi, buckets in run_ranks(_comm_body, WORLD, timeout=TIMEOUT):
+    backward) and reduce-scatters Psi per micro-step, as flat ZeRO-3 over k ranks; dp_replicate all-reduces each
+    bucket's shard once per step whatever the accumulation (Psi / k bytes, one call per bucket, in the window's last
+    pass: [Note: gradients across replicas]); the world carries only the step fingerprint (and the gradient presence
+    in the step that records the trace); the grad norm is one all-reduce on dp_shard."""
+    for per_step, total, psi, buckets in run_ranks(_comm_body, WORLD, gas, timeout=TIMEOUT):
         for step, groups in enumerate(per_step):
             shard, replicate, world = groups["dp_shard"], groups["dp_replicate"], groups["world"]
-            assert shard["all_gather"]["bytes"] == 2 * psi
-            assert shard["reduce_scatter"]["bytes"] == psi
-            assert shard["reduce_scatter"]["calls"] == buckets
+            assert shard["all_gather"]["bytes"] == 2 * psi * gas
+            assert shard["reduce_scatter"]["bytes"] == psi * gas
+            assert shard["reduce_scatter"]["calls"] == buckets * gas
             assert (shard["all_reduce"]["calls"], shard["all_reduce"]["bytes"]) == (1, 8)  # the fp64 grad norm
             assert replicate["all_reduce"]["calls"] == buckets
             assert replicate["all_reduce"]["bytes"] == psi // K
             assert replicate["all_gather"]["calls"] == replicate["reduce_scatter"]["calls"] == 0
             assert world["all_gather"]["calls"] == world["reduce_scatter"]["calls"] == 0
             assert world["all_reduce"]["calls"] == (2 if step == 0 else 1)  # + presence while recording
-        assert total["all_gather"]["bytes"] == 2 * psi  # comm_stats() sums the groups
+        assert total["all_gather"]["bytes"] == 2 * psi * gas  # comm_stats() sums the groups
 
 
 # ---- checkpoints: saved flat, loaded hierarchical, and back ----------------------------------------------------------

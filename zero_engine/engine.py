@@ -162,6 +162,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
         scaled = loss.float() * (scale / gas) if scale != 1.0 or gas > 1 else loss
         ends = self._backward_ends
         self.progress.phase = "backward"
+        if self.reducer is not None:  # the window's last pass averages across replicas (zero/grads.py)
+            self.reducer.at_boundary = self.is_gradient_accumulation_boundary()
         if self.presence is not None:  # see [Note: a gradient on some ranks only] in zero/presence.py
             self.reducer.begin_pass(self.presence.irregular_for(scaled))
         with profile_range("zero3::backward"):

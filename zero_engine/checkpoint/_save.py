@@ -171,6 +171,8 @@ def _write_rank(engine, views: list[ParamView], staging: str, client_state) -> t
                 _require_json(value, f"optimizer state {key!r} of {name}")
                 values.setdefault(name, {})[key] = value
     mode = _gradient_mode(engine, views)
+    if mode == GRADS_SHARDED:  # the replicas' sums averaged, as any hierarchy reads them (on every rank: collective)
+        engine.reducer.average_across_replicas()
     if mode == GRADS_SHARDED and saves_shards:
         for bucket in engine.reducer.buckets:
             if bucket.has_grads:

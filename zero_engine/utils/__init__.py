@@ -257,6 +257,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
         for comm in value_comms(engine.mesh, engine.comm, engine.shard_comm, engine.replicate_comm):
             comm.all_reduce(grad, op="sum", name="safe_get_full_grad").wait()
         return grad.div_(engine.world_size // engine.mesh.tp_size * _loss_scale(engine))
+    engine.reducer.average_across_replicas()  # inside a window under MiCS / HSDP (zero/grads.py); collective
     shard = engine.reducer.shard_grad(sp)
     if shard is None:
         return None

@@ -87,6 +87,7 @@ class _Bucket:
         self.recv: torch.Tensor | None = None
         self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
         self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
+        self.unaveraged = False  # shard_grads not yet averaged across replicas ([Note: gradients across replicas])
         self.irregular = 0  # parameters of this bucket reduced on their own at the end of this pass
 
     def slot(self, p: ShardedParam) -> torch.Tensor:
@@ -110,6 +111,11 @@ class GradReducer:
         self.comm = comm  # the group the gradient shards are partitioned over (a mesh's dp_shard; the world if flat)
         # the replicas of those shards (a mesh's dp_replicate), or None: see [Note: gradients across replicas]
         self.replicate_comm = replicate_comm
+        # Average across replicas once per window, at its last pass, on the accumulated shards: only where those stay
+        # on the device the collective runs on (host shards under offload average each pass's device copy instead)
+        self._average_once = replicate_comm is not None and (
+            grad_device is None or not params or torch.device(grad_device) == params[0].compute_device)
+        self.at_boundary = True  # this pass ends the accumulation window (the engine sets it before each backward)
         # None: gradient shards on the parameters' device; else see [Note: gradient shards on the host]
         self.grad_device = grad_device
         self.pin_memory = pin_memory
@@ -212,13 +218,18 @@ class GradReducer:
                 recv = torch.empty(p.shard_numel, dtype=self.reduce_dtype, device=send.device)
                 bucket.comm.reduce_scatter_tensor(recv, send, op="avg", name=f"grads of {p.fqn} (some ranks only)",
                                                   input_is_scratch=True)
-                self._average_across_replicas(recv, f"grads of {p.fqn} (some ranks only)")
+                if self._average_once:  # with the bucket's shards: see [Note: gradients across replicas]
+                    bucket.unaveraged = True
+                else:
+                    self._average_across_replicas(recv, f"grads of {p.fqn} (some ranks only)")
                 if bucket.scale != 1.0:
                     recv.mul_(bucket.scale)
                 offset = bucket.offsets[id(p)]
                 bucket.shard_grads[offset: offset + p.shard_numel].add_(recv.to(bucket.shard_grads.device))
             bucket.irregular = 0
         self._irregular = set()
+        if self._average_once and self.at_boundary:
+            self.average_across_replicas()
 
     def discard(self) -> None:
         """After a backward that raised: wait for reductions already issued (every rank issued them), then drop
@@ -261,7 +272,7 @@ class GradReducer:
             if bucket.shard_grads is not None:
                 self._track("grads", -bucket.per_rank * bucket.shard_grads.element_size())
                 bucket.shard_grads = None
-            bucket.has_grads = False
+            bucket.has_grads = bucket.unaveraged = False
 
     # ---- internals ---------------------------------------------------------------------------------------------
     def _adopt(self, bucket: _Bucket, p: ShardedParam, grad: torch.Tensor) -> bool:
@@ -324,7 +335,8 @@ class GradReducer:
         if bucket.pending is None:
             return
         bucket.pending.wait()
-        self._average_across_replicas(bucket.recv, f"grads bucket {bucket.index}")
+        if not self._average_once:
+            self._average_across_replicas(bucket.recv, f"grads bucket {bucket.index}")
         if bucket.scale != 1.0:  # an expert group's bucket: [Note: gradients of expert weights] in moe.py
             bucket.recv.mul_(bucket.scale)
         if bucket.recv is not bucket.shard_grads:
@@ -339,13 +351,40 @@ class GradReducer:
         self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
         bucket.send = bucket.recv = bucket.pending = None
         bucket.received.clear()
+        if self._average_once:
+            bucket.unaveraged = True
+            if self.at_boundary and not bucket.irregular:  # irregular ones first: finish() averages after them
+                self._average_bucket(bucket)
+
+    def average_across_replicas(self) -> None:
+        """Average every bucket's gradient shards not yet averaged across replicas. ``finish()`` does it in the
+        window's last pass; the optimizer step calls it too, for a window that ended without one marked as last
+        (``set_gradient_accumulation_boundary``, no_sync): a no-op when nothing is left."""
+        for bucket in self.buckets:
+            if bucket.unaveraged:
+                self._average_bucket(bucket)
+
+    def _average_bucket(self, bucket: _Bucket) -> None:
+        shard = bucket.shard_grads
+        if shard.dtype == self.reduce_dtype:
+            self._average_across_replicas(shard, f"grads bucket {bucket.index}")
+        else:  # in the reduction dtype, as every gradient reduction (fp32 for bf16 shards: 1/k of a bucket)
+            wide = shard.to(self.reduce_dtype)
+            self._average_across_replicas(wide, f"grads bucket {bucket.index}")
+            shard.copy_(wide)
+        bucket.unaveraged = False
 
     def _average_across_replicas(self, shard: torch.Tensor, name: str) -> None:
         """[Note: gradients across replicas] Under a hierarchical mesh (MiCS / HSDP, zero_engine/mesh.py) the
-        reduce-scatter averaged a bucket over its shard group only; this rank's reduced shard is then averaged with
-        the same shard of every replica: one all-reduce per bucket on dp_replicate, of the bucket's shard (1/k of
-        its bytes), before anything accumulates it. avg over k then avg over N/k is the average over N (up to fp32
-        rounding: a different summation order than the flat reduce-scatter)."""
+        reduce-scatter averaged a bucket over its shard group only; this rank's shard is then averaged with the same
+        shard of every replica: one all-reduce per bucket on dp_replicate, of the bucket's shard (1/k of its bytes).
+        avg over k then avg over N/k is the average over N (up to fp32 rounding: a different summation order than
+        the flat reduce-scatter). It runs once per accumulation window, on the shards the window's passes summed
+        (the average of a sum is the sum of the averages), in the window's last pass as each bucket completes, so
+        it still overlaps the rest of that backward: the replica (cross-node) bytes of a step are one all-reduce of
+        the gradient shards, whatever the accumulation (DeepSpeed's MiCS does the same at the boundary). Under
+        gradient offload to the host the shards live where the collective cannot run: each pass's reduced shard is
+        averaged on the device before it is accumulated there, as before."""
         if self.replicate_comm is not None:
             self.replicate_comm.all_reduce(shard, op="avg", name=name)
 

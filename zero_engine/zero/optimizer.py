@@ -301,6 +301,8 @@ class ZeroOptimizer(_OptimizerWrapper):
         # On the gradients' device: NCCL all-reduces device tensors only.
         if self.host_copies and self.device.type == "cuda":  # offload only: see [Note: host syncs per step]
             torch.cuda.current_stream(self.device).synchronize()  # host gradient shards copied (grads.py)
+        self.reducer.average_across_replicas()  # a window that ended with no pass marked last: [Note: gradients
+        # across replicas] in grads.py (a no-op otherwise)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         counted = self.norm_counted
         for bucket in self.reducer.buckets:
