@@ -1,15 +1,18 @@
 """Where the per-rank peak is, and what is live there: zero_engine ZeRO-3 vs FSDP2 at world 8 on the fake group.
 
-    python bench/peak_breakdown.py [--n-embd 1024 --n-layer 2 --vocab 32768 --seq 512 --micro 4] [--runtimes zero3,fsdp2]
+    python bench/peak_breakdown.py --n-embd 512 --n-layer 20 --vocab 8192 --seq 512 --micro 2 \
+        [--max-reuse-distance 1e9] [--world 8] [--runtimes zero3,fsdp2]
 
-Each runtime runs in its own process: the model is built sharded (zero.Init / meta + fully_shard) on torch's fake
-process group at world 8 (shapes and allocations are real, no data moves), one warm-up step, then one tracked step.
+(that shape is gpu_check's 1.1B GPT scaled 1/16 in every ratio that matters; docs/benchmarks.md, "Where the world-8
+peak gap comes from"). Each runtime runs in its own process: the model is built sharded (zero.Init / meta +
+fully_shard) on torch's fake process group (shapes and allocations are real, no data moves), one warm-up step, then
+one tracked step. Ours runs gpu_check's ``_zero3_config`` with its element counts scaled by (n_embd / 2048)^2.
 The tracker is a TorchDispatchMode that records every storage an op creates (weakly, so a freed storage leaves the
 count) and every ``UntypedStorage.resize_`` (how both runtimes gather into and release parameter storage), labelled
 by allocation site: the innermost frame of the runtime (zero_engine/, torch/distributed/fsdp/) or of the model, or
 "autograd" for what the backward pass itself allocates. At the step's peak of live bytes (those allocated during the
-tracked step, on top of the model states that were already there) it prints the live bytes per site, then per
-category.
+tracked step, on top of what existed before it: the model states less the gradient shards) it prints the live
+bytes per site, then per category.
 """
 
 from __future__ import annotations
@@ -177,11 +180,11 @@ def category(site: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n-embd", type=int, default=1024)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-layer", type=int, default=20)
+    p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--micro", type=int, default=2)
     p.add_argument("--max-reuse-distance", type=float, default=1e9,
                    help="zero3's stage3_max_reuse_distance at the GPU model's scale (default DeepSpeed's 1e9)")
     p.add_argument("--world", type=int, default=8, help="ranks of the fake process group")
