@@ -209,7 +209,8 @@ def main(argv=None) -> int:
             return 1
         results[runtime] = json.loads(lines[-1][len("RESULT "):])
     for runtime, r in results.items():
-        print(f"\n== {runtime}: peak {r['peak'] / mib:.1f} MiB above the model states, reached at {r['peak_op']}")
+        print(f"\n== {runtime}: peak {r['peak'] / mib:.1f} MiB above what existed before the step, "
+              f"reached at {r['peak_op']}")
         cats: dict[str, int] = defaultdict(int)
         for site, n in sorted(r["at_peak"].items(), key=lambda kv: -kv[1])[: args.top]:
             if n:
