@@ -23,6 +23,7 @@ from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.testing.shards import whole_from_shards
 
 TIMEOUT = 120
 WORLD = 4
@@ -42,15 +43,7 @@ def ds_config(stage, seq=False, gas=2, micro=2, optimizer="AdamW", lr=1e-3, mics
     return config
 
 
-def shard_group_gather(engine, tensor_of, params=None) -> dict[str, torch.Tensor]:
-    """Every parameter's whole value from the shards, gathered by the test itself over the engine's shard group."""
-    out = {}
-    for sp in engine.sharded if params is None else params:
-        shard = tensor_of(sp)
-        buf = torch.empty(sp.padded_numel, dtype=shard.dtype)
-        dist.all_gather_into_tensor(buf, shard.contiguous(), group=engine.shard_comm.group)
-        out[sp.fqn] = buf[: sp.numel].view(sp.shape)
-    return out
+shard_group_gather = whole_from_shards  # every parameter's whole value, gathered by the test over the shard group
 
 
 class DataParallelOnly:

@@ -17,13 +17,13 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zero_engine
 from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.testing.shards import whole_from_shards
 
 TIMEOUT = 120
 WORLD = 4
@@ -52,13 +52,6 @@ def ranks_per_node(n: int):
             os.environ["LOCAL_WORLD_SIZE"] = before
 
 
-def _whole_params(engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for sp in engine.sharded:
-        buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
-        dist.all_gather_into_tensor(buf, sp.shard.contiguous(), group=engine.shard_comm.group)
-        out[sp.fqn] = buf[: sp.numel].view(sp.shape)
-    return out
 
 
 def _train(config, model, batches):
@@ -66,7 +59,7 @@ def _train(config, model, batches):
     engine.reset_comm_stats()
     gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
     losses = [train_global_batch(engine, x, y, gas, micro) for x, y in batches]
-    result = losses, _whole_params(engine), engine.comm_stats(by_group=True), engine.mesh.describe()
+    result = losses, whole_from_shards(engine), engine.comm_stats(by_group=True), engine.mesh.describe()
     engine.destroy()
     return result
 

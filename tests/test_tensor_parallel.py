@@ -24,6 +24,7 @@ import torch.distributed as dist
 import zero_engine
 from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.testing.shards import whole_from_shards
 
 TIMEOUT = 120
 WORLD, DP, TP = 4, 2, 2
@@ -73,16 +74,11 @@ def whole_values(engine, tensor_of=lambda sp: sp.shard) -> dict[str, torch.Tenso
     shard group into the tp-local tensor, then a DTensor's pieces all-gathered over tp (torch's full_tensor)."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
+    out = whole_from_shards(engine, tensor_of)  # the tp-local tensors
     for sp in engine.sharded:
-        shard = tensor_of(sp)
-        buf = torch.empty(sp.padded_numel, dtype=shard.dtype)
-        dist.all_gather_into_tensor(buf, shard.contiguous(), group=engine.shard_comm.group)
-        local = buf[: sp.numel].view(sp.shape)
         if isinstance(sp.param, DTensor):
-            local = DTensor.from_local(local, sp.param.device_mesh, sp.param.placements, run_check=False,
-                                       shape=sp.param.shape, stride=sp.param.stride()).full_tensor()
-        out[sp.fqn] = local
+            out[sp.fqn] = DTensor.from_local(out[sp.fqn], sp.param.device_mesh, sp.param.placements, run_check=False,
+                                             shape=sp.param.shape, stride=sp.param.stride()).full_tensor()
     return out
 
 

@@ -37,6 +37,7 @@ from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.testing.shards import whole_from_shards
 from zero_engine.zero.quantize import BLOCK, dequantize, payload_bytes, quantize
 
 TIMEOUT = 120
@@ -107,13 +108,6 @@ def ds_config(gas=2, micro=2, lr=1e-3, **zero):
             "zero_optimization": zero_section}
 
 
-def _whole(engine) -> dict[str, torch.Tensor]:
-    out = {}
-    for sp in engine.sharded:
-        buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
-        dist.all_gather_into_tensor(buf, sp.shard.contiguous(), group=engine.shard_comm.group)
-        out[sp.fqn] = buf[: sp.numel].view(sp.shape)
-    return out
 
 
 def _parity_body(zero):
@@ -138,7 +132,7 @@ def _parity_body(zero):
             ref_opt.step()
             ours = train_global_batch(engine, x, y, 2, 2)
             worst_loss = max(worst_loss, abs(ours - ref_loss.item()) / abs(ref_loss.item()))
-        ours, ref = _whole(engine), dict(reference.named_parameters())
+        ours, ref = whole_from_shards(engine), dict(reference.named_parameters())
         diff = sum((ours[n] - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
         norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
         results[name] = (worst_loss, (diff / norm).item(), ours, engine.comm_stats())
