@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import zero_engine
 from zero_engine.comm import Communicator
-from zero_engine.comm.watchdog import check_step_fingerprint
+from zero_engine.comm.fingerprint import check_step_fingerprint
 from zero_engine.testing import RankError, kill_this_rank, run_ranks
 from zero_engine.testing._pool import discard_pool, get_pool
 from zero_engine.testing.models import GPT, GPTConfig, make_batches

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from ._profiling import profile_range
 from .compile import refresh_units_if_compiled
 from .comm import Communicator, init_distributed
-from .comm.watchdog import StepFingerprint
+from .comm.fingerprint import StepFingerprint
 from .config import EngineConfig, load_config
 from .config.tp_models import requested_autotp_size
 from .deepspeed_api import DeepSpeedEngineAPI

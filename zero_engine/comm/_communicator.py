@@ -98,7 +98,7 @@ class Communicator:
         stall_timeout_s: with a positive value (and the world group, more than one rank), waits go through a
             ``StallWatchdog``: a collective not done after this many seconds makes the ranks compare their progress
             records and raise ``RankDivergenceError`` / ``RankLostError`` instead of hanging. 0 or None: plain waits.
-        step_fingerprint: keep each step's collective records for ``check_step_fingerprint`` (watchdog.py), which
+        step_fingerprint: keep each step's collective records for ``check_step_fingerprint`` (fingerprint.py), which
             must then be called once a step to drain them; False (the default): no step records are kept.
         share_records_with: the world communicator of a device mesh; this one (on a sub-group of it) then records
             its collectives in that one's progress log and waits through its watchdog, so the step fingerprint and

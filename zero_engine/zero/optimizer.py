@@ -228,7 +228,7 @@ class ZeroOptimizer(_OptimizerWrapper):
     # ---- the step ----------------------------------------------------------------------------------------------
     def step(self, loss_scale: float = 1.0, skip_if_nonfinite: bool = False, fingerprint=None) -> StepResult:
         """Unscale, clip by the global norm, update the masters, refresh separate compute shards. ``fingerprint``:
-        the step fingerprint issued at the boundary (comm/watchdog.py), checked before anything is updated.
+        the step fingerprint issued at the boundary (comm/fingerprint.py), checked before anything is updated.
 
         [Note: sub-groups] In 16-bit training the gradient shards are 16-bit; the optimizer needs fp32. Converting
         them all at once would cost 4 bytes per parameter more for the length of the step, so the update runs
@@ -390,7 +390,7 @@ class ZeroOptimizer(_OptimizerWrapper):
 # Before issue 22 a stage-3 step had four, one of them in backward:
 #   - backward (every pass): the gradient presence count ``.tolist()`` -> only in a pass that records the module
 #     trace (see [Note: when the presence walk runs] in zero/presence.py): none in a steady step;
-#   - step: the fingerprint's two ``int()`` (comm/watchdog.py) -> read with the norm: none more;
+#   - step: the fingerprint's two ``int()`` (comm/fingerprint.py) -> read with the norm: none more;
 #   - step: the grad-norm ``.item()`` -> this one (``read_step_values``), for both optimizer wrappers;
 #   - step, offload_optimizer with an accelerator only: a stream synchronize before the norm (the gradient shards
 #     copied to the host must be complete before the host computes their norm) -> unchanged, off the default path.
