@@ -28,6 +28,7 @@ class Row:
     step_time_s: float | None = None
     step_time_min_s: float | None = None
     step_time_max_s: float | None = None
+    first_step_s: float | None = None  # the slowest rank's first step (compile time included), first round
     peak_rss: int | None = None  # max over ranks of the kernel's peak RSS during the measured steps
     peak_rss_per_rank: list[int] = field(default_factory=list)
     peak_rss_sampled: int | None = None
@@ -63,6 +64,8 @@ def build_row(size: str, world: int, system: str, ranks: list[dict], reference: 
     timing = _median_step_time([r for r in ranks if r.get("step_times")])
     if timing:
         row.step_time_s, row.step_time_min_s, row.step_time_max_s = timing
+    if all(r.get("first_step_s") is not None for r in ranks):
+        row.first_step_s = max(r["first_step_s"] for r in ranks)
     with_memory = [r for r in ranks if r.get("train_peak_rss") is not None]
     if with_memory:
         row.peak_rss_per_rank = [r["train_peak_rss"] for r in sorted(with_memory, key=lambda r: r["rank"])]
@@ -254,15 +257,16 @@ def markdown(report: dict) -> str:
 def _group_tables(size: str, world: int, group: list[Row], ratio_list: list[dict], derived_list: list[dict]):
     psi = next((r.n_params for r in group if r.n_params), 0)
     lines = [f"#### {size} ({psi / 1e6:.1f}M parameters), world size {world}", "",
-             "| system | status | step s, median (range) | ×DDP | ×FSDP2 | ×DS | peak RSS / rank MiB | ×DDP "
-             "| ×FSDP2 | ×DS | peak anon. RSS MiB | floor MiB | loss dev. |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| system | status | step s, median (range) | ×DDP | ×FSDP2 | ×DS | first step s | peak RSS / rank MiB "
+             "| ×DDP | ×FSDP2 | ×DS | peak anon. RSS MiB | floor MiB | loss dev. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in group:
         rat = {x["peer"]: x for x in ratio_list if (x["size"], x["world"], x["ours"]) == (size, world, r.system)}
         step = "—" if r.step_time_s is None else (
             f"{r.step_time_s:.3f} ({r.step_time_min_s:.3f}–{r.step_time_max_s:.3f})")
         cells = [r.label, r.status if r.status == "ok" else f"**{r.status}**", step]
         cells += [_x(rat.get(p, {}).get("step_time")) for p in PEERS]
+        cells += ["—" if r.first_step_s is None else f"{r.first_step_s:.1f}"]
         cells += [_mib(r.peak_rss)] + [_x(rat.get(p, {}).get("peak_rss")) for p in PEERS]
         cells += [_mib(r.peak_anon_sampled), _mib(r.rss_after_init),
                   "—" if r.loss_max_rel_dev is None else f"{r.loss_max_rel_dev:.1e}"]

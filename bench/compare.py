@@ -312,7 +312,8 @@ def machine() -> str:
 
 
 METHOD = ("Step time: median over the timed steps of the slowest rank's step (a barrier before each step), "
-          "default glibc allocator. Peak RSS: in a second process per configuration started with "
+          "default glibc allocator. First step: the slowest rank's first step of the first round, with what it "
+          "pays once (torch.compile's Dynamo and Inductor, the engine's trace). Peak RSS: in a second process per configuration started with "
           "MALLOC_MMAP_THRESHOLD_=65536, the kernel's high-water mark (VmHWM, reset after one warm-up step) of each "
           "rank over the measured steps; the table shows the largest rank. Peak anon. RSS: the same without "
           "file-backed pages (library code), sampled every 3 ms. Floor: RSS with the libraries imported and the "
