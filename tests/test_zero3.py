@@ -565,3 +565,47 @@ def test_released_parameter_raises_and_gathered_one_has_no_python_hook():
     sp.alloc_full().copy_(sp.shard)  # world 1: the shard is the whole parameter
     sp.to_available()
     assert type(p) is GatheredZeroParameter and float(p.detach().sum()) == 15.0
+
+
+def _copy_in_body(stage):
+    """The ops that write gradients into the send buffers in each backward, and how many there would be with one per
+    copy group (a unit's run of parameters in a bucket; stage 1: a bucket), counted from the units and buckets."""
+    from test_zero_units import SendWrites
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(reuse_block=True))
+    config = ds_config(stage, gas=1, reduce_bucket_size=20000, leaf_module={"classes": ["Block"]})
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    reducer = engine.reducer
+    owner = {}  # id(ShardedParam) -> its unit: the first in module order that gathers it (as wiring's owned groups)
+    for unit in (engine.coordinator.units if stage == 3 else []):
+        for p in unit.params:
+            owner.setdefault(id(p), unit.index)
+    expected = 0
+    for bucket in reducer.buckets:
+        p = bucket.params[0]
+        if len(bucket.params) == 1 and p.numel == p.padded_numel:
+            continue  # reduced from its own gradient: nothing copied
+        keys = [owner.get(id(q), id(q)) if stage == 3 else 0 for q in bucket.params]
+        expected += 1 + sum(a != b for a, b in zip(keys, keys[1:]))
+    per_backward = []
+    for x, y in make_batches(model.cfg, 3, 2):
+        loss = engine(x, y)
+        with SendWrites(reducer) as writes:
+            engine.backward(loss)
+            if stage == 1:
+                engine.step()  # stage 1 reduces at the boundary
+        if stage != 1:
+            engine.step()
+        per_backward.append(writes.names)
+    return per_backward, expected, len(reducer.params)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gradients_are_copied_in_with_one_op_per_unit(stage):
+    """[Note: one copy per unit] in zero/grads.py, through the engine (leaf blocks, a tied weight, a reused block):
+    one ``_chunk_cat`` per copy group and backward, against the 2-4 ops per parameter of a per-parameter copy."""
+    for per_backward, expected, params in run_ranks(_copy_in_body, 2, stage, timeout=TIMEOUT):
+        assert 0 < expected < params / 2, (expected, params)
+        for names in per_backward:
+            assert names == ["_chunk_cat"] * expected, (names, expected)

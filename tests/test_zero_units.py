@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_engine.comm._records import ProgressLog
 from zero_engine.zero.coordinator import ParamCoordinator
@@ -262,3 +263,62 @@ def test_reducer_discard_drops_a_half_filled_pass():
     reducer.finish()
     for sp in params:
         assert torch.equal(reducer.shard_grad(sp), expected_shard(sp, torch.full(sp.shape, 3.0))), sp.fqn
+
+
+class SendWrites(TorchDispatchMode):
+    """Records the name of every op that writes into one of ``reducer``'s send buffers (copy-in, padding, zeros)."""
+
+    WRITES = {"copy_", "add_", "zero_", "fill_", "_chunk_cat", "split_with_sizes_copy", "_foreach_copy_", "cat"}
+
+    def __init__(self, reducer):
+        super().__init__()
+        self.reducer = reducer
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in self.WRITES:
+            sends = {b.send.untyped_storage().data_ptr() for b in self.reducer.buckets if b.send is not None}
+            target = kwargs.get("out", args[0] if args else None)
+            targets = target if isinstance(target, (list, tuple)) else [target]
+            if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in sends for t in targets):
+                self.names.append(name)
+        return func(*args, **kwargs)
+
+
+def test_reducer_copies_a_units_gradients_into_its_bucket_with_one_op():
+    """[Note: one copy per unit]: each run of a unit's parameters in a bucket is copied in by one ``_chunk_cat`` when
+    its last gradient arrives (the per-parameter copy made 2-4 ops per parameter), with the same values; a group
+    with a parameter missing, and a second gradient, take the per-parameter path and stay right."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 7), nn.Linear(7, 5), nn.Linear(5, 3))
+    params = sharded(model, 2, 1, "model")
+    units = [params[0:2], params[2:4], params[4:6]]  # each layer's weight and bias
+    # reversed, padded at world 2: 2.bias 4, 2.weight 16, 1.bias 6 | 1.weight 36 | 0.bias 8 | 0.weight 70 (adopted)
+    reducer = GradReducer(list(reversed(params)), LoopbackComm(2, 1), 40, reduce_dtype=torch.float32,
+                          copy_groups=units)
+    assert [[p.fqn for p in b.params] for b in reducer.buckets] == [
+        ["model.2.bias", "model.2.weight", "model.1.bias"], ["model.1.weight"], ["model.0.bias"], ["model.0.weight"]]
+    grads = {sp.fqn: torch.randn(sp.shape) for sp in params}
+    with SendWrites(reducer) as writes:
+        for sp in random.Random(0).sample(params, len(params)):
+            reducer.add(sp, grads[sp.fqn])
+        reducer.finish()
+    # groups: [2.bias, 2.weight], [1.bias] | [1.weight] | [0.bias]; 0.weight is reduced from its own gradient
+    assert writes.names == ["_chunk_cat"] * 4, writes.names
+    for sp in params:
+        assert torch.equal(reducer.shard_grad(sp), expected_shard(sp, grads[sp.fqn])), sp.fqn
+
+    reducer.zero_grad()
+    by_name = {sp.fqn: sp for sp in params}
+    with SendWrites(reducer) as writes:
+        reducer.add(by_name["model.2.bias"], grads["model.2.bias"])
+        reducer.add(by_name["model.2.bias"], grads["model.2.bias"])  # before its group is complete: held, summed
+        reducer.add(by_name["model.2.weight"], grads["model.2.weight"])  # completes the group: one op
+        reducer.add(by_name["model.2.weight"], grads["model.2.weight"])  # after: added in place
+        reducer.finish()  # the others get none: zeros, one parameter at a time
+    assert writes.names[0] == "_chunk_cat" and "_chunk_cat" not in writes.names[1:], writes.names
+    for sp in params:
+        twice = 2 * grads[sp.fqn] if sp.fqn in ("model.2.bias", "model.2.weight") else None
+        assert torch.equal(reducer.shard_grad(sp), expected_shard(sp, twice)), sp.fqn

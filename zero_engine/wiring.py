@@ -138,7 +138,10 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
                                  grad_dtype=engine.compute_dtype, async_op=zc.overlap_comm,
                                  accounting=engine.accounting, streams=engine.streams,
                                  grad_device=engine.placement.optimizer_device, pin_memory=engine.placement.pins,
-                                 quantized=_quantized_reduce(engine, zc))
+                                 quantized=_quantized_reduce(engine, zc),
+                                 # gradients copied in a unit at a time (stage 1: a bucket at a time; every gradient
+                                 # is there at once): [Note: one copy per unit] in zero/grads.py
+                                 copy_groups=None if engine.stage == 1 else unit_groups)
     if engine.stage >= 2:
         engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine.on_grad_ready, sp))
                              for sp in trainable]

@@ -7,15 +7,16 @@ all its parameters have reported, and strictly in bucket order; a parameter that
 order whatever its data did.
 
 [Note: gradient buffers]
-A bucket's send buffer is allocated with ``empty()`` when its first gradient arrives and is laid out
+A bucket's send buffer is allocated with ``empty()`` when its first gradients are copied in and is laid out
 ``[world, elements per rank]``: row ``r`` holds every parameter's slice owned by rank ``r``, back to back. Each
-gradient is copied once into its column of that buffer (``world`` contiguous runs of ``shard_numel``), only its
-padding is zeroed, and the whole bucket is one reduce-scatter, which hands each rank its row: its gradient shards
-back to back, in the order the optimizer reads them. One collective per bucket whatever its parameters' sizes: a
-collective costs a fixed ~0.3 ms on gloo (bench/profile_step.py), and unlike the gather (see [Note: flat shard
-storage] in partition.py) the column layout costs no extra copy, as the gradient is copied in either way. A
-parameter that got no gradient has its column zeroed when the bucket is launched. A parameter alone in its bucket
-without padding needs no layout at all: its gradient is reduced from where autograd put it (``_adopt``).
+gradient is copied once into its column of that buffer (``world`` contiguous runs of ``shard_numel``, its padding
+zeroed; a unit's gradients together, see [Note: one copy per unit]), and the whole bucket is one reduce-scatter,
+which hands each rank its row: its gradient shards back to back, in the order the optimizer reads them. One
+collective per bucket whatever its parameters' sizes: a collective costs a fixed ~0.3 ms on gloo
+(bench/profile_step.py), and unlike the gather (see [Note: flat shard storage] in partition.py) the column layout
+costs no extra copy, as the gradient is copied in either way. A parameter that got no gradient has its column
+zeroed when the bucket is launched. A parameter alone in its bucket without padding needs no layout at all: its
+gradient is reduced from where autograd put it (``_adopt``).
 
 [Note: gradient buckets are not runs of units]
 Shard buckets and optimizer sub-groups are runs of whole gather units (partition.runs); gradient buckets stay
@@ -24,6 +25,23 @@ filled to ``reduce_bucket_size`` across unit boundaries. Measured on the demo (e
 whole unit launches part-empty), each a fixed ~0.3 ms on gloo, and changed the global gradient norm in its last
 bits (the norm is summed per bucket), so the clipped trajectory was no longer bitwise the one before. Both are
 costs with nothing bought: a bucket is launched when its last gradient arrives whichever unit that belongs to.
+
+[Note: one copy per unit]
+A bucket's parameters are cut into *copy groups*, each the run of its parameters that belong to one gather unit
+(``copy_groups``: the units at stage 3; whole buckets at stage 1, where every gradient is there at once; each
+parameter alone at stage 2, where nothing bounds a group's gradients but the bucket). A gradient that arrives is
+held (``param.grad`` is dropped all the same) until the last gradient of its group arrives; then the group's
+gradients go into their columns of the send buffer by one ``torch._chunk_cat`` (each gradient flat, cut into
+``world`` rows of ``shard_numel`` and zero-padded: the column layout above), as FSDP2's post-backward copies a
+group's gradients into its reduce-scatter input. One op per unit instead of three to five per parameter (views,
+copies, padding): the Python and dispatch cost of a backward no longer grows with the number of parameters, and on
+CUDA it is one kernel. The price is the memory of the group's gradients held until its last one arrives: at most one
+unit's (FSDP2 holds as much), which the same unit's gathered parameters already bound, as they are live together in
+its backward. The copy moves values unchanged (a cast to the reduction dtype where it differs, as ``copy_`` does),
+buckets and their order are as before, so every reduction and norm is bitwise what the per-parameter copy gave. The
+rare cases copy one parameter at a time as before: a group that is not complete when its bucket is launched (a
+parameter without gradient this pass, or reduced on its own: [Note: a gradient on some ranks only]) and a second
+gradient for a parameter whose group was already copied.
 
 [Note: buckets of one group]
 Each bucket's parameters share one shard group: the reducer's (``comm``: the world when flat), or an MoE expert's
@@ -82,18 +100,45 @@ class _Bucket:
             offset += p.shard_numel
         self.per_rank = offset
         self.send: torch.Tensor | None = None  # [world * per_rank], see [Note: gradient buffers]
-        self.received: set[int] = set()
+        self.arrived = 0  # its parameters whose gradient arrived this pass
         self.pending = None  # comm Pending of the launched reduce-scatter
         self.recv: torch.Tensor | None = None
         self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
         self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
         self.unaveraged = False  # shard_grads not yet averaged across replicas ([Note: gradients across replicas])
         self.irregular = 0  # parameters of this bucket reduced on their own at the end of this pass
+        self.groups: list[_CopyGroup] = []  # its copy groups, in order (GradReducer.__init__)
 
     def slot(self, p: ShardedParam) -> torch.Tensor:
         """Where ``p``'s padded gradient goes in the send buffer: a [world, shard_numel] view (its column)."""
         column = self.offsets[id(p)]
         return self.send.view(self.world, self.per_rank)[:, column: column + p.shard_numel]
+
+
+class _CopyGroup:
+    """Consecutive parameters of one bucket and one gather unit, whose gradients go into the send buffer together:
+    see [Note: one copy per unit]."""
+
+    __slots__ = ("bucket", "params", "column", "columns", "grads", "arrived", "copied", "summed", "chunks")
+
+    def __init__(self, bucket: _Bucket, params: list[ShardedParam]):
+        self.bucket = bucket
+        self.params = params
+        self.column = bucket.offsets[id(params[0])]  # its first column in the [world, per_rank] send buffer
+        self.columns = sum(p.shard_numel for p in params)
+        self.grads: list[torch.Tensor | None] = [None] * len(params)  # held until the group is complete
+        # gradients held this pass; a parameter reduced on its own ([Note: a gradient on some ranks only]) never
+        # arrives here, so its group is copied at launch (_flush)
+        self.arrived = 0
+        self.copied = False  # its gradients are in the send buffer (or adopted as it: _adopt)
+        self.summed = False  # one of them is a sum of two, in the reduction dtype (the others may not be)
+        # _chunk_cat cuts a flat gradient into rows of ceil(numel / world), the shard layout for any numel >= 1
+        self.chunks = all(p.numel >= 1 for p in params)
+
+    def reset(self) -> None:
+        self.grads = [None] * len(self.params)
+        self.arrived = 0
+        self.copied = self.summed = False
 
 
 class GradReducer:
@@ -107,7 +152,7 @@ class GradReducer:
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
                  grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None, streams=None,
                  grad_device: torch.device | None = None, pin_memory: bool = False, replicate_comm=None,
-                 quantized=None):
+                 quantized=None, copy_groups: list[list[ShardedParam]] | None = None):
         self.comm = comm  # the group the gradient shards are partitioned over (a mesh's dp_shard; the world if flat)
         # the replicas of those shards (a mesh's dp_replicate), or None: see [Note: gradients across replicas]
         self.replicate_comm = replicate_comm
@@ -140,6 +185,20 @@ class GradReducer:
             self.buckets.append(_Bucket(current, len(self.buckets), comm))
         self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # [Note: one copy per unit]: id(p) -> (its bucket, its copy group, its position there); copy_groups None: whole
+        # buckets
+        group_of = {id(p): i for i, group in enumerate(copy_groups or ()) for p in group}
+        self._copy_slot: dict[int, tuple[_Bucket, _CopyGroup, int]] = {}
+        for bucket in self.buckets:
+            run: list[ShardedParam] = []
+            for p in bucket.params + [None]:
+                if run and (p is None or group_of.get(id(p), -1) != group_of.get(id(run[0]), -1)
+                            or (copy_groups is not None and id(p) not in group_of)):
+                    bucket.groups.append(_CopyGroup(bucket, run))
+                    self._copy_slot.update((id(q), (bucket, bucket.groups[-1], i)) for i, q in enumerate(run))
+                    run = []
+                if p is not None:
+                    run.append(p)
         self._irregular: set[int] = set()  # see [Note: a gradient on some ranks only] in presence.py
         self._held: dict[int, torch.Tensor] = {}  # their gradients on this rank, until the end of the pass
         self._next_launch = 0
@@ -155,42 +214,42 @@ class GradReducer:
             bucket.irregular = sum(id(p) in irregular for p in bucket.params)
 
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
-        grad = local_grad(p.param, grad)  # a DTensor's: its local piece (tensor_parallel.py)
+        if type(grad) is not torch.Tensor:
+            grad = local_grad(p.param, grad)  # a DTensor's: its local piece (tensor_parallel.py)
         if grad.numel() != p.numel:  # the last line of defence: see external.py for how reads are gathered
             raise RuntimeError(
                 f"{p.fqn}: gradient of {grad.numel()} elements on rank {self.comm.rank}, expected {p.numel} "
                 f"{tuple(p.shape)}: the forward computed with the parameter while it was partitioned (a read outside "
                 "every module's forward that only looked at its shape, e.g. in a custom autograd Function). Read it "
                 "inside the model's forward, or inside `with zero_engine.zero.GatheredParameters(param):`.")
-        if id(p) in self._irregular:
-            held = self._held.get(id(p))
-            self._held[id(p)] = grad.detach() if held is None else held + grad.detach()
+        key = id(p)
+        if key in self._irregular:
+            held = self._held.get(key)
+            self._held[key] = grad.detach() if held is None else held + grad.detach()
             return
-        bucket = self._bucket_of[id(p)]
+        bucket, group, i = self._copy_slot[key]
         if bucket.pending is not None or bucket.index < self._next_launch:
             raise RuntimeError(
                 f"{p.fqn}: gradient arrived after its bucket was reduced on rank {self.comm.rank}; the parameter got "
                 "a second gradient in one backward pass (reentrant activation checkpointing?). Use "
                 "torch.utils.checkpoint with use_reentrant=False.")
-        if bucket.send is None:
-            if self._adopt(bucket, p, grad):
+        if bucket.send is None and len(bucket.params) == 1 and self._adopt(bucket, p, grad):
+            self._launch_ready()
+            return
+        grad = grad.detach()
+        if group.copied:  # a second gradient in one pass, its group already in the send buffer: added there
+            self._copy_one(bucket, p, grad, "add_")
+        elif group.grads[i] is not None:  # a second gradient in one pass adds up, in the reduction dtype as there
+            group.grads[i] = torch.add(group.grads[i].to(self.reduce_dtype), grad)
+            group.summed = True
+        else:
+            group.grads[i] = grad
+            group.arrived += 1
+            bucket.arrived += 1
+            if group.arrived == len(group.params) and group.chunks:
+                self._copy_group(group)
+            if bucket.arrived + bucket.irregular == len(bucket.params):  # complete: launched, if its turn
                 self._launch_ready()
-                return
-            self._alloc_send(bucket)
-        dst = bucket.slot(p)
-        flat = grad.detach().reshape(-1)
-        first = id(p) not in bucket.received
-        write = "copy_" if first else "add_"  # a second gradient in one pass adds up
-        full_rows, rem = divmod(p.numel, p.shard_numel)
-        if full_rows:
-            getattr(dst[:full_rows], write)(flat[: full_rows * p.shard_numel].view(full_rows, p.shard_numel))
-        if rem:
-            getattr(dst[full_rows, :rem], write)(flat[full_rows * p.shard_numel:])
-        if first and p.numel != p.padded_numel:
-            dst[full_rows, rem:].zero_()
-            dst[full_rows + 1:].zero_()
-        bucket.received.add(id(p))
-        self._launch_ready()
 
     def finish(self) -> None:
         """End of a backward pass: launch what is left (missing gradients are zeros), wait, accumulate."""
@@ -241,7 +300,9 @@ class GradReducer:
             if bucket.send is not None:
                 self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
             bucket.send = bucket.recv = bucket.pending = None
-            bucket.received.clear()
+            bucket.arrived = 0
+            for group in bucket.groups:
+                group.reset()
         self._in_flight.clear()
         self._next_launch = 0
         self._irregular, self._held = set(), {}
@@ -275,6 +336,46 @@ class GradReducer:
             bucket.has_grads = bucket.unaveraged = False
 
     # ---- internals ---------------------------------------------------------------------------------------------
+    def _copy_group(self, group: _CopyGroup) -> None:
+        """All of the group's gradients into its columns of the send buffer, one op: [Note: one copy per unit]."""
+        bucket = group.bucket
+        if bucket.send is None:
+            self._alloc_send(bucket)
+        out = bucket.send.view(bucket.world, bucket.per_rank)[:, group.column: group.column + group.columns]
+        # one dtype in (_chunk_cat's rule): a summed gradient is in the reduction dtype, so are the others then
+        grads = [g.to(self.reduce_dtype) for g in group.grads] if group.summed else group.grads
+        torch._chunk_cat([g.reshape(-1) for g in grads], 0, bucket.world, out=out)
+        group.grads = [None] * len(group.params)  # the full gradients are freed here
+        group.copied = True
+
+    def _copy_one(self, bucket: _Bucket, p: ShardedParam, grad: torch.Tensor, write: str = "copy_") -> None:
+        """One gradient into its column (``write``: "copy_", or "add_" for a second gradient); the rare path of
+        [Note: one copy per unit]."""
+        dst = bucket.slot(p)
+        flat = grad.reshape(-1)
+        full_rows, rem = divmod(p.numel, p.shard_numel)
+        if full_rows:
+            getattr(dst[:full_rows], write)(flat[: full_rows * p.shard_numel].view(full_rows, p.shard_numel))
+        if rem:
+            getattr(dst[full_rows, :rem], write)(flat[full_rows * p.shard_numel:])
+        if write == "copy_" and p.numel != p.padded_numel:
+            dst[full_rows, rem:].zero_()
+            dst[full_rows + 1:].zero_()
+
+    def _flush(self, bucket: _Bucket) -> None:
+        """At launch: the groups not copied yet go in one parameter at a time; a parameter without a gradient this
+        pass contributes zeros."""
+        for group in bucket.groups:
+            if group.copied:
+                continue
+            for p, grad in zip(group.params, group.grads):
+                if grad is not None:
+                    self._copy_one(bucket, p, grad)
+                else:
+                    bucket.slot(p).zero_()
+            group.grads = [None] * len(group.params)
+            group.copied = True
+
     def _adopt(self, bucket: _Bucket, p: ShardedParam, grad: torch.Tensor) -> bool:
         """A parameter alone in its bucket (one larger than reduce_bucket_size: a big embedding) with no padding:
         its gradient, as autograd made it, already is the send buffer. Reducing from it saves a copy and a buffer
@@ -285,7 +386,8 @@ class GradReducer:
             return False
         bucket.send = grad.detach().view(-1)
         self._track("comm_buffers", bucket.send.numel() * bucket.send.element_size())
-        bucket.received.add(id(p))
+        bucket.arrived = 1
+        bucket.groups[0].copied = True
         return True
 
     def _alloc_send(self, bucket: _Bucket) -> None:
@@ -296,16 +398,14 @@ class GradReducer:
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
             bucket = self.buckets[self._next_launch]
-            if len(bucket.received) + bucket.irregular < len(bucket.params):
+            if bucket.arrived + bucket.irregular < len(bucket.params):
                 return
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.send is None:  # no gradient at all in this bucket: it still takes part in the collective
             self._alloc_send(bucket)
-        for p in bucket.params:
-            if id(p) not in bucket.received:  # no gradient this pass: contributes zeros
-                bucket.slot(p).zero_()
+        self._flush(bucket)  # the groups not copied as they completed
         if bucket.shard_grads is None:
             self.alloc_shard_grads(bucket)
         # Reduce straight into the shards when nothing is accumulated there and no cast is needed.
@@ -350,7 +450,9 @@ class GradReducer:
         bucket.has_grads = True
         self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
         bucket.send = bucket.recv = bucket.pending = None
-        bucket.received.clear()
+        bucket.arrived = 0
+        for group in bucket.groups:
+            group.reset()
         if self._average_once:
             bucket.unaveraged = True
             if self.at_boundary and not bucket.irregular:  # irregular ones first: finish() averages after them
