@@ -292,3 +292,30 @@ def test_a_declared_outside_read_compiles_to_one_graph_and_matches():
     for loss_err, counters in run_ranks(_outside_read_body, 2, True, timeout=TIMEOUT):
         assert loss_err < 1e-5, loss_err
         assert "graph_break" not in counters and counters["stats"]["unique_graphs"] == 1, counters
+
+
+def test_the_compiled_modules_record_notices_a_compilation_without_walking_the_model(monkeypatch):
+    """compile.py's CompiledModules ([Note: noticing a compilation without a walk]): at each forward the engine asks
+    whether modules were compiled since the units were made; the answer must not walk the model unless a module was
+    compiled (``module.compile()``) or the module tree changed (``torch.compile(m)`` put in the model)."""
+    import torch
+
+    from zero_engine.compile import CompiledModules
+
+    model = GPT(GPTConfig())
+    record = CompiledModules(model)
+    walks = []
+    modules = nn.Module.modules
+    monkeypatch.setattr(nn.Module, "modules", lambda self: walks.append(self) or modules(self))
+    assert not record.differ(model) and not walks
+    model.blocks[0].compile(backend="eager")  # registers nothing: seen by its _compiled_call_impl
+    assert record.differ(model) and len(walks) == 1
+    assert not record.differ(model) and len(walks) == 1
+    model.blocks[1] = torch.compile(model.blocks[1], backend="eager")  # a module registered: walked
+    assert record.differ(model) and len(walks) == 2
+    nn.Sequential(nn.Linear(2, 2))  # a registration elsewhere: walked once, nothing of ours changed
+    assert not record.differ(model) and len(walks) == 3
+    assert not record.differ(model) and len(walks) == 3
+    model.blocks[0]._compiled_call_impl = None  # un-compiled
+    assert record.differ(model) and len(walks) == 4
+    record.close()

@@ -29,21 +29,70 @@ its unit does not gather) raises a ``RuntimeError`` naming the region and the pa
 from __future__ import annotations
 
 import logging
+import operator
+import weakref
 from typing import Any
 
 import torch.nn as nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from .zero.units import gather_units, is_compiled, z3_leaf_module
 
 log = logging.getLogger("zero_engine.compile")
 
-__all__ = ["compile_engine", "compiled_modules", "compile_regions", "log_whole_model_compiled",
+__all__ = ["CompiledModules", "compile_engine", "compiled_modules", "compile_regions", "log_whole_model_compiled",
            "refresh_units_if_compiled"]
+
+_compiled_call_impl = operator.attrgetter("_compiled_call_impl")  # what module.compile() sets (None: not compiled)
 
 
 def compiled_modules(model: nn.Module) -> frozenset[int]:
     """ids of the compiled modules of the model: those below the root are units (units.py); the root is not."""
     return frozenset(id(m) for m in model.modules() if is_compiled(m))
+
+
+class CompiledModules:
+    """The compiled modules of a model when its units were made, and a check at each forward that none was compiled
+    (or un-wrapped) since, without walking the model.
+
+    [Note: noticing a compilation without a walk]
+    A module becomes compiled in one of two ways. ``torch.compile(m)`` put in the model in ``m``'s place registers an
+    ``OptimizedModule``, and so does anything else that changes the module tree: torch's global module registration
+    hook marks this record changed (as ``ModelSnapshot`` in guards.py does). ``module.compile()`` only sets the
+    module's ``_compiled_call_impl`` and registers nothing, so the check compares that attribute of every module
+    the last walk found with what it was then: one C-level ``map`` over a list, no generator walk and no frame per
+    module (``model.modules()`` ran 206 Python frames a forward on the demo). Only when one of the two says so is
+    the model walked again, and the units made again if its compiled modules changed."""
+
+    def __init__(self, model: nn.Module):
+        self._take(model)
+        self.changed = False
+        this = weakref.ref(self)  # the global hook must not keep an engine dropped without destroy() alive
+
+        def mark_changed(*args) -> None:  # returns None: the registration goes on unchanged
+            record = this()
+            if record is not None:
+                record.changed = True
+        self.close = weakref.finalize(self, _remove, register_module_module_registration_hook(mark_changed))
+
+    def _take(self, model: nn.Module) -> None:
+        self.modules = list(model.modules())
+        self.impls = list(map(_compiled_call_impl, self.modules))
+        self.ids = frozenset(id(m) for m in self.modules if is_compiled(m))
+
+    def differ(self, model: nn.Module) -> bool:
+        """Whether the model's compiled modules differ from the recorded ones (walked only when something
+        changed: see [Note: noticing a compilation without a walk]); the record is brought up to date."""
+        if not self.changed and list(map(_compiled_call_impl, self.modules)) == self.impls:
+            return False
+        before = self.ids
+        self._take(model)
+        self.changed = False
+        return self.ids != before
+
+
+def _remove(handle) -> None:
+    handle.remove()
 
 
 def log_whole_model_compiled(engine) -> None:
@@ -67,10 +116,7 @@ def refresh_units_if_compiled(engine) -> None:
     compiled module is one unit (see [Note: how a compiled region composes with ZeRO-3]). Outside a step only: a
     forward inside a step (an evaluation forward before the backward) keeps the units until the step ends."""
     coordinator = engine.coordinator
-    if coordinator is None or coordinator.in_step:
-        return
-    now = compiled_modules(engine.module)
-    if now == engine.compiled_at_units:
+    if coordinator is None or coordinator.in_step or not engine.compiled_at_units.differ(engine.module):
         return
     from .wiring import build_gathering
 

@@ -64,7 +64,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     shard_groups: dict = {}  # id(param) -> ShardGroup of MoE experts (their edp group: zero/expert.py); read-only
     param_swapper = None  # offload_param nvme (stage 3): shard buckets in files (offload/param_swap.py)
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
-    compiled_at_units = frozenset()  # ids of the compiled modules when the units were made (compile.py)
+    compiled_at_units = None  # CompiledModules: the compiled modules when the units were made (compile.py)
     is_compiled = False  # engine.compile() was called (DeepSpeed's attribute)
     presence = None  # stage 3, world > 1: which parameters get a gradient on some ranks only (zero/presence.py)
     # The step's counters, as each engine starts (class defaults: set on the instance as they move).

@@ -167,6 +167,8 @@ def tear_down(engine, wait: bool = True) -> None:
     finally:
         if engine.snapshot is not None:
             engine.snapshot.close()  # its hooks on every module registration
+        if engine.compiled_at_units is not None:
+            engine.compiled_at_units.close()  # its hook too (compile.py)
         release_model(engine.module, engine)  # a new engine may adopt the model (and its partitioned parameters)
         try:
             if hasattr(engine.optimizer, "close"):

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from .compile import compiled_modules, log_whole_model_compiled
+from .compile import CompiledModules, log_whole_model_compiled
 from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
@@ -251,7 +251,9 @@ def build_gathering(engine, model: nn.Module) -> None:
                                engine.backward_end, model)
     if engine.presence is not None:
         engine.presence.coordinator = engine.coordinator
-    engine.compiled_at_units = compiled_modules(model)
+    if engine.compiled_at_units is not None:
+        engine.compiled_at_units.close()  # its registration hook
+    engine.compiled_at_units = CompiledModules(model)
     log_whole_model_compiled(engine)
 
 
