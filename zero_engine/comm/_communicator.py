@@ -228,6 +228,9 @@ class Communicator:
             raise ValueError(f"{kind} {name!r} on rank {self.rank} (world {self.world_size}): {problem}")
 
     def _check_pair(self, kind: str, name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+        if (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
+                and input.is_contiguous()):
+            return  # the common case in one test: this runs before every collective
         self._require(output.dtype == input.dtype, kind, name,
                       f"output dtype {output.dtype} differs from input dtype {input.dtype}")
         self._require(output.device == input.device, kind, name,

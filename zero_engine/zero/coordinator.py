@@ -179,7 +179,8 @@ class ParamCoordinator:
                 p.active_users = 0
         for unit in self.units:
             for p in unit.params:
-                release_if_unused(p)
+                if not p.is_persistent:  # never released (the rule's first answer, without a call)
+                    release_if_unused(p)
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
             events = [e for e, _ in self._recording]

@@ -100,7 +100,7 @@ class _WatchedParameters(dict):
                 _refuse_released_read_in_compiled_region(param)
             return param
         if _IN_FORWARD and param is not None:
-            coordinator, module, is_unit = innermost()
+            coordinator, module, is_unit = _IN_FORWARD[-1]  # innermost(), without a call: a read per parameter
             coordinator.on_read(param, module if is_unit else None)
         return param
 

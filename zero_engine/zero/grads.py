@@ -211,7 +211,7 @@ class GradReducer:
         of their buckets' readiness and reduced on their own by ``finish()``."""
         self._irregular = irregular
         for bucket in self.buckets:
-            bucket.irregular = sum(id(p) in irregular for p in bucket.params)
+            bucket.irregular = sum(id(p) in irregular for p in bucket.params) if irregular else 0
 
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
         if type(grad) is not torch.Tensor:

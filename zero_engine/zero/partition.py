@@ -281,17 +281,20 @@ class ShardedParam:
     def alloc_full(self) -> torch.Tensor:
         """Give the full buffer its bytes back (the same storage object) for a gather to write into."""
         storage = self.full.untyped_storage()
-        if storage.size() != self.full_bytes:
-            storage.resize_(self.full_bytes)
+        nbytes = self.full.nbytes  # the tensor's size, whatever its storage holds now (full_bytes)
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
         return self.full
 
     def to_available(self) -> None:
         if self.status is not ParamStatus.INFLIGHT:
             raise AssertionError(f"{self.fqn}: made available while {self.status.name} on rank {self.rank}")
+        if type(self.param) is ZeroParameter:
+            # the class first: setting .data below then takes torch's C path, not ZeroParameter.__torch_function__
+            # (see [Note: the check costs nothing while gathered])
+            self.param.__class__ = GatheredZeroParameter
         self.local.data = self.full[: self.numel].view(self.shape)
         self.status = ParamStatus.AVAILABLE
-        if type(self.param) is ZeroParameter:
-            self.param.__class__ = GatheredZeroParameter
 
     def release(self) -> None:
         """Free the full data (see [Note: release resizes storage, it does not swap tensors])."""

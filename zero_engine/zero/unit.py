@@ -212,9 +212,12 @@ class ParamUnit:
         ``LiveParams.kept``)."""
         kept, released = [], []
         for p in self.params:
-            p.active_users = max(0, p.active_users - 1)
-            if not may_release(p, keep_frozen=keep_frozen):
-                continue  # in use, held, persistent or not whole; frozen ones: released at the end of the step
+            if p.active_users:
+                p.active_users -= 1
+            if p.is_persistent or not may_release(p, keep_frozen=keep_frozen):
+                # persistent (the rule's first test, here without a call), in use, held or not whole; frozen ones:
+                # released at the end of the step
+                continue
             use = next_use(p) if next_use is not None else None
             if release_if_unused(p, next_use=use, max_reuse_distance=max_reuse_distance):
                 released.append(p)
