@@ -128,8 +128,13 @@ def _refuse_released_read_in_compiled_region(param: nn.Parameter) -> None:
 
 
 def watch_parameter_reads(root: nn.Module) -> None:
+    """Every module's ``_parameters`` watched, but those inside a traced region (traced.py): its graph reads its
+    parameters whole, put in place for the call, and nothing there is gathered by a unit."""
+    from .traced import traced_modules
+
+    skip = traced_modules(root)
     for module in root.modules():
-        if type(module._parameters) is dict:
+        if type(module._parameters) is dict and id(module) not in skip:
             module._parameters = _WatchedParameters(module._parameters)
 
 
