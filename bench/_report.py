@@ -28,6 +28,7 @@ class Row:
     step_time_s: float | None = None
     step_time_min_s: float | None = None
     step_time_max_s: float | None = None
+    first_step_s: float | None = None  # the first (warm-up) step of the slowest rank: compile time included
     peak_rss: int | None = None  # max over ranks of the kernel's peak RSS during the measured steps
     peak_rss_per_rank: list[int] = field(default_factory=list)
     peak_rss_sampled: int | None = None
@@ -76,6 +77,8 @@ def build_row(size: str, world: int, system: str, ranks: list[dict], reference: 
             row.gathered_peak = max(s["params_gathered_peak"] for s in stats)
             row.comm_buffers_peak = max(s["comm_buffers_peak"] for s in stats)
     row.rss_after_init = max(r["rss_after_init"] for r in ranks)
+    firsts = [r["first_step_s"] for r in ranks if r.get("first_step_s") is not None]
+    row.first_step_s = max(firsts) if firsts else None
     profiled = next((r for r in ranks if r["rank"] == 0 and r.get("comm_profile_step") is not None), None)
     if profiled:
         row.comm_step = profiled["comm_profile_step"]
