@@ -9,9 +9,10 @@ mean over the full batch (divide-then-sum against sum-then-divide: last bits per
 decompositions and the recomputed gather reorder some sums; these are ulps per step, compounded over 3 steps with
 clipping (observed, aot_eager, this machine: at most 2.1e-7 on losses and 3.8e-7 on parameters). A real fault moves
 them by far more: the gradient summed instead of averaged gives 1.7e-3 on losses and 1e-2 on parameters (SGD case).
-bf16 compares the traced engine with the eager engine (the same bf16 rounding of parameters and gradients, fp32
-reduction) within 1e-2: bf16 keeps 8 bits, and the traced graph rounds the reduced gradient to bf16 once more
-before accumulating it (eager accumulates the fp32 reduction into the bf16 shard).
+bf16 and fp16 (with dynamic loss scaling and skipped steps) compare the traced engine with the eager engine (the
+same 16-bit rounding of parameters and gradients, fp32 reduction) within 1e-2: bf16 keeps 8 bits, and the traced
+graph rounds the reduced gradient to 16 bits once more before accumulating it (eager accumulates the fp32
+reduction into the 16-bit shard).
 
 Dynamo's counters are asserted as test_compile does: no graph break, one graph for both blocks (one shape), nothing
 compiled after the first optimizer step. The memory property: the gather is recomputed in backward, counted with the
@@ -76,7 +77,7 @@ def _profile_one_micro_step(engine, x, y):
 def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "aot_eager", how: str = "engine",
            profile: bool = False):
     """``steps`` optimizer steps with the blocks traced; returns (max loss rel err, param rel err, counters after the
-    first step, counters at the end, profile of one more micro-step or None, this rank's losses)."""
+    first step, counters at the end, profile of one more micro-step or None, this rank's losses, skipped steps)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -92,6 +93,7 @@ def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "a
     engine, *_ = zero_engine.initialize(model=model, config=config)
     if how == "engine":
         engine.compile(backend=backend, traced=True)
+        engine.compile(backend=backend, traced=True)  # a second call changes nothing (the gradient buckets included)
     if how != "eager":
         assert [r.name for r in engine.traced_regions] == [f"blocks.{i}" for i in range(model_cfg.n_layer)]
         assert not any(u.name.startswith("blocks.") for u in engine.coordinator.units)
@@ -116,7 +118,7 @@ def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "a
         profiled = _profile_one_micro_step(engine, x[rank * micro: (rank + 1) * micro],
                                            y[rank * micro: (rank + 1) * micro])
         engine.zero_grad()
-    return worst, (diff / norm).item(), warm, _counters(), profiled, losses
+    return worst, (diff / norm).item(), warm, _counters(), profiled, losses, engine.skipped_steps
 
 
 def _check_graphs(warm: dict, final: dict) -> None:
@@ -141,7 +143,7 @@ CASES = [(2, False, "engine", "SGD", 0.0), (3, False, "config", "AdamW", 0.5), (
 @pytest.mark.parametrize("world,seq,how,optimizer,clip", CASES)
 def test_traced_blocks_match_one_process_and_gather_again_in_backward(world, seq, how, optimizer, clip):
     params_per_block = len(list(GPT(GPTConfig()).blocks[0].parameters()))
-    for loss_err, param_err, warm, final, (counts, saved), _ in run_ranks(_body, world, seq, how, optimizer, clip,
+    for loss_err, param_err, warm, final, (counts, saved), *_ in run_ranks(_body, world, seq, how, optimizer, clip,
                                                                            timeout=TIMEOUT):
         assert loss_err < 2e-4 and param_err < 1e-5, (loss_err, param_err)
         _check_graphs(warm, final)
@@ -164,24 +166,28 @@ def test_traced_blocks_with_inductor():
     """The real backend: Inductor compiles the region's graph with its collectives (its C++ kernels, fused and
     reordered float work: test_compile's bound for Inductor, 1e-4 here on parameters, observed 2.8e-7). Cost on this
     machine: ~34 s cold (a new Inductor cache), ~18 s warm."""
-    for loss_err, param_err, warm, final, (counts, _), _ in run_ranks(_inductor_body, 2, timeout=600):
+    for loss_err, param_err, warm, final, (counts, _), *_ in run_ranks(_inductor_body, 2, timeout=600):
         assert loss_err < 2e-4 and param_err < 1e-4, (loss_err, param_err)
         _check_graphs(warm, final)
         assert counts[GATHER_OP] == (2, 2) and counts[REDUCE_OP] == (0, 2), counts
 
 
-def _bf16_body():
-    config = {**_config(False, optimizer="AdamW"), "bf16": {"enabled": True}}
+def _half_body(dtype: str):
+    # fp16: dynamic loss scaling from 2^17, where the first 2 of the 3 steps overflow (skipped) and the last applies
+    extra = {"fp16": {"enabled": True, "initial_scale_power": 17}} if dtype == "fp16" else {"bf16": {"enabled": True}}
+    config = {**_config(False, optimizer="AdamW"), **extra}
     eager = _train(config, GPTConfig(), how="eager")
     traced = _train(config, GPTConfig())
     return eager, traced
 
 
-def test_traced_bf16_matches_the_eager_engine():
-    for eager, traced in run_ranks(_bf16_body, 2, timeout=TIMEOUT):
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_traced_16bit_matches_the_eager_engine(dtype):
+    for eager, traced in run_ranks(_half_body, 2, dtype, timeout=TIMEOUT):
         worst = max(abs(a - b) / abs(b) for a, b in zip(traced[5], eager[5]))
-        assert worst < 1e-2, (traced[5], eager[5])  # observed: equal to the bit (bf16 losses, 3 steps)
-        # as close to the fp32 reference as the eager engine (observed 2.18e-3 against 2.22e-3)
+        assert traced[6] == eager[6] == (2 if dtype == "fp16" else 0), (traced[6], eager[6])  # skipped steps
+        assert worst < 1e-2, (traced[5], eager[5])  # observed: equal to the bit (16-bit losses, 3 steps)
+        # as close to the fp32 reference as the eager engine (bf16, observed: 2.18e-3 against 2.22e-3)
         assert abs(traced[1] - eager[1]) < 0.1 * eager[1], (traced[1], eager[1])
         _check_graphs(traced[2], traced[3])
 

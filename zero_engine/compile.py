@@ -145,6 +145,8 @@ def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) 
                                       "or engine.compile() without traced): a region is compiled one way; compile "
                                       "with traced=True only, on a model whose blocks are not compiled yet")
     new = trace_regions(engine, fresh, kwargs)
+    if not new:
+        return  # traced already (a second engine.compile(traced=True)): nothing to do
     engine.traced_regions = [*engine.traced_regions, *new]
     build_gathering(engine, engine.module)  # the units without the traced regions' subtrees (units.py)
     connect(engine, new)

@@ -163,11 +163,14 @@ class GradReducer:
             raise RuntimeError("compile.traced: the traced regions were set up inside a gradient accumulation window "
                                "(gradient shards are held); call engine.compile(traced=True) before the first "
                                "backward or right after a step")
-        taken = {id(p) for group in groups for p in group}
+        earlier = self.buckets[len(self._reduced_here):]  # of regions traced before
+        taken = {id(p) for group in groups for p in group} | {id(p) for b in earlier for p in b.params}
         self._reduced_here = self._make_buckets([p for p in self.params if id(p) not in taken])
-        traced = [_Bucket(group, len(self._reduced_here) + i, self.comm) for i, group in enumerate(g for g in groups
-                                                                                                    if g)]
-        self.buckets = self._reduced_here + traced
+        groups = [g for g in groups if g]
+        traced = [_Bucket(g, len(self._reduced_here) + len(earlier) + i, self.comm) for i, g in enumerate(groups)]
+        for i, bucket in enumerate(earlier):
+            bucket.index = len(self._reduced_here) + i
+        self.buckets = self._reduced_here + earlier + traced
         self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         return traced

@@ -34,7 +34,14 @@ What it buys: Inductor may bucket and reorder those collectives around the regio
 ``torch._inductor.config.reorder_for_compute_comm_overlap``) on a backend with asynchronous collectives (NCCL).
 What it costs: the region's communication is no longer the engine's (no prefetch across regions by the
 coordinator, not counted in ``comm_stats()`` or in ``params_gathered``), and every rank must run every region in
-the same order (a collective inside a graph cannot be skipped on one rank).
+the same order (a collective inside a graph cannot be skipped on one rank). Measured on 2 CPU cores with gloo it
+was slower than the regional compile (docs/benchmarks.md, "The traced mode (issue 23)").
+
+Dynamo sees the same things on every call: the flat shards (one shape per block shape; they keep their storage),
+the layout constants and the module's class, so blocks of one shape share one graph and nothing recompiles after
+the first step (a forward without gradients is a second graph, as for any compiled module). torch logs once that a
+``context_fn`` was passed to ``torch.utils.checkpoint`` under compile and asks for no in-place op in the region:
+the checkpointed part is the gather alone, which has none.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
 
 log = logging.getLogger("zero_engine.traced")
@@ -145,7 +153,8 @@ class TracedRegion:
         return f"TracedRegion({self.name}, {len(self.params)} params, {len(self.pieces)} flat shard(s))"
 
     def __call__(self, *args, **kwargs):
-        return self._compiled(self.leaves, args, kwargs)
+        with profile_range("zero3::traced", self.name):  # its gathers and compute, named in a profiler trace
+            return self._compiled(self.leaves, args, kwargs)
 
     # ---- what the graph runs -----------------------------------------------------------------------------------
     def _run(self, leaves: list[torch.Tensor], args, kwargs):
