@@ -7,7 +7,8 @@ graph sees whole parameters and no communication, so the compiler cannot move a 
 hide behind. In the traced mode (torchtitan's SimpleFSDP idea, with our partitioning) the region is not a gather unit
 at all: its hooks and the coordinator never touch its parameters. What the compiled graph takes is the region's
 *flat shard*: this rank's shards of its parameters, adjacent in one shard bucket (partition.py, [Note: flat shard
-storage]; shard buckets are runs of whole units in module order, so a block's shards are one run). Inside the graph:
+storage]; shard buckets are runs of whole units in module order, so a block's shards are one run, or one per shard
+bucket it spans when it is larger than ``stage3_prefetch_bucket_size / world``). Inside the graph:
 
 * **Forward**: ``_c10d_functional.all_gather_into_tensor`` of the flat shard, one per region (coalesced), or one per
   parameter with ``stage3_allgather_sequential: true``; then each parameter is its column of the gathered
@@ -26,7 +27,9 @@ storage]; shard buckets are runs of whole units in module order, so a block's sh
 * **Memory**: the gathered parameters must not live from forward to backward (that would keep every block's whole
   parameters: ZeRO-3 undone). The gather is wrapped in selective activation checkpointing whose policy is
   ``MUST_RECOMPUTE``: AOTAutograd's partitioner never saves the gathered tensors, and the backward graph gathers
-  again (2 all-gathers and 1 reduce-scatter per region and step, as eager ZeRO-3). The compiler decides the buffers:
+  again what it reads (per flat shard and step: 2 all-gathers and 1 reduce-scatter, as eager ZeRO-3; sequential
+  gathering skips the backward gather of a parameter backward does not read, a Linear's bias). The compiler decides
+  the buffers:
   the transient cost is one region's parameters (coalesced) or less (sequential), plus what Inductor's reordering
   keeps alive to overlap.
 
@@ -46,7 +49,6 @@ the checkpointed part is the gather alone, which has none.
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
 import torch
@@ -57,8 +59,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
-
-log = logging.getLogger("zero_engine.traced")
 
 __all__ = ["TracedRegion", "is_traced", "traced_modules"]
 
