@@ -337,12 +337,18 @@ class _Tied(torch.nn.Module):
 
 def _refusal_body(kind: str):
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3}}
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     if kind == "stage2":
         engine, *_ = zero_engine.initialize(model=GPT(GPTConfig()), config={**config, "zero_optimization":
                                                                               {"stage": 2}})
     elif kind == "tied":
         engine, *_ = zero_engine.initialize(model=_Tied(), config=config)
+    elif kind == "reads-outside":  # a block reads the tied embedding, which is no parameter of its
+        model = GPT(GPTConfig())
+        block = model.blocks[0]
+        block.mlp.forward = lambda x, mlp=block.mlp, wte=model.wte: mlp.proj(torch.nn.functional.gelu(mlp.fc(x))) \
+            + wte.weight[0]
+        engine, *_ = zero_engine.initialize(model=model, config=config)
     else:
         model = GPT(GPTConfig())
         if kind == "external":
@@ -352,7 +358,9 @@ def _refusal_body(kind: str):
             engine.compile(backend="eager")
     try:
         engine.compile(backend="eager", traced=True)
-    except NotImplementedError as error:
+        if kind == "reads-outside":
+            engine(*make_batches(GPTConfig(), 1, 1)[0])
+    except (NotImplementedError, RuntimeError) as error:
         return str(error)
     finally:
         engine.destroy()
@@ -364,6 +372,7 @@ def _refusal_body(kind: str):
     ("tied", "the region blocks.1 shares a parameter with head.weight, outside it"),
     ("external", "blocks.0.mlp has external parameters registered"),
     ("compiled", "blocks.0 is compiled already"),
+    ("reads-outside", "reads wte.weight, which ZeRO-3 has partitioned"),
 ])
 def test_engine_compile_traced_refuses_by_name(kind, message):
     for error in run_ranks(_refusal_body, 1, kind, timeout=TIMEOUT):
