@@ -108,6 +108,7 @@ class System:
     fully_sharded: bool = False  # params, grads and optimizer states all sharded: the 16Ψ/N formula applies
     leaf_units: bool = True  # ours: the size's leaf modules (ZeroKnobs.leaf_classes) apply; False: a unit per module
     compiled: bool = False  # each block torch.compile'd (Inductor): FSDP2 block.compile(), ours engine.compile()
+    traced: bool = False  # ours, compiled: the traced mode (compile.traced: gathers and reduce-scatters in the graph)
     # Hierarchy (issue 24): ours mics_shard_size / zero_hpz_partition_size, FSDP2 a (world / k, k) HSDP mesh.
     mics: int = 0
     hpz: int = 0
@@ -132,6 +133,8 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("zero3", "ours ZeRO-3 coalesced", "ours Z3\ncoalesced", "ours", stage=3, fully_sharded=True),
     System("zero3-compile", "ours ZeRO-3, blocks compiled", "ours Z3\ncompiled", "ours", stage=3, fully_sharded=True,
            compiled=True),
+    System("zero3-traced", "ours ZeRO-3, blocks traced (compile.traced)", "ours Z3\ntraced", "ours", stage=3,
+           fully_sharded=True, compiled=True, traced=True),
     System("zero3-mics", "ours ZeRO-3, MiCS shard 2", "ours Z3\nMiCS 2", "ours", stage=3, mics=2),
     System("zero3-hpz", "ours ZeRO-3, hpZ 2", "ours Z3\nhpZ 2", "ours", stage=3, fully_sharded=True, hpz=2),
     # qwZ + qgZ: int8 weights and int4 gradients move the loss by ~1e-3 within a few steps at lr 1e-3 (measured
@@ -192,7 +195,8 @@ def zero_engine_config(size: BenchSize, system: System, world: int, dtype: str =
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,  # no progress logging inside timed steps
         "bf16": {"enabled": dtype == "bf16"},
-        **({"compile": {"enabled": True, "backend": "inductor"}} if system.compiled else {}),  # engine.compile()
+        **({"compile": {"enabled": True, "backend": "inductor", "traced": system.traced}}  # engine.compile()
+           if system.compiled else {}),
     }
 
 

@@ -85,7 +85,8 @@ DEEPSPEED_DEFAULTS = {
     },
     "checkpoint": {"tag_validation": "WARN"},
     # DeepSpeed's CompileConfig of 0.14 (enabled, backend, kwargs) and the older switch `disable` (null: unset).
-    "compile": {"enabled": False, "disable": None, "backend": "inductor", "kwargs": {}},
+    "compile": {"enabled": False, "disable": None, "backend": "inductor", "kwargs": {},
+                "traced": False},  # traced: ours, not DeepSpeed's (zero_engine/zero/traced.py)
     "tensor_parallel": {"autotp_size": 0},  # deepspeed/runtime/tensor_parallel/config.py TPTrainingConfig
     # Ours, not DeepSpeed's: the values the brief fixes.
     "zero_engine": {"debug_collectives": False, "collective_timeout_s": None, "memory_limit": None,

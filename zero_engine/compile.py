@@ -152,7 +152,7 @@ def compile_regions(model: nn.Module, stage: int) -> list[tuple[str, nn.Module]]
     return [(name, module) for name, module, _ in gather_units(model) if name]
 
 
-def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = None) -> None:
+def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = None, traced: bool = False) -> None:
     """``engine.compile()``: see the method's docstring (deepspeed_api.py)."""
     kwargs = dict(compile_kwargs or {})
     if backend is not None:
@@ -160,6 +160,9 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
     if "backend" not in kwargs:
         kwargs["backend"] = "inductor"
     regions = compile_regions(engine.module, engine.stage)
+    if traced:
+        _compile_traced(engine, regions, kwargs)
+        return
     for name, module in regions:
         if is_compiled(module):
             continue  # compiled already (by the user, or a second engine.compile()): keep that compilation
@@ -169,3 +172,33 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
         log.info("zero_engine: compiled %d region(s) with backend %r (%s)", len(regions), kwargs["backend"],
                  ", ".join(name for name, _ in regions[:4]) + (", ..." if len(regions) > 4 else ""))
     refresh_units_if_compiled(engine)
+
+
+def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) -> None:
+    """``engine.compile(traced=True)``: each region a traced region (zero/traced.py, [Note: the traced mode]), then
+    the units made again without them."""
+    from .wiring import build_gathering
+    from .zero.traced import connect, is_traced, refuse_unsupported, trace_regions
+
+    refuse_unsupported(engine, regions)
+    if engine.coordinator is not None and engine.coordinator.in_step:
+        raise RuntimeError("engine.compile(traced=True) inside a step (between a forward and its backward); call it "
+                           "before the first forward or after a step")
+    fresh = [(name, module) for name, module in regions if not is_traced(module)]
+    for name, module in fresh:
+        if is_compiled(module):
+            raise NotImplementedError(f"compile.traced: {name} is compiled already (module.compile(), torch.compile "
+                                      "or engine.compile() without traced): a region is compiled one way; compile "
+                                      "with traced=True only, on a model whose blocks are not compiled yet")
+    new = trace_regions(engine, fresh, kwargs)
+    if not new:
+        return  # traced already (a second engine.compile(traced=True)): nothing to do
+    engine.traced_regions = [*engine.traced_regions, *new]
+    build_gathering(engine, engine.module)  # the units without the traced regions' subtrees (units.py)
+    connect(engine, new)
+    engine.is_compiled = True
+    if engine.comm.rank == 0:
+        log.info("zero_engine: traced %d region(s) with backend %r (gathers %s inside each graph, gradients "
+                 "reduce-scattered there): %s", len(new), kwargs["backend"],
+                 "one per parameter" if engine.config.zero_optimization.allgather_sequential is True
+                 else "one per flat shard", ", ".join(repr(r) for r in new[:4]) + (", ..." if len(new) > 4 else ""))

@@ -294,7 +294,7 @@ class DeepSpeedEngineAPI:
     def reload_states(self, non_blocking=False):
         raise NotImplementedError("engine.reload_states(): not supported by zero_engine (see offload_states)")
 
-    def compile(self, backend=None, compile_kwargs=None, schedule=None) -> None:
+    def compile(self, backend=None, compile_kwargs=None, schedule=None, traced: bool = False) -> None:
         """Compile the model with ``torch.compile`` (DeepSpeed's signature), region by region at stage 3.
 
         Stages 0-2 keep parameters whole: the whole model is compiled (``module.compile(backend=...,
@@ -306,13 +306,24 @@ class DeepSpeedEngineAPI:
         leaf modules or FSDP2's per-block wrapping). ``backend``: a torch.compile backend name or callable
         (default "inductor"); ``compile_kwargs``: passed to torch.compile (``fullgraph``, ``dynamic``, ``mode``...).
         ``schedule`` (DeepCompile's pass schedule) is not supported. Call it on every rank, after ``initialize`` and
-        outside a step. See compile.py."""
+        outside a step. See compile.py.
+
+        ``traced=True`` (stage 3; the config's ``compile.traced``): each region's parameter all-gather and gradient
+        reduce-scatter become functional collectives *inside* its graph, so the compiler may bucket and reorder them
+        around the compute; the region is then no gather unit (its hooks and the coordinator never gather it).
+        Memory: the gather is recomputed in backward, so a region's whole parameters live only while its forward or
+        backward runs, as in eager ZeRO-3; what stays between steps is its shards. Communication: per region and
+        step one all-gather in forward, one in backward and one reduce-scatter, per flat shard (coalesced) or per
+        parameter (``stage3_allgather_sequential: true``); these are not counted in ``comm_stats()``. Not supported
+        yet (refused by name): stages 0-2, ``offload_param``, ZeRO++, MiCS / hierarchical meshes, tensor and expert
+        parallelism, external parameters read inside a region, a weight tied across a region's boundary. See
+        zero/traced.py, [Note: the traced mode]."""
         if schedule is not None:
             raise NotImplementedError("engine.compile(schedule=...): DeepCompile's compiler passes are not supported "
                                       "yet; engine.compile() compiles each ZeRO-3 region with torch.compile")
         from .compile import compile_engine
 
-        compile_engine(self, backend, compile_kwargs)
+        compile_engine(self, backend, compile_kwargs, traced=traced)
 
     def _backward_epilogue(self):
         raise NotImplementedError("engine._backward_epilogue() (DeepSpeed's joint training with one shared loss and "

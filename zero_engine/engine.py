@@ -66,6 +66,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     host_params = None  # offload_param cpu with an accelerator: shards in host memory (offload/param_host.py)
     compiled_at_units = None  # CompiledModules: the compiled modules when the units were made (compile.py)
     is_compiled = False  # engine.compile() was called (DeepSpeed's attribute)
+    traced_regions: list = []  # engine.compile(traced=True)'s regions (zero/traced.py); read-only
     presence = None  # stage 3, world > 1: which parameters get a gradient on some ranks only (zero/presence.py)
     # The step's counters, as each engine starts (class defaults: set on the instance as they move).
     skipped_steps = global_steps = micro_steps = global_samples = 0
@@ -120,7 +121,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             claim_model(model, self)
             build_parts(self, model, optimizer, model_parameters, mesh, mpu)  # wiring.py
             if self.config.compile.is_on:  # the config's compile section: as engine.compile() (compile.py)
-                self.compile(backend=self.config.compile.backend, compile_kwargs=self.config.compile.kwargs)
+                self.compile(backend=self.config.compile.backend, compile_kwargs=self.config.compile.kwargs,
+                             traced=self.config.compile.traced)
         except BaseException:
             undo_failed_initialize(self, restore_client_optimizer)  # a corrected initialize() can take the model
             raise

@@ -164,6 +164,8 @@ def tear_down(engine, wait: bool = True) -> None:
             engine.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
         for handle in engine.grad_hooks:
             handle.remove()
+        for region in engine.traced_regions:
+            region.remove()  # plain modules again: no compiled call, no gradient hooks
     finally:
         if engine.snapshot is not None:
             engine.snapshot.close()  # its hooks on every module registration

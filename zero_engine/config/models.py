@@ -247,6 +247,13 @@ class CompileConfig(Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to torch.compile (fullgraph, dynamic, mode, options...)."
     )
+    traced: ConfigBool = Field(
+        False, description="Stage 3: each region's parameter all-gather and gradient reduce-scatter run as "
+        "functional collectives inside its compiled graph (SimpleFSDP's idea), so the compiler may bucket and "
+        "reorder them around the compute; the gather is recomputed in backward, so memory stays as in eager ZeRO-3 "
+        "(a region's parameters whole only while it runs). Needs enabled: true. Not supported yet with stages 0-2, "
+        "offload_param, ZeRO++, MiCS, tensor parallelism. See engine.compile(traced=True)."
+    )
 
     not_supported = {"deepcompile": NotSupported(False, "DeepCompile (ZeRO-3 as compiler passes)")}
     ignored_keys = {key: "a DeepCompile setting; it acts only with deepcompile: true" for key in _DEEPCOMPILE_KEYS}
@@ -353,6 +360,9 @@ class EngineConfig(Section):
         _check_hpz_partition_size(self.zero_optimization, self.world_size)
         _check_mics_hierarchical(self.zero_optimization)
         _check_quantized(self.zero_optimization)
+        if self.compile.traced:
+            _raise_if(traced_conflict(self) or (None if self.compile.is_on else
+                      "true needs compile.enabled true (the traced mode is a way to compile)"), "compile.traced")
         expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.world_size
         if self.train_batch_size != expected:
             raise PydanticCustomError(
@@ -412,6 +422,24 @@ def _check_mics_hierarchical(zc) -> None:
     elif zc.zero_hpz_partition_size != 1:
         fix = "true together with zero_hpz_partition_size is not supported yet; use one of the two"
     _raise_if(fix, "zero_optimization.mics_hierarchical_params_gather")
+
+
+def traced_conflict(config: "EngineConfig") -> str | None:
+    """What in ``config`` the traced mode of compile (zero/traced.py) does not support yet, or None."""
+    zc = config.zero_optimization
+    if zc.stage != 3:
+        return f"true needs zero_optimization.stage 3, got {zc.stage} (parameters are whole at stages 0-2: use " \
+               "compile.enabled without traced)"
+    conflicts = [key for key, on in (
+        ("zero_optimization.offload_param", zc.offloads_params),
+        ("zero_optimization.zero_quantized_weights", zc.zero_quantized_weights),
+        ("zero_optimization.zero_quantized_gradients", zc.zero_quantized_gradients),
+        ("zero_optimization.zero_hpz_partition_size", zc.zero_hpz_partition_size != 1),
+        ("zero_optimization.mics_shard_size", zc.mics_shard_size not in (-1, config.world_size)),
+        ("tensor_parallel.autotp_size", config.tensor_parallel.size > 1)) if on]
+    if conflicts:
+        return f"true together with {conflicts[0]} is not supported yet with compile.traced; drop one of the two"
+    return None
 
 
 def _check_quantized(zc) -> None:

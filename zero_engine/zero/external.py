@@ -124,12 +124,19 @@ def _refuse_released_read_in_compiled_region(param: nn.Parameter) -> None:
         f"a parameter of {region}: a compiled module is one gather unit that gathers its own subtree before the "
         f"compiled call, and a parameter it reads from outside would be an empty shard in the graph. Declare the read "
         f"before the first step with zero_engine.zero.register_external_parameter(<{region}>, <{name}>), or make "
-        "the owner of the parameter part of the compiled module, or compile a module that contains both.")
+        "the owner of the parameter part of the compiled module, or compile a module that contains both. (A region "
+        "of engine.compile(traced=True) cannot read a parameter from outside it: not supported yet with "
+        "compile.traced; compile without traced.)")
 
 
 def watch_parameter_reads(root: nn.Module) -> None:
+    """Every module's ``_parameters`` watched, but those inside a traced region (traced.py): its graph reads its
+    parameters whole, put in place for the call, and nothing there is gathered by a unit."""
+    from .traced import traced_modules
+
+    skip = traced_modules(root)
     for module in root.modules():
-        if type(module._parameters) is dict:
+        if type(module._parameters) is dict and id(module) not in skip:
             module._parameters = _WatchedParameters(module._parameters)
 
 

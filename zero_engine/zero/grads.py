@@ -172,24 +172,29 @@ class GradReducer:
         self.grad_dtype = grad_dtype
         self.async_op = async_op
         self.accounting = accounting
-        self.buckets: list[_Bucket] = []
-        current: list[ShardedParam] = []
-        size = 0
-        for p in params:  # [Note: buckets of one group]
-            if current and (size + p.padded_numel > bucket_numel or p.group is not current[0].group):
-                self.buckets.append(_Bucket(current, len(self.buckets), comm))
-                current, size = [], 0
-            current.append(p)
-            size += p.padded_numel
-        if current:
-            self.buckets.append(_Bucket(current, len(self.buckets), comm))
+        self.bucket_numel = bucket_numel
+        # every bucket (what the optimizer, the norm and checkpoints read), and those reduce-scattered here: all but
+        # the buckets of traced regions, whose gradients come reduced (see reduce_in_graph)
+        self.buckets = self._reduced_here = self._make_buckets(params)
+        self._copy_groups = copy_groups
+        self._index_buckets()
+        self._irregular: set[int] = set()  # see [Note: a gradient on some ranks only] in presence.py
+        self._held: dict[int, torch.Tensor] = {}  # their gradients on this rank, until the end of the pass
+        self._next_launch = 0
+        self._in_flight: list[_Bucket] = []
+        self.grad_bytes = 0  # gradient shards that exist now
+
+    def _index_buckets(self) -> None:
+        """The lookups over ``self.buckets``: the parameters in bucket order, each one's bucket, and each one's copy
+        group ([Note: one copy per unit]: id(p) -> its bucket, its copy group, its position there; copy_groups None:
+        whole buckets)."""
         self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        # [Note: one copy per unit]: id(p) -> (its bucket, its copy group, its position there); copy_groups None: whole
-        # buckets
+        copy_groups = self._copy_groups
         group_of = {id(p): i for i, group in enumerate(copy_groups or ()) for p in group}
         self._copy_slot: dict[int, tuple[_Bucket, _CopyGroup, int]] = {}
         for bucket in self.buckets:
+            bucket.groups = []
             run: list[ShardedParam] = []
             for p in bucket.params + [None]:
                 if run and (p is None or group_of.get(id(p), -1) != group_of.get(id(run[0]), -1)
@@ -199,11 +204,57 @@ class GradReducer:
                     run = []
                 if p is not None:
                     run.append(p)
-        self._irregular: set[int] = set()  # see [Note: a gradient on some ranks only] in presence.py
-        self._held: dict[int, torch.Tensor] = {}  # their gradients on this rank, until the end of the pass
-        self._next_launch = 0
-        self._in_flight: list[_Bucket] = []
-        self.grad_bytes = 0  # gradient shards that exist now
+
+    def _make_buckets(self, params: list[ShardedParam]) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        current: list[ShardedParam] = []
+        size = 0
+        for p in params:  # [Note: buckets of one group]
+            if current and (size + p.padded_numel > self.bucket_numel or p.group is not current[0].group):
+                buckets.append(_Bucket(current, len(buckets), self.comm))
+                current, size = [], 0
+            current.append(p)
+            size += p.padded_numel
+        if current:
+            buckets.append(_Bucket(current, len(buckets), self.comm))
+        return buckets
+
+    # ---- traced regions (traced.py) -----------------------------------------------------------------------------
+    def reduce_in_graph(self, groups: list[list[ShardedParam]]) -> list[_Bucket]:
+        """The parameters of ``groups`` get their gradients reduced inside compiled graphs (a traced region's flat
+        shards: zero/traced.py): each group becomes a bucket of its own that ``add_reduced`` fills, and is no longer
+        reduce-scattered here; the other parameters are bucketed again as before, without them. Call outside an
+        accumulation window (no gradient shard held). Returns the new buckets, one per group."""
+        if any(b.shard_grads is not None or b.send is not None for b in self.buckets):
+            raise RuntimeError("compile.traced: the traced regions were set up inside a gradient accumulation window "
+                               "(gradient shards are held); call engine.compile(traced=True) before the first "
+                               "backward or right after a step")
+        earlier = self.buckets[len(self._reduced_here):]  # of regions traced before
+        taken = {id(p) for group in groups for p in group} | {id(p) for b in earlier for p in b.params}
+        self._reduced_here = self._make_buckets([p for p in self.params if id(p) not in taken])
+        groups = [g for g in groups if g]
+        traced = [_Bucket(g, len(self._reduced_here) + len(earlier) + i, self.comm) for i, g in enumerate(groups)]
+        for i, bucket in enumerate(earlier):
+            bucket.index = len(self._reduced_here) + i
+        self.buckets = self._reduced_here + earlier + traced
+        self._index_buckets()
+        return traced
+
+    def add_reduced(self, bucket: _Bucket, grad: torch.Tensor, starts: list[int]) -> None:
+        """A traced region's gradient shards, reduced over the shard group by its graph: ``grad`` is the gradient of
+        its flat shard, where ``bucket.params[i]``'s shard starts at ``starts[i]``. Accumulated into the window's
+        gradient shards as a reduce-scatter's result is (``_complete``)."""
+        shards = self.alloc_shard_grads(bucket)
+        grad = grad.detach().to(shards.device)  # host shards under offload_optimizer ([Note: gradient shards on the
+        # host]): a blocking copy
+        write = "add_" if bucket.has_grads else "copy_"
+        if starts == [bucket.offsets[id(p)] + starts[0] for p in bucket.params]:  # adjacent: one kernel
+            getattr(shards, write)(grad[starts[0]: starts[0] + bucket.per_rank])
+        else:  # frozen parameters in between: their shards take no gradient
+            for p, start in zip(bucket.params, starts):
+                offset = bucket.offsets[id(p)]
+                getattr(shards[offset: offset + p.shard_numel], write)(grad[start: start + p.shard_numel])
+        bucket.has_grads = True
 
     # ---- during backward ---------------------------------------------------------------------------------------
     def begin_pass(self, irregular: set[int]) -> None:
@@ -253,8 +304,8 @@ class GradReducer:
 
     def finish(self) -> None:
         """End of a backward pass: launch what is left (missing gradients are zeros), wait, accumulate."""
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
+        while self._next_launch < len(self._reduced_here):
+            self._launch(self._reduced_here[self._next_launch])
         for bucket in self._in_flight:
             self._complete(bucket)
         self._in_flight.clear()
@@ -396,8 +447,8 @@ class GradReducer:
         self._track("comm_buffers", bucket.send.numel() * bucket.send.element_size())
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
+        while self._next_launch < len(self._reduced_here):
+            bucket = self._reduced_here[self._next_launch]
             if bucket.arrived + bucket.irregular < len(bucket.params):
                 return
             self._launch(bucket)

@@ -43,6 +43,7 @@ import torch.nn as nn
 from ..config.zero_models import DEFAULT_LEAF_CLASSES
 from ..errors import ConfigError
 from .external import registered_external_parameters
+from .traced import is_traced
 
 log = logging.getLogger("zero_engine.units")
 
@@ -229,6 +230,8 @@ def gather_units(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Par
     def walk(name: str, module: nn.Module):
         if id(module) in seen or isinstance(module, (nn.ParameterList, nn.ParameterDict)):
             return  # ParameterList / ParameterDict: gathered by the module that owns them
+        if is_traced(module):
+            return  # its graph gathers its subtree's parameters (traced.py): no unit, no hook
         seen.add(id(module))
         if z3_leaf_module(module) or (name and is_compiled(module)):  # [Note: a compiled module is one unit]
             if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
