@@ -21,7 +21,7 @@ import torch
 
 import logging
 
-from .partition import DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam
+from .partition import DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam, foreach_to_available, foreach_to_inflight
 
 log = logging.getLogger("zero_engine.gather")
 
@@ -47,7 +47,7 @@ class GatherWork:
 
     @property
     def flat_bytes(self) -> int:
-        return sum(out.numel() * out.element_size() for out, _ in self.flat)
+        return sum([out.numel() * out.element_size() for out, _ in self.flat])
 
     def wait(self) -> None:
         if self.done:
@@ -65,8 +65,7 @@ class GatherWork:
             self.accounting.add("comm_buffers", -self.flat_bytes)
         self.flat.clear()
         self.keep_alive.clear()
-        for p in self.params:
-            p.to_available()
+        foreach_to_available(self.params)
         self.done = True
 
 
@@ -113,10 +112,10 @@ class CoalescedGather:
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
         work = GatherWork(params=list(params), pending=[], accounting=self.accounting,
-                          numel=sum(p.padded_numel for p in params))
+                          numel=sum([p.padded_numel for p in params]))
+        foreach_to_inflight(params, refresh)
         small = []
         for p in params:
-            p.to_inflight(refresh)
             if p.padded_numel >= DIRECT_GATHER_NUMEL:
                 _gather_direct(self.comm, work, p, name, self.streams)
             else:
@@ -144,9 +143,9 @@ class SequentialGather:
         self.streams = streams
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
-        work = GatherWork(params=list(params), pending=[], numel=sum(p.padded_numel for p in params))
+        work = GatherWork(params=list(params), pending=[], numel=sum([p.padded_numel for p in params]))
+        foreach_to_inflight(params, refresh)
         for p in params:
-            p.to_inflight(refresh)
             _gather_direct(self.comm, work, p, name, self.streams)
         return work
 
