@@ -21,7 +21,8 @@ import torch
 
 import logging
 
-from .partition import DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam, foreach_to_available, foreach_to_inflight
+from .partition import (DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam, foreach_alloc_full, foreach_to_available,
+                        foreach_to_inflight)
 
 log = logging.getLogger("zero_engine.gather")
 
@@ -59,8 +60,9 @@ class GatherWork:
             # each column block written into its parameter's own storage, viewed [world, shard_numel].
             sizes = [p.shard_numel for p in layout]
             rows = out.view(-1, sum(sizes))
-            torch.split_with_sizes_copy(rows, sizes, dim=1,
-                                        out=[p.alloc_full().view(rows.shape[0], p.shard_numel) for p in layout])
+            world = rows.shape[0]
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[
+                full.view(world, numel) for full, numel in zip(foreach_alloc_full(layout), sizes)])
         if self.flat and self.accounting is not None:
             self.accounting.add("comm_buffers", -self.flat_bytes)
         self.flat.clear()

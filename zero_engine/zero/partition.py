@@ -277,11 +277,7 @@ class ShardedParam:
 
     def alloc_full(self) -> torch.Tensor:
         """Give the full buffer its bytes back (the same storage object) for a gather to write into."""
-        storage = self.full.untyped_storage()
-        nbytes = self.full.nbytes  # the tensor's size, whatever its storage holds now (full_bytes)
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-        return self.full
+        return foreach_alloc_full((self,))[0]
 
     def to_available(self) -> None:
         foreach_to_available((self,))
@@ -374,6 +370,20 @@ def foreach_to_inflight(params: Iterable["ShardedParam"], refresh: bool = False)
         if status is not ParamStatus.NOT_AVAILABLE and not (refresh and status is ParamStatus.AVAILABLE):
             raise AssertionError(f"{p.fqn}: gather issued while {status.name} on rank {p.rank}")
         p.status = ParamStatus.INFLIGHT
+
+
+def foreach_alloc_full(params: Iterable["ShardedParam"]) -> list[torch.Tensor]:
+    """Give each full buffer of ``params`` its bytes back (the same storage objects) for a gather to write into; the
+    buffers, in order."""
+    fulls = []
+    for p in params:
+        full = p.full
+        storage = full.untyped_storage()
+        nbytes = full.nbytes  # the tensor's size, whatever its storage holds now (full_bytes)
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        fulls.append(full)
+    return fulls
 
 
 def foreach_to_available(params: Iterable["ShardedParam"]) -> None:
