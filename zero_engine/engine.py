@@ -185,7 +185,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     # ---- what the parts call back (hooked up in wiring.py) --------------------------------------------------------
     def on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:  # a parameter's gradient hook (stage >= 2)
-        self.backward_end.queue_if_needed()
+        if not self.backward_end.queued:  # the first gradient of the pass (52 hooks a step on the demo)
+            self.backward_end.queue_if_needed()
         if param.grad is not None:
             self.reducer.add(sp, param.grad)
             param.grad = None  # the full gradient is freed as soon as it is in its bucket

@@ -81,10 +81,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class Communicator:
     """Collectives on one process group (default: the whole world), counted per kind.
 
@@ -187,7 +183,8 @@ class Communicator:
         if self._closed:
             raise RuntimeError(f"{kind} {name!r} on rank {self.rank}: this communicator was closed "
                                "(engine.destroy()); build a new engine to train again")
-        record = self.progress.record(kind, _dtype_name(tensor.dtype) if tensor is not None else "", numel, name)
+        dtype = "" if tensor is None else (_DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype))
+        record = self.progress.record(kind, dtype, numel, name)
         if self._agree_next[0]:
             self._agree_next[0] = False
             self.watchdog.agree(record)
@@ -247,12 +244,11 @@ class Communicator:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _check_consistency_if_debug(self, kind: str, tensor: Optional[torch.Tensor], input_numel: int,
-                                    output_numel: int, op: str = "", src: int = -1, name: str = "") -> None:
-        """See [Note: why check before every collective] in _consistency.py."""
+    def _check_consistency(self, kind: str, tensor: Optional[torch.Tensor], input_numel: int,
+                           output_numel: int, op: str = "", src: int = -1, name: str = "") -> None:
+        """The debug check; called only with ``debug`` on (fixed at construction), so the sequence it numbers is
+        every collective's. See [Note: why check before every collective] in _consistency.py."""
         self._sequence += 1
-        if not self.debug:
-            return
         descriptor = CollectiveDescriptor(
             kind=kind, dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
             input_numel=input_numel, output_numel=output_numel, op=op, src=src, name=name,
@@ -279,14 +275,16 @@ class Communicator:
         """
         kind = "all_gather"
         self._check_pair(kind, name, output, input)
-        self._require(output.numel() == input.numel() * self.world_size, kind, name,
-                      f"output has {output.numel()} elements; expected world_size x input = "
-                      f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
-        self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), name=name)
+        if output.numel() != input.numel() * self.world_size:  # the message is built only on failure
+            self._require(False, kind, name,
+                          f"output has {output.numel()} elements; expected world_size x input = "
+                          f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
+        if self.debug:
+            self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
         record = self._record(kind, input, input.numel(), name)
         with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.all_gather(output, input, True)
-        self._count(kind, _nbytes(output))
+        self._count(kind, output.numel() * output.element_size())
         return self._pending(issued, output, record, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
@@ -302,16 +300,18 @@ class Communicator:
         if op not in _REDUCE_SCATTER_OPS:
             raise ValueError(f"reduce_scatter {name!r}: op={op!r} is not supported; use one of {_REDUCE_SCATTER_OPS}")
         self._check_pair(kind, name, output, input)
-        self._require(input.numel() == output.numel() * self.world_size, kind, name,
-                      f"input has {input.numel()} elements; expected world_size x output = "
-                      f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
+        if input.numel() != output.numel() * self.world_size:  # the message is built only on failure
+            self._require(False, kind, name,
+                          f"input has {input.numel()} elements; expected world_size x output = "
+                          f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
         self._require_float_for_avg(kind, name, op, input)
-        self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), op=op, name=name)
+        if self.debug:
+            self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name)
         in_place = self._issuer.reduces_in_place(input_is_scratch)
         record = self._record("all_reduce" if in_place else kind, input, input.numel(), name)
         with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.reduce_scatter(output, input, op, True, input_is_scratch)
-        self._count(kind, _nbytes(input))
+        self._count(kind, input.numel() * input.element_size())
         return self._pending(issued, output, record, async_op)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
@@ -320,14 +320,16 @@ class Communicator:
         ``output``. Equal sizes only. Counts the input bytes."""
         kind = "all_to_all"
         self._check_pair(kind, name, output, input)
-        self._require(output.numel() == input.numel() and input.numel() % self.world_size == 0, kind, name,
-                      f"input ({input.numel()}) and output ({output.numel()}) must have the same number of "
-                      f"elements, a multiple of world_size {self.world_size}")
-        self._check_consistency_if_debug(kind, input, input.numel(), output.numel(), name=name)
+        if output.numel() != input.numel() or input.numel() % self.world_size:  # the message only on failure
+            self._require(False, kind, name,
+                          f"input ({input.numel()}) and output ({output.numel()}) must have the same number of "
+                          f"elements, a multiple of world_size {self.world_size}")
+        if self.debug:
+            self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
         record = self._record(kind, input, input.numel(), name)
         with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.all_to_all(output, input, True)
-        self._count(kind, _nbytes(input))
+        self._count(kind, input.numel() * input.element_size())
         return self._pending(issued, output, record, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, name: str = "") -> Pending:
@@ -336,11 +338,12 @@ class Communicator:
         reduce_op(op)  # validates the name before anything is exchanged
         self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
         self._require_float_for_avg(kind, name, op, tensor)
-        self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
+        if self.debug:
+            self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
         record = self._record(kind, tensor, tensor.numel(), name)
         with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.all_reduce(tensor, op, True)
-        self._count(kind, _nbytes(tensor))
+        self._count(kind, tensor.numel() * tensor.element_size())
         return self._pending(issued, tensor, record, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, name: str = "") -> Pending:
@@ -349,16 +352,18 @@ class Communicator:
         self._require(0 <= src < self.world_size, kind, name, f"src={src} is not a rank of this group "
                       f"(0..{self.world_size - 1})")
         self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
-        self._check_consistency_if_debug(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
+        if self.debug:
+            self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
         record = self._record(kind, tensor, tensor.numel(), name)
         with record_function(_RANGE_NAMES[kind], name):
             issued = self._issuer.broadcast(tensor, src, True)
-        self._count(kind, _nbytes(tensor))
+        self._count(kind, tensor.numel() * tensor.element_size())
         return self._pending(issued, tensor, record, async_op)
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, indexed by rank. For small metadata (e.g. order checks), not tensors."""
-        self._check_consistency_if_debug("object", None, 0, 0)
+        if self.debug:
+            self._check_consistency("object", None, 0, 0)
         record = self._record("object", None, 0, "")
         gathered: list = [None] * self.world_size
         with record_function("zero3::object"):
@@ -373,12 +378,15 @@ class Communicator:
 
     def barrier(self) -> None:
         """Wait until every rank of the group reaches this point. Not counted."""
-        self._check_consistency_if_debug("barrier", None, 0, 0)
+        if self.debug:
+            self._check_consistency("barrier", None, 0, 0)
         record = self._record("barrier", None, 0, "")
         with record_function("zero3::barrier"):
             work = dist.barrier(group=self.group, async_op=True)
         Pending(work, torch.empty(0), None, record, self.watchdog).wait()
 
     def _require_float_for_avg(self, kind: str, name: str, op: str, tensor: torch.Tensor) -> None:
-        self._require(op != "avg" or tensor.is_floating_point() or tensor.is_complex(), kind, name,
-                      f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide yourself")
+        if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):  # the message only on failure
+            self._require(False, kind, name,
+                          f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide "
+                          "yourself")

@@ -255,7 +255,7 @@ class ParamCoordinator:
                 self.gathered.kept[id(p)] = p
             epoch, frontier = self._frontier
             if self._following and epoch == releases_before and all(
-                    next_events[id(p)] is None or next_events[id(p)] >= frontier for p in released):
+                    [next_events[id(p)] is None or next_events[id(p)] >= frontier for p in released]):
                 self._frontier = (releases(), frontier)  # none is used before the frontier: it holds
         if self.on_event is not None:
             self.on_event(f"release {unit.name}")
@@ -366,40 +366,41 @@ class ParamCoordinator:
         in_flight = sum({id(w): w.numel for w in self.gathered.inflight.values()}.values())
         budget = self.prefetch_numel - in_flight
         chosen: list[ShardedParam] = []
-        size = 0
         start = index + 1
         if self._frontier[0] == releases():
             start = max(start, self._frontier[1])
-        stop = len(self.trace.params)
-        for event, p in self._upcoming(start):
-            if self.live_numel + size + p.padded_numel > self.max_live:
-                stop = event
-                break
-            if p.gather_sequential:
-                if not chosen and not in_flight:
-                    chosen.append(p)
-                stop = event
-                break
-            if size + p.padded_numel > budget:
-                stop = event
-                break
-            chosen.append(p)
-            size += p.padded_numel
+        stop = self._choose_prefetch(start, budget, bool(in_flight), chosen)
         self._frontier = (releases(), stop)
         if chosen:
             self.prefetch_count += len(chosen)
             self.gathered.issue(chosen, self.trace.units[index].prefetch_name)
 
-    def _upcoming(self, start: int):
-        """(event index, parameter) for the not-yet-gathered parameters of the trace events from ``start`` on, in
-        order of first use."""
+    def _choose_prefetch(self, start: int, budget: int, in_flight: bool, chosen: list[ShardedParam]) -> int:
+        """Append to ``chosen`` the not-yet-gathered parameters of the trace events from ``start`` on, in order of
+        first use, up to the first one over the live or prefetch budget (see ``_prefetch_after``); return the index
+        of the event where it stopped (the new frontier; the number of events if it did not stop). One loop, no
+        generator or property per candidate: this runs at every fetch."""
         seen: set[int] = set()
         params_of = self.trace.params
-        for i in range(start, len(params_of)):  # the caller stops at the first one over its budgets
+        room = self.max_live - self.gathered.numel  # gathered elements that still fit under max_live_parameters
+        size = 0
+        for i in range(start, len(params_of)):
             for p in params_of[i]:
-                if p.status is ParamStatus.NOT_AVAILABLE and id(p) not in seen:
-                    seen.add(id(p))
-                    yield i, p
+                if p.status is not ParamStatus.NOT_AVAILABLE or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                numel = p.padded_numel
+                if size + numel > room:
+                    return i
+                if p.gather_sequential:
+                    if not chosen and not in_flight:
+                        chosen.append(p)
+                    return i
+                if size + numel > budget:
+                    return i
+                chosen.append(p)
+                size += numel
+        return len(params_of)
 
     def _check_same_on_all_ranks(self, events: list[TraceEvent]) -> None:
         if self.comm.world_size == 1:

@@ -21,7 +21,8 @@ import torch
 
 import logging
 
-from .partition import DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam
+from .partition import (DIRECT_GATHER_NUMEL, ShardBucket, ShardedParam, foreach_alloc_full, foreach_to_available,
+                        foreach_to_inflight)
 
 log = logging.getLogger("zero_engine.gather")
 
@@ -47,7 +48,7 @@ class GatherWork:
 
     @property
     def flat_bytes(self) -> int:
-        return sum(out.numel() * out.element_size() for out, _ in self.flat)
+        return sum([out.numel() * out.element_size() for out, _ in self.flat])
 
     def wait(self) -> None:
         if self.done:
@@ -59,14 +60,14 @@ class GatherWork:
             # each column block written into its parameter's own storage, viewed [world, shard_numel].
             sizes = [p.shard_numel for p in layout]
             rows = out.view(-1, sum(sizes))
-            torch.split_with_sizes_copy(rows, sizes, dim=1,
-                                        out=[p.alloc_full().view(rows.shape[0], p.shard_numel) for p in layout])
+            world = rows.shape[0]
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[
+                full.view(world, numel) for full, numel in zip(foreach_alloc_full(layout), sizes)])
         if self.flat and self.accounting is not None:
             self.accounting.add("comm_buffers", -self.flat_bytes)
         self.flat.clear()
         self.keep_alive.clear()
-        for p in self.params:
-            p.to_available()
+        foreach_to_available(self.params)
         self.done = True
 
 
@@ -113,10 +114,10 @@ class CoalescedGather:
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
         work = GatherWork(params=list(params), pending=[], accounting=self.accounting,
-                          numel=sum(p.padded_numel for p in params))
+                          numel=sum([p.padded_numel for p in params]))
+        foreach_to_inflight(params, refresh)
         small = []
         for p in params:
-            p.to_inflight(refresh)
             if p.padded_numel >= DIRECT_GATHER_NUMEL:
                 _gather_direct(self.comm, work, p, name, self.streams)
             else:
@@ -144,9 +145,9 @@ class SequentialGather:
         self.streams = streams
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
-        work = GatherWork(params=list(params), pending=[], numel=sum(p.padded_numel for p in params))
+        work = GatherWork(params=list(params), pending=[], numel=sum([p.padded_numel for p in params]))
+        foreach_to_inflight(params, refresh)
         for p in params:
-            p.to_inflight(refresh)
             _gather_direct(self.comm, work, p, name, self.streams)
         return work
 

@@ -63,21 +63,21 @@ class BackwardEndCallback:
 
     def __init__(self, fn: Callable[[], None]):
         self.fn = fn
-        self._queued = False
+        self.queued = False  # read by per-parameter hooks before they call queue_if_needed: one call per pass
 
     def queue_if_needed(self) -> None:
         """Call from inside a backward pass (a hook); later calls in the same pass do nothing."""
-        if not self._queued:
-            self._queued = True
+        if not self.queued:
+            self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._run)
 
     def _run(self) -> None:
-        self._queued = False
+        self.queued = False
         self.fn()
 
     def reset(self) -> None:
         """After a backward that raised: autograd dropped the queued callback with the failed graph task."""
-        self._queued = False
+        self.queued = False
 
 
 class _PostBackward(torch.autograd.Function):

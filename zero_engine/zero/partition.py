@@ -273,28 +273,14 @@ class ShardedParam:
     # ---- state transitions -------------------------------------------------------------------------------------
     def to_inflight(self, refresh: bool = False) -> None:
         """``refresh``: re-gather an AVAILABLE parameter after its shard changed (optimizer step)."""
-        allowed = (ParamStatus.NOT_AVAILABLE, ParamStatus.AVAILABLE) if refresh else (ParamStatus.NOT_AVAILABLE,)
-        if self.status not in allowed:
-            raise AssertionError(f"{self.fqn}: gather issued while {self.status.name} on rank {self.rank}")
-        self.status = ParamStatus.INFLIGHT
+        foreach_to_inflight((self,), refresh)
 
     def alloc_full(self) -> torch.Tensor:
         """Give the full buffer its bytes back (the same storage object) for a gather to write into."""
-        storage = self.full.untyped_storage()
-        nbytes = self.full.nbytes  # the tensor's size, whatever its storage holds now (full_bytes)
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-        return self.full
+        return foreach_alloc_full((self,))[0]
 
     def to_available(self) -> None:
-        if self.status is not ParamStatus.INFLIGHT:
-            raise AssertionError(f"{self.fqn}: made available while {self.status.name} on rank {self.rank}")
-        if type(self.param) is ZeroParameter:
-            # the class first: setting .data below then takes torch's C path, not ZeroParameter.__torch_function__
-            # (see [Note: the check costs nothing while gathered])
-            self.param.__class__ = GatheredZeroParameter
-        self.local.data = self.full[: self.numel].view(self.shape)
-        self.status = ParamStatus.AVAILABLE
+        foreach_to_available((self,))
 
     def release(self) -> None:
         """Free the full data (see [Note: release resizes storage, it does not swap tensors])."""
@@ -374,6 +360,49 @@ class ShardedParam:
     def __repr__(self) -> str:
         return (f"ShardedParam({self.fqn}, shape={tuple(self.shape)}, shard={self.shard_numel}, "
                 f"status={self.status.name}, persistent={self.is_persistent})")
+
+
+def foreach_to_inflight(params: Iterable["ShardedParam"], refresh: bool = False) -> None:
+    """The transition NOT_AVAILABLE -> INFLIGHT of each of ``params`` (a gather's, in one call: see [Note: a
+    gather's transitions in one call]). ``refresh``: AVAILABLE ones too, re-gathered after their shard changed."""
+    for p in params:
+        status = p.status
+        if status is not ParamStatus.NOT_AVAILABLE and not (refresh and status is ParamStatus.AVAILABLE):
+            raise AssertionError(f"{p.fqn}: gather issued while {status.name} on rank {p.rank}")
+        p.status = ParamStatus.INFLIGHT
+
+
+def foreach_alloc_full(params: Iterable["ShardedParam"]) -> list[torch.Tensor]:
+    """Give each full buffer of ``params`` its bytes back (the same storage objects) for a gather to write into; the
+    buffers, in order."""
+    fulls = []
+    for p in params:
+        full = p.full
+        storage = full.untyped_storage()
+        nbytes = full.nbytes  # the tensor's size, whatever its storage holds now (full_bytes)
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        fulls.append(full)
+    return fulls
+
+
+def foreach_to_available(params: Iterable["ShardedParam"]) -> None:
+    """The transition INFLIGHT -> AVAILABLE of each of ``params``, whose full buffers hold the gathered data.
+
+    [Note: a gather's transitions in one call]
+    A gather moves all of its parameters through the same states together, so its issue and its wait make one call
+    each for them (not one method call per parameter: that was a tenth of the step's Python calls); the checks and
+    their messages are those of ``ShardedParam.to_inflight`` / ``to_available``, which call these."""
+    for p in params:
+        if p.status is not ParamStatus.INFLIGHT:
+            raise AssertionError(f"{p.fqn}: made available while {p.status.name} on rank {p.rank}")
+        param = p.param
+        if type(param) is ZeroParameter:
+            # the class first: setting .data below then takes torch's C path, not ZeroParameter.__torch_function__
+            # (see [Note: the check costs nothing while gathered])
+            param.__class__ = GatheredZeroParameter
+        p.local.data = p.full[: p.numel].view(p.shape)
+        p.status = ParamStatus.AVAILABLE
 
 
 class ShardBucket:

@@ -72,14 +72,20 @@ _releases = 0  # parameters released through release_if_unused so far (this proc
 def release_if_unused(p: ShardedParam, **rule) -> bool:
     """Release ``p`` if ``may_release(p, **rule)`` allows it, keeping its engine's live count right. True if
     released."""
-    global _releases
     if not may_release(p, **rule):
         return False
+    _release(p)
+    return True
+
+
+def _release(p: ShardedParam) -> None:
+    """Release ``p``, which ``may_release`` just allowed (its callers: ``release_if_unused`` and a unit's
+    ``reshard``, which asks the rule once per parameter)."""
+    global _releases
     p.release()
     _releases += 1
     if p.live_owner is not None:
         p.live_owner.forget(p)
-    return True
 
 
 def releases() -> int:
@@ -214,13 +220,14 @@ class ParamUnit:
         for p in self.params:
             if p.active_users:
                 p.active_users -= 1
-            if p.is_persistent or not may_release(p, keep_frozen=keep_frozen):
-                # persistent (the rule's first test, here without a call), in use, held or not whole; frozen ones:
-                # released at the end of the step
+            if p.is_persistent:  # never released (the rule's first test, here without a call)
                 continue
             use = next_use(p) if next_use is not None else None
-            if release_if_unused(p, next_use=use, max_reuse_distance=max_reuse_distance):
+            if may_release(p, next_use=use, max_reuse_distance=max_reuse_distance, keep_frozen=keep_frozen):
+                _release(p)
                 released.append(p)
-            else:
+            elif use is not None and may_release(p, keep_frozen=keep_frozen):
+                # refused only because the trace reuses it soon (the trace part only ever adds a refusal); in use,
+                # held, not whole, or frozen (released at the end of the step): neither released nor kept
                 kept.append(p)
         return kept, released
