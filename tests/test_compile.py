@@ -171,10 +171,12 @@ def test_the_whole_model_compiled_trains_with_graph_breaks_at_units_and_no_recom
         assert final == warm, (warm, final)
 
 
-def _llama_body():
+def llama_body(traced: bool = False):
     """A Hugging Face Llama (tiny, local config): engine.compile() finds its decoder layers (a ModuleList) and
-    compiles each with fullgraph=True. use_cache=False, as for training (a KV cache makes Dynamo specialize each
-    layer on the cache's state: one graph per layer)."""
+    compiles each with fullgraph=True (``traced``: as traced regions, test_compile_traced.py). use_cache=False, as for
+    training (a KV cache makes Dynamo specialize each layer on the cache's state: one graph per layer). Returns the
+    worst relative loss error against one process, Dynamo's counters after step 1 and at the end, and the names of
+    the gather units (or, traced, of the traced regions)."""
     import torch._dynamo
     import transformers
 
@@ -192,7 +194,7 @@ def _llama_body():
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = zero_engine.initialize(model=model, config=config)
-    engine.compile(backend="eager", compile_kwargs={"fullgraph": True})
+    engine.compile(backend="aot_eager" if traced else "eager", compile_kwargs={"fullgraph": True}, traced=traced)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     worst, warm = 0.0, None
     for step in range(3):
@@ -210,12 +212,13 @@ def _llama_body():
         worst = max(worst, abs(total.item() / world - ref_loss.item()) / abs(ref_loss.item()))
         if step == 0:
             warm = _counters()
-    return worst, warm, _counters(), [unit.name for unit in engine.coordinator.units]
+    names = [r.name for r in engine.traced_regions] if traced else [unit.name for unit in engine.coordinator.units]
+    return worst, warm, _counters(), names
 
 
 def test_a_hugging_face_llama_compiles_its_decoder_layers_to_one_graph():
     pytest.importorskip("transformers")
-    for loss_err, warm, final, units in run_ranks(_llama_body, 2, timeout=TIMEOUT):
+    for loss_err, warm, final, units in run_ranks(llama_body, 2, timeout=TIMEOUT):
         assert loss_err < 1e-5, loss_err
         assert "model.layers.0" in units and not any(u.startswith("model.layers.0.") for u in units), units
         _check_graphs(warm, final)

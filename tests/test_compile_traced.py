@@ -36,6 +36,7 @@ from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.testing.shards import whole_from_shards
 
+from test_compile import llama_body
 from test_zero3 import ds_config, make_reference_optimizer, reference_step
 
 TIMEOUT = 240
@@ -198,50 +199,9 @@ def test_traced_16bit_matches_the_eager_engine(dtype):
         _check_graphs(traced[2], traced[3])
 
 
-def _llama_body():
-    """A tiny Hugging Face Llama: its decoder layers (a ModuleList) are the regions; tied embeddings live outside
-    them. use_cache=False, as for training."""
-    import torch._dynamo
-    import transformers
-
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True, pad_token_id=0, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    reference = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
-    engine.compile(backend="aot_eager", compile_kwargs={"fullgraph": True}, traced=True)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    worst, warm = 0.0, None
-    for step in range(3):
-        ids = torch.randint(1, 97, (2 * world, 16), generator=torch.Generator().manual_seed(step))
-        ref_opt.zero_grad()
-        ref_loss = reference(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        ref_opt.step()
-        mine = ids[2 * rank: 2 * rank + 2]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        worst = max(worst, abs(total.item() / world - ref_loss.item()) / abs(ref_loss.item()))
-        if step == 0:
-            warm = _counters()
-    return worst, warm, _counters(), [r.name for r in engine.traced_regions]
-
-
 def test_a_hugging_face_llama_traces_its_decoder_layers():
     pytest.importorskip("transformers")
-    for loss_err, warm, final, regions in run_ranks(_llama_body, 2, timeout=TIMEOUT):
+    for loss_err, warm, final, regions in run_ranks(llama_body, 2, True, timeout=TIMEOUT):
         assert loss_err < 2e-4, loss_err
         assert regions == ["model.layers.0", "model.layers.1"], regions
         _check_graphs(warm, final)
