@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import logging
 import operator
-import weakref
 from typing import Any
 
 import torch.nn as nn
-from torch.nn.modules.module import register_module_module_registration_hook
 
+from ._registrations import watch_registrations
 from .zero.units import gather_units, is_compiled, z3_leaf_module
 
 log = logging.getLogger("zero_engine.compile")
@@ -58,7 +57,7 @@ class CompiledModules:
     [Note: noticing a compilation without a walk]
     A module becomes compiled in one of two ways. ``torch.compile(m)`` put in the model in ``m``'s place registers an
     ``OptimizedModule``, and so does anything else that changes the module tree: torch's global module registration
-    hook marks this record changed (as ``ModelSnapshot`` in guards.py does). ``module.compile()`` only sets the
+    hook marks this record changed (``watch_registrations``, as for ``ModelSnapshot`` in guards.py). ``module.compile()`` only sets the
     module's ``_compiled_call_impl`` and registers nothing, so the check compares that attribute of every module
     the last walk found with what it was then: one C-level ``map`` over a list, no generator walk and no frame per
     module (``model.modules()`` ran 206 Python frames a forward on the demo). Only when one of the two says so is
@@ -67,13 +66,7 @@ class CompiledModules:
     def __init__(self, model: nn.Module):
         self._take(model)
         self.changed = False
-        this = weakref.ref(self)  # the global hook must not keep an engine dropped without destroy() alive
-
-        def mark_changed(*args) -> None:  # returns None: the registration goes on unchanged
-            record = this()
-            if record is not None:
-                record.changed = True
-        self.close = weakref.finalize(self, _remove, register_module_module_registration_hook(mark_changed))
+        self.close = watch_registrations(self)  # destroy() calls it; else garbage collection
 
     def _take(self, model: nn.Module) -> None:
         self.modules = list(model.modules())
@@ -89,10 +82,6 @@ class CompiledModules:
         self._take(model)
         self.changed = False
         return self.ids != before
-
-
-def _remove(handle) -> None:
-    handle.remove()
 
 
 def log_whole_model_compiled(engine) -> None:

@@ -24,10 +24,9 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.module import (register_module_module_registration_hook,
-                                      register_module_parameter_registration_hook)
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._registrations import watch_registrations
 from .errors import DistributedError
 from .zero.partition import sharded_param_of
 from .zero.tensor_parallel import local_of
@@ -116,15 +115,7 @@ class ModelSnapshot:
         self.flags = [p.requires_grad for p in self.params]
         self.requires_grad = {id(p): p.requires_grad for p in self.params}
         self.changed = False
-        this = weakref.ref(self)  # the global hooks must not keep an engine dropped without destroy() alive
-
-        def mark_changed(*args) -> None:  # returns None: the registration goes on unchanged
-            snapshot = this()
-            if snapshot is not None:
-                snapshot.changed = True
-        handles = [register_module_parameter_registration_hook(mark_changed),
-                   register_module_module_registration_hook(mark_changed)]
-        self.close = weakref.finalize(self, _remove_all, handles)  # destroy() calls it; else garbage collection
+        self.close = watch_registrations(self, parameters=True)  # destroy() calls it; else garbage collection
 
     def check(self, model: nn.Module) -> None:
         if not self.changed and [p.requires_grad for p in self.params] == self.flags:
@@ -144,11 +135,6 @@ class ModelSnapshot:
                     f"{name}: requires_grad changed from {known} to {p.requires_grad} after initialize; the engine "
                     "decided at initialize which parameters get gradient buckets and optimizer states. Freeze or "
                     "unfreeze parameters before initialize (or initialize a new engine)")
-
-
-def _remove_all(handles) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 # ---- tearing an engine down: destroy(), and a failed initialize ----------------------------------------------------
