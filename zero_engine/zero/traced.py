@@ -259,9 +259,9 @@ def refuse_unsupported(engine, regions) -> None:
     elif engine.shard_groups:
         what = "MoE expert parallelism (parameters marked allreduce=False)"
     if what is not None:
-        raise NotImplementedError(f"compile.traced (engine.compile(traced=True)) with {what} is not supported yet "
-                                  "with compile.traced; drop one of the two (engine.compile() without traced "
-                                  "compiles the same regions with eager gathers)")
+        raise NotImplementedError(f"{what} is not supported yet with compile.traced (engine.compile(traced=True)); "
+                                  "drop one of the two (engine.compile() without traced compiles the same regions "
+                                  "with eager gathers)")
     from .external import registered_external_parameters
 
     region_of = {}
