@@ -524,7 +524,7 @@ def _lone_param_body(world_unused=None):
     adopted = []
     for sp, g in zip(params, grads):
         reducer.add(sp, g)
-        bucket = reducer._bucket_of[id(sp)]
+        bucket = reducer._copy_slot[id(sp)][0]  # (its bucket, copy group, position)
         adopted.append(bucket.send is not None and bucket.send.data_ptr() == g.data_ptr())
     reducer.finish()
     mean = (world + 1) / 2

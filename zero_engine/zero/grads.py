@@ -185,11 +185,10 @@ class GradReducer:
         self.grad_bytes = 0  # gradient shards that exist now
 
     def _index_buckets(self) -> None:
-        """The lookups over ``self.buckets``: the parameters in bucket order, each one's bucket, and each one's copy
-        group ([Note: one copy per unit]: id(p) -> its bucket, its copy group, its position there; copy_groups None:
-        whole buckets)."""
+        """The lookups over ``self.buckets``: the parameters in bucket order and, for each, its bucket, its copy
+        group and its position there (``_copy_slot``; [Note: one copy per unit]; copy_groups None: whole
+        buckets)."""
         self.params = [p for b in self.buckets for p in b.params]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         copy_groups = self._copy_groups
         group_of = {id(p): i for i, group in enumerate(copy_groups or ()) for p in group}
         self._copy_slot: dict[int, tuple[_Bucket, _CopyGroup, int]] = {}
@@ -363,7 +362,7 @@ class GradReducer:
 
     # ---- the optimizer's side ----------------------------------------------------------------------------------
     def shard_grad(self, p: ShardedParam) -> torch.Tensor | None:
-        bucket = self._bucket_of[id(p)]
+        bucket = self._copy_slot[id(p)][0]
         if bucket.shard_grads is None:
             return None
         offset = bucket.offsets[id(p)]

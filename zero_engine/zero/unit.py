@@ -17,9 +17,10 @@ attaches to a unit.
 
 [Note: the release rule]
 Whether a gathered parameter may be freed now is decided by ``may_release`` and nowhere else. Every place that
-frees a parameter during training goes through ``release_if_unused``, which asks it: the coordinator's end of step,
-a unit's reshard after its module ran, making room under ``stage3_max_live_parameters``, the end of what a forward
-held, and a ``GatheredParameters`` block's exit. A parameter stays gathered while any of these holds:
+frees a parameter during training asks it first: through ``release_if_unused`` at the coordinator's end of step,
+making room under ``stage3_max_live_parameters``, the end of what a forward held, and a ``GatheredParameters``
+block's exit; a unit's reshard after its module ran asks it directly (once per parameter, as it also needs to know
+whether a refusal came from the trace alone) and releases through the same ``_release``. A parameter stays gathered while any of these holds:
 
 * it is not whole: in flight (a gather is writing it) or already released;
 * it is persistent (small parameters at stage 3, all of them at stages 1-2);
