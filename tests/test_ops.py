@@ -193,6 +193,50 @@ def test_params_that_skip_steps_keep_their_own_step_count():
     assert [int(optimizer.state[p]["step"]) for p in ours] == [12, 6, 4]
 
 
+
+def _python_calls_of_a_step(count: int) -> tuple[int, int]:
+    """(zero_engine.ops Python calls, kernel calls) of one CPUAdam step over ``count`` parameters of one group."""
+    import sys
+
+    params = [make_param(5, seed).requires_grad_(True) for seed in range(count)]
+    optimizer = CPUAdam(params, lr=LR)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()  # the states are made on the first step
+    kernel_calls, python_calls = [], []
+    optimizer._update_batch = lambda *args, update=optimizer._update_batch: (kernel_calls.append(1), update(*args))
+
+    def count_calls(frame, event, arg):
+        if event == "call" and f"zero_engine{os.sep}ops" in frame.f_code.co_filename:
+            python_calls.append(frame.f_code.co_name)
+    sys.setprofile(count_calls)
+    try:
+        optimizer.step()
+    finally:
+        sys.setprofile(None)
+    return len(python_calls), len(kernel_calls)
+
+
+def test_a_step_makes_no_python_call_per_parameter():
+    # [Note: the step's Python per group] in adam_base.py: the checks, states, step counts and batching run once per
+    # param group, so 40 parameters cost the Python calls of 4, and one kernel call.
+    few, many = _python_calls_of_a_step(4), _python_calls_of_a_step(40)
+    assert few == many and many[1] == 1, (few, many)
+
+
+def test_a_step_count_saved_as_a_plain_number_goes_on():
+    # a checkpoint of an older torch stored the step as a number; it becomes a float32 tensor, one step further
+    params = [make_param(7, seed).requires_grad_(True) for seed in range(2)]
+    optimizer = CPUAdam(params, lr=LR)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    optimizer.state[params[0]]["step"] = 5
+    optimizer.step()
+    steps = [optimizer.state[param]["step"] for param in params]
+    assert all(isinstance(step, torch.Tensor) and step.dtype == torch.float32 for step in steps)
+    assert [int(step) for step in steps] == [6, 2]
+
 # Low-precision copy ---------------------------------------------------------------------------------
 
 SPECIAL_VALUES = torch.tensor([

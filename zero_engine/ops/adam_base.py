@@ -16,17 +16,19 @@ from .builder import load_op
 
 
 class BatchedTensors:
-    """Tensors of one kernel call: the parameters of one group that share a step count (and a key)."""
+    """Tensors of one kernel call: the parameters of one group that share a step count (and a key). Gradients are
+    made contiguous as they go in."""
 
-    def __init__(self) -> None:
-        self.params: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
-        self.exp_avgs: list[torch.Tensor] = []
-        self.exp_avg_sqs: list[torch.Tensor] = []
+    def __init__(self, params: list[torch.Tensor] | None = None, grads: list[torch.Tensor] | None = None,
+                 states: list[dict[str, Any]] | None = None) -> None:
+        self.params: list[torch.Tensor] = params or []
+        self.grads: list[torch.Tensor] = [grad.contiguous() for grad in grads or ()]
+        self.exp_avgs: list[torch.Tensor] = [state["exp_avg"] for state in states or ()]
+        self.exp_avg_sqs: list[torch.Tensor] = [state["exp_avg_sq"] for state in states or ()]
 
     def append(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
         self.params.append(param)
-        self.grads.append(grad)
+        self.grads.append(grad.contiguous())
         self.exp_avgs.append(state["exp_avg"])
         self.exp_avg_sqs.append(state["exp_avg_sq"])
 
@@ -72,35 +74,58 @@ class OpAdamBase(torch.optim.Optimizer):
 
     # Subclass hooks -------------------------------------------------------------------------------
 
-    def _check_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def _check_params(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Raise ValueError naming the first parameter (or gradient) the kernel cannot take."""
         raise NotImplementedError
 
-    def _batch_key(self, param: torch.Tensor, grad: torch.Tensor) -> Hashable:
-        """Tensors with equal keys (and equal step counts) go into one kernel call."""
-        return ()
+    def _batch_keys(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[Hashable] | None:
+        """Each tensor's key: tensors with equal keys (and equal step counts) go into one kernel call. None: one key
+        for all of them."""
+        return None
 
     def _update_batch(self, group: dict[str, Any], step: int, batch: BatchedTensors) -> None:
         raise NotImplementedError
 
     # Shared machinery -----------------------------------------------------------------------------
 
-    def _state_for(self, param: torch.Tensor) -> dict[str, Any]:
-        state = self.state[param]
-        if len(state) == 0:
-            # As torch.optim.AdamW (not capturable, not fused): step is a float32 CPU scalar tensor.
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        for key in ("exp_avg", "exp_avg_sq"):
-            # A loaded checkpoint may hold strided or differently typed moments; the kernels need
-            # contiguous tensors of the parameter's dtype.
-            value = state[key]
-            if not value.is_contiguous() or value.dtype != param.dtype or value.device != param.device:
-                state[key] = value.to(device=param.device, dtype=param.dtype).contiguous()
-        return state
+    def _states_for(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+        """Each parameter's state, made on its first step (as torch.optim.AdamW, not capturable, not fused: ``step``
+        a float32 CPU scalar tensor) and made usable by the kernels: a loaded checkpoint may hold strided or
+        differently typed moments, the kernels need contiguous tensors of the parameter's dtype."""
+        states = []
+        for param in params:  # one loop, not a call per parameter: see [Note: the step's Python per group]
+            state = self.state[param]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state[key]
+                if not value.is_contiguous() or value.dtype != param.dtype or value.device != param.device:
+                    state[key] = value.to(device=param.device, dtype=param.dtype).contiguous()
+            states.append(state)
+        return states
+
+    @staticmethod
+    def _count_steps(states: list[dict[str, Any]]) -> list[int]:
+        """Add one to each state's step count (in one multi-tensor op) and return the new counts."""
+        counters = []
+        for state in states:
+            counter = state["step"]
+            if not isinstance(counter, torch.Tensor):  # a checkpoint from an older torch stored a plain number
+                counter = state["step"] = torch.tensor(float(counter), dtype=torch.float32)
+            counters.append(counter)
+        torch._foreach_add_(counters, 1)  # float32 + 1, as ``counter += 1``
+        return [int(counter.item()) for counter in counters]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adam step of every parameter that has a gradient.
+
+        [Note: the step's Python per group]
+        The kernels take lists; so does everything before them: the checks, the states, the step counts and the
+        batching each run once per param group over its tensors (a loop inside one call), not as method calls per
+        parameter, which were a tenth of a ZeRO-3 training step's Python calls (issue 22)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -108,23 +133,23 @@ class OpAdamBase(torch.optim.Optimizer):
         for group in self.param_groups:
             if group.get("amsgrad", False):
                 raise ValueError(f"{type(self).__name__}: amsgrad=True is not supported (param group option)")
-            batches: dict[tuple[int, Hashable], BatchedTensors] = defaultdict(BatchedTensors)
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
+            params = [param for param in group["params"] if param.grad is not None]
+            if not params:
+                continue
+            grads = [param.grad for param in params]
+            for grad in grads:
                 if grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-                self._check_param(param, grad)
-                state = self._state_for(param)
-                step_tensor = state["step"]
-                if isinstance(step_tensor, torch.Tensor):
-                    step_tensor += 1
-                    step = int(step_tensor.item())
-                else:  # a checkpoint from an older torch stored a plain number
-                    step = int(step_tensor) + 1
-                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
-                batches[(step, self._batch_key(param, grad))].append(param, grad.contiguous(), state)
+            self._check_params(params, grads)
+            states = self._states_for(params)
+            steps = self._count_steps(states)
+            keys = self._batch_keys(params, grads)
+            if keys is None and steps.count(steps[0]) == len(steps):  # the usual case: one kernel call
+                batches = {(steps[0], ()): BatchedTensors(params, grads, states)}
+            else:
+                batches = defaultdict(BatchedTensors)
+                for i, (param, grad, state) in enumerate(zip(params, grads, states)):
+                    batches[(steps[i], () if keys is None else keys[i])].append(param, grad, state)
             for (step, _key), batch in batches.items():
                 self._update_batch(group, step, batch)
         return loss

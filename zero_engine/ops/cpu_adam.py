@@ -84,13 +84,14 @@ class CPUAdam(OpAdamBase):
                              f"{param.numel()}")
         self._low_precision_copies[param] = tensor
 
-    def _check_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        if param.device.type != "cpu" or param.dtype != torch.float32 or not param.is_contiguous():
-            raise ValueError(f"CPUAdam needs contiguous fp32 CPU parameters, got {param.dtype} on {param.device} "
-                             f"(contiguous={param.is_contiguous()}, shape {tuple(param.shape)})")
-        if grad.dtype not in _GRAD_DTYPES or grad.device.type != "cpu":
-            raise ValueError(f"CPUAdam needs fp32/bf16/fp16 CPU gradients, got {grad.dtype} on {grad.device} for "
-                             f"a parameter of shape {tuple(param.shape)}")
+    def _check_params(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for param, grad in zip(params, grads):
+            if param.device.type != "cpu" or param.dtype != torch.float32 or not param.is_contiguous():
+                raise ValueError(f"CPUAdam needs contiguous fp32 CPU parameters, got {param.dtype} on {param.device} "
+                                 f"(contiguous={param.is_contiguous()}, shape {tuple(param.shape)})")
+            if grad.dtype not in _GRAD_DTYPES or grad.device.type != "cpu":
+                raise ValueError(f"CPUAdam needs fp32/bf16/fp16 CPU gradients, got {grad.dtype} on {grad.device} "
+                                 f"for a parameter of shape {tuple(param.shape)}")
 
     def _update_batch(self, group: dict[str, Any], step: int, batch: BatchedTensors) -> None:
         beta1, beta2 = group["betas"]

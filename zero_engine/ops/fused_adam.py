@@ -27,16 +27,17 @@ class FusedAdam(OpAdamBase):
 
     op_name = "fused_adam"
 
-    def _check_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        if param.device.type != "cuda" or param.dtype not in _DTYPES or not param.is_contiguous():
-            raise ValueError(f"FusedAdam needs contiguous fp32/fp16/bf16 CUDA parameters, got {param.dtype} on "
-                             f"{param.device} (contiguous={param.is_contiguous()}, shape {tuple(param.shape)})")
-        if grad.dtype not in _DTYPES or grad.device != param.device:
-            raise ValueError(f"FusedAdam needs fp32/fp16/bf16 gradients on the parameter's device {param.device}, "
-                             f"got {grad.dtype} on {grad.device} for a parameter of shape {tuple(param.shape)}")
+    def _check_params(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for param, grad in zip(params, grads):
+            if param.device.type != "cuda" or param.dtype not in _DTYPES or not param.is_contiguous():
+                raise ValueError(f"FusedAdam needs contiguous fp32/fp16/bf16 CUDA parameters, got {param.dtype} on "
+                                 f"{param.device} (contiguous={param.is_contiguous()}, shape {tuple(param.shape)})")
+            if grad.dtype not in _DTYPES or grad.device != param.device:
+                raise ValueError(f"FusedAdam needs fp32/fp16/bf16 gradients on the parameter's device {param.device}, "
+                                 f"got {grad.dtype} on {grad.device} for a parameter of shape {tuple(param.shape)}")
 
-    def _batch_key(self, param: torch.Tensor, grad: torch.Tensor) -> Hashable:
-        return (param.device, param.dtype, grad.dtype)
+    def _batch_keys(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[Hashable]:
+        return [(param.device, param.dtype, grad.dtype) for param, grad in zip(params, grads)]
 
     def _update_batch(self, group: dict[str, Any], step: int, batch: BatchedTensors) -> None:
         beta1, beta2 = group["betas"]

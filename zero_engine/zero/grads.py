@@ -362,11 +362,21 @@ class GradReducer:
 
     # ---- the optimizer's side ----------------------------------------------------------------------------------
     def shard_grad(self, p: ShardedParam) -> torch.Tensor | None:
-        bucket = self._copy_slot[id(p)][0]
-        if bucket.shard_grads is None:
-            return None
-        offset = bucket.offsets[id(p)]
-        return bucket.shard_grads[offset: offset + p.shard_numel]
+        """``p``'s gradient shard this window (a view of its bucket's), None if its bucket has none."""
+        return self.shard_grads([p])[0]
+
+    def shard_grads(self, params: list[ShardedParam]) -> list[torch.Tensor | None]:
+        """``shard_grad`` of each of ``params``, in one call (the optimizer's, once per sub-group and step)."""
+        views = []
+        for p in params:
+            bucket = self._copy_slot[id(p)][0]
+            shards = bucket.shard_grads
+            if shards is None:
+                views.append(None)
+            else:
+                offset = bucket.offsets[id(p)]
+                views.append(shards[offset: offset + p.shard_numel])
+        return views
 
     def alloc_shard_grads(self, bucket: _Bucket) -> torch.Tensor:
         """This window's gradient shards of ``bucket`` (uninitialised: the first reduction overwrites them)."""

@@ -259,8 +259,8 @@ class ZeroOptimizer(_OptimizerWrapper):
 
     def _update_sub_group(self, group: list[ShardedParam], coef: float) -> None:
         if self.grads_in_kernel:  # CPUAdam: the gradient shards as they are, scaled by coef in the kernel
-            for sp in group:
-                self.masters[id(sp.param)].grad = self.reducer.shard_grad(sp)
+            for sp, grad in zip(group, self.reducer.shard_grads(group)):
+                self.masters[id(sp.param)].grad = grad
             self.optimizer.step(grad_scale=coef)
         else:
             for sp in group:
