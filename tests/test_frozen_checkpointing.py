@@ -116,7 +116,7 @@ def _parity_body(zero: dict):
             loss = engine(x[lo: lo + MICRO], y[lo: lo + MICRO])
             engine.backward(loss)
             after_backward += _still_gathered(engine.sharded)
-            after_backward += [f"forward of {type(m).__name__} left open" for _, m, _ in external._IN_FORWARD]
+            after_backward += [f"forward of {type(m).__name__} left open" for _, m, *_ in external._IN_FORWARD]
             engine.step()
             total += loss.detach()
         dist.all_reduce(total)

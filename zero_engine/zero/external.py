@@ -50,9 +50,11 @@ __all__ = ["register_external_parameter", "unregister_external_parameter", "regi
 # module -> {id(param): param} declared by register_external_parameter (weak: a dropped model frees its entries)
 _REGISTERED = WeakIdKeyDictionary()
 
-# The forwards running now, outermost first: (coordinator, module, is_unit). The model's root is entered as a scope
-# (is_unit False) even when it has no parameters, so a read anywhere in the model's forward has a place to go.
-_IN_FORWARD: list[tuple[object, nn.Module, bool]] = []
+# The forwards running now, outermost first: (coordinator, module, is_unit, own). The model's root is entered as a
+# scope (is_unit False) even when it has no parameters, so a read anywhere in the model's forward has a place to go.
+# ``own``: the ids of the nn.Parameters a unit gathers (the unit's live set, ParamUnit.param_ids), so that a read of
+# one of them, the common case, costs a set lookup here instead of a call into the coordinator.
+_IN_FORWARD: list[tuple[object, nn.Module, bool, "set[int] | frozenset[int]"]] = []
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -100,8 +102,9 @@ class _WatchedParameters(dict):
                 _refuse_released_read_in_compiled_region(param)
             return param
         if _IN_FORWARD and param is not None:
-            coordinator, module, is_unit = _IN_FORWARD[-1]  # innermost(), without a call: a read per parameter
-            coordinator.on_read(param, module if is_unit else None)
+            coordinator, module, is_unit, own = _IN_FORWARD[-1]  # innermost(), without a call: a read per parameter
+            if id(param) not in own:  # not one the unit gathers: the coordinator decides (external, held...)
+                coordinator.on_read(param, module if is_unit else None)
         return param
 
     def __reduce__(self):
@@ -146,8 +149,11 @@ def unwatch_parameter_reads(root: nn.Module) -> None:
             module._parameters = dict(module._parameters)
 
 
-def enter_forward(coordinator, module: nn.Module, is_unit: bool) -> None:
-    _IN_FORWARD.append((coordinator, module, is_unit))
+def enter_forward(coordinator, module: nn.Module, is_unit: bool,
+                  own: "set[int] | frozenset[int]" = frozenset()) -> None:
+    """``module``'s forward starts; ``own``: for a unit, the ids of the nn.Parameters it gathers (kept up to date by
+    the unit: it is the unit's own set)."""
+    _IN_FORWARD.append((coordinator, module, is_unit, own))
 
 
 def leave_forward(module: nn.Module, is_unit: bool) -> None:
@@ -159,15 +165,15 @@ def leave_forward(module: nn.Module, is_unit: bool) -> None:
 
 
 def innermost() -> tuple[object, nn.Module, bool]:
-    return _IN_FORWARD[-1]
+    return _IN_FORWARD[-1][:3]
 
 
 def units_in_forward(coordinator) -> list[nn.Module]:
-    return [module for c, module, is_unit in _IN_FORWARD if c is coordinator and is_unit]
+    return [module for c, module, is_unit, _ in _IN_FORWARD if c is coordinator and is_unit]
 
 
 def _is_running(module: nn.Module) -> bool:
-    return any(m is module and is_unit for _, m, is_unit in _IN_FORWARD)
+    return any(m is module and is_unit for _, m, is_unit, _ in _IN_FORWARD)
 
 
 def _live_coordinators():

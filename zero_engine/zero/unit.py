@@ -168,6 +168,7 @@ class ParamUnit:
         self.params = params  # own parameters first, then the external ones that joined (grows in place)
         self.live = live
         self._ids = {id(p) for p in params}
+        self.param_ids = {id(p.param) for p in params}  # of their nn.Parameters: a forward's reads (external.py)
         self.externals: set[int] = set()  # ids of parameters it gathers without owning them (external.py)
         self._work: GatherWork | None = None  # its gather issued by unshard, until wait_for_unshard
 
@@ -184,6 +185,7 @@ class ParamUnit:
             return False
         self.params.append(p)
         self._ids.add(id(p))
+        self.param_ids.add(id(p.param))
         self.externals.add(id(p))
         return True
 
@@ -191,6 +193,7 @@ class ParamUnit:
         if id(p) in self.externals:
             self.externals.discard(id(p))
             self._ids.discard(id(p))
+            self.param_ids.discard(id(p.param))
             self.params.remove(p)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
