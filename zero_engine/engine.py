@@ -41,7 +41,7 @@ from .memory.engine_stats import memory_stats, model_state_bytes
 from .mesh import data_parallel_world, named_communicators, summed_stats
 from .offload.placement import Placement
 from .wiring import build_parts
-from .zero.partition import ShardedParam, sharded_param_of
+from .zero.partition import sharded_param_of
 from .zero.streams import CommStreams
 
 log = logging.getLogger("zero_engine.engine")
@@ -184,13 +184,6 @@ class ZeroEngine(DeepSpeedEngineAPI):
         return loss / gas if gas > 1 else loss
 
     # ---- what the parts call back (hooked up in wiring.py) --------------------------------------------------------
-    def on_grad_ready(self, sp: ShardedParam, param: nn.Parameter) -> None:  # a parameter's gradient hook (stage >= 2)
-        if not self.backward_end.queued:  # the first gradient of the pass (52 hooks a step on the demo)
-            self.backward_end.queue_if_needed()
-        if param.grad is not None:
-            self.reducer.add(sp, param.grad)
-            param.grad = None  # the full gradient is freed as soon as it is in its bucket
-
     def on_backward_end(self) -> None:  # queued at the end of a backward pass (BackwardEndCallback)
         with profile_range("zero3::backward_end"):
             if self.stage >= 2:

@@ -141,9 +141,10 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
                                  quantized=_quantized_reduce(engine, zc),
                                  # gradients copied in a unit at a time (stage 1: a bucket at a time; every gradient
                                  # is there at once): [Note: one copy per unit] in zero/grads.py
-                                 copy_groups=None if engine.stage == 1 else unit_groups)
-    if engine.stage >= 2:
-        engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine.on_grad_ready, sp))
+                                 copy_groups=None if engine.stage == 1 else unit_groups,
+                                 backward_end=engine.backward_end)
+    if engine.stage >= 2:  # see [Note: one call per gradient] in zero/grads.py
+        engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine.reducer.add, sp))
                              for sp in trainable]
     if engine.stage < 3:
         for sp in engine.sharded:

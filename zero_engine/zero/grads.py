@@ -152,7 +152,7 @@ class GradReducer:
     def __init__(self, params: list[ShardedParam], comm, bucket_numel: int, reduce_dtype: torch.dtype,
                  grad_dtype: torch.dtype = torch.float32, async_op: bool = True, accounting=None, streams=None,
                  grad_device: torch.device | None = None, pin_memory: bool = False, replicate_comm=None,
-                 quantized=None, copy_groups: list[list[ShardedParam]] | None = None):
+                 quantized=None, copy_groups: list[list[ShardedParam]] | None = None, backward_end=None):
         self.comm = comm  # the group the gradient shards are partitioned over (a mesh's dp_shard; the world if flat)
         # the replicas of those shards (a mesh's dp_replicate), or None: see [Note: gradients across replicas]
         self.replicate_comm = replicate_comm
@@ -183,6 +183,8 @@ class GradReducer:
         self._next_launch = 0
         self._in_flight: list[_Bucket] = []
         self.grad_bytes = 0  # gradient shards that exist now
+        # queued by the first gradient hook of a pass: the end-of-backward flush (zero/hooks.py's BackwardEndCallback)
+        self.backward_end = backward_end
 
     def _index_buckets(self) -> None:
         """The lookups over ``self.buckets``: the parameters in bucket order and, for each, its bucket, its copy
@@ -264,6 +266,20 @@ class GradReducer:
             bucket.irregular = sum(id(p) in irregular for p in bucket.params) if irregular else 0
 
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
+        """``grad``, ``p``'s gradient of this pass, into its bucket (reduced when the bucket is complete).
+
+        [Note: one call per gradient]
+        Stages 2-3 call this as ``p.param``'s post-accumulate-grad hook, ``partial(reducer.add, p)``: ``grad`` is then
+        the parameter itself, whose ``.grad`` is taken (and dropped from it: the full gradient is freed once it is in
+        its bucket), and the first gradient of a pass queues the end-of-backward flush. One Python call per gradient,
+        not a hook calling the reducer."""
+        if grad is p.param:  # the gradient hook's call
+            if not self.backward_end.queued:
+                self.backward_end.queue_if_needed()
+            grad = grad.grad
+            if grad is None:
+                return
+            p.param.grad = None
         if type(grad) is not torch.Tensor:
             grad = local_grad(p.param, grad)  # a DTensor's: its local piece (tensor_parallel.py)
         if grad.numel() != p.numel:  # the last line of defence: see external.py for how reads are gathered
