@@ -511,7 +511,7 @@ class GradReducer:
         if bucket.pending is None:
             return
         bucket.pending.wait()
-        if not self._average_once:
+        if not self._average_once and self.replicate_comm is not None:  # [Note: gradients across replicas]
             self._average_across_replicas(bucket.recv, f"grads bucket {bucket.index}")
         if bucket.scale != 1.0:  # an expert group's bucket: [Note: gradients of expert weights] in moe.py
             bucket.recv.mul_(bucket.scale)
