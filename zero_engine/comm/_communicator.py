@@ -354,8 +354,10 @@ class Communicator:
         kind = "all_reduce"
         if op not in _REDUCE_OPS:
             reduce_op(op)  # raises the ValueError that names the ops, before anything is exchanged
-        self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
-        self._require_float_for_avg(kind, name, op, tensor)
+        if not tensor.is_contiguous():  # the message only on failure, as in all_gather
+            self._require(False, kind, name, "tensor must be contiguous")
+        if op == "avg" and not tensor.is_floating_point():
+            self._require_float_for_avg(kind, name, op, tensor)
         if self.debug:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
         return self._issue(kind, kind, name, tensor, tensor.numel() * tensor.element_size(), self._issuer.all_reduce,
@@ -364,9 +366,10 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, name: str = "") -> Pending:
         """Copy ``tensor`` from rank ``src`` (a rank of this communicator's group) to every rank. Counts its bytes."""
         kind = "broadcast"
-        self._require(0 <= src < self.world_size, kind, name, f"src={src} is not a rank of this group "
-                      f"(0..{self.world_size - 1})")
-        self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
+        if not (0 <= src < self.world_size and tensor.is_contiguous()):  # the message only on failure
+            self._require(0 <= src < self.world_size, kind, name, f"src={src} is not a rank of this group "
+                          f"(0..{self.world_size - 1})")
+            self._require(False, kind, name, "tensor must be contiguous")
         if self.debug:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
         return self._issue(kind, kind, name, tensor, tensor.numel() * tensor.element_size(), self._issuer.broadcast,
