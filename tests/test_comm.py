@@ -7,11 +7,13 @@ import datetime
 import math
 import os
 import socket
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import zero_engine
 from zero_engine.comm import CollectiveMismatchError, Communicator, Pending, init_distributed
 from zero_engine.comm import _backend
 from zero_engine.testing import fake_world, run_ranks
@@ -302,6 +304,53 @@ def test_debug_mode_passes_matching_collectives_through():
         assert result["stats"]["all_gather"] == {"calls": 1, "bytes": 24}  # the check itself is not counted
 
 
+# -- the per-collective Python path ----------------------------------------------------------------------------
+
+def _zero_engine_calls_per_collective() -> dict:
+    """zero_engine's Python calls for one collective, issued and waited, with the stall watchdog watching the wait
+    (as in training): the path every collective of every step takes, kept to a few calls."""
+    comm = Communicator(stall_timeout_s=30.0)
+    world = comm.world_size
+    package = os.path.dirname(zero_engine.__file__) + os.sep
+    calls: list[str] = []
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls.append(frame.f_code.co_name)
+
+    def measured(collective) -> list[str]:
+        collective().wait()  # the first of a process names its dtype once (a cache): measure the next one
+        calls.clear()
+        sys.setprofile(count)
+        try:
+            collective().wait()
+        finally:
+            sys.setprofile(None)
+        return list(calls)
+
+    out = {
+        "all_gather": measured(lambda: comm.all_gather_into_tensor(torch.empty(4 * world), torch.ones(4),
+                                                                   async_op=True, name="w")),
+        "reduce_scatter": measured(lambda: comm.reduce_scatter_tensor(torch.empty(4), torch.ones(4 * world),
+                                                                      op="avg", async_op=True, name="g",
+                                                                      input_is_scratch=True)),
+        "watched": comm.watchdog is not None and comm.watchdog.watches_waits,
+    }
+    comm.close()
+    return out
+
+
+def test_a_collective_issued_and_waited_is_a_handful_of_python_calls():
+    for result in run_ranks(_zero_engine_calls_per_collective, 2, timeout=RANK_TIMEOUT_S):
+        assert result["watched"]
+        # all_gather_into_tensor, _issue, ProgressLog.record, profile_range, CollectiveIssuer.all_gather,
+        # Pending.wait, StallWatchdog.wait: no per-collective helper towers (there were 13 calls).
+        assert len(result["all_gather"]) <= 7, result["all_gather"]
+        # the same, plus reduces_in_place and the slice copy that completes an in-place reduce-scatter (gloo)
+        assert len(result["reduce_scatter"]) <= 9, result["reduce_scatter"]
+        assert "_wait_slice" not in result["all_gather"] + result["reduce_scatter"]
+
+
 # -- argument checks (shape-only, in this process) ----------------------------------------------------------------
 
 def test_wrong_sizes_and_ops_are_rejected_with_the_rank_and_the_fix():
@@ -322,6 +371,21 @@ def test_wrong_sizes_and_ops_are_rejected_with_the_rank_and_the_fix():
             comm.all_reduce(torch.empty(4, 4).t())
         with pytest.raises(ValueError, match=r"src=4 is not a rank"):
             comm.broadcast(torch.empty(2), src=4)
+        # each check behind a collective's one-line common-case test still raises its own message
+        with pytest.raises(ValueError, match=r"reduce_scatter.*output dtype torch.float16 differs"):
+            comm.reduce_scatter_tensor(torch.empty(3, dtype=torch.float16), torch.empty(12))
+        with pytest.raises(ValueError, match=r"all_gather.*output is on meta but input is on cpu"):
+            comm.all_gather_into_tensor(torch.empty(12, device="meta"), torch.empty(3))
+        with pytest.raises(ValueError, match=r"all_gather.*must be contiguous"):
+            comm.all_gather_into_tensor(torch.empty(12), torch.empty(3, 2).t()[0])
+        with pytest.raises(ValueError, match=r"reduce_scatter.*op='avg' needs a floating-point tensor"):
+            comm.reduce_scatter_tensor(torch.ones(3, dtype=torch.int64), torch.ones(12, dtype=torch.int64))
+        with pytest.raises(ValueError, match=r"all_to_all.*a multiple of world_size 4"):
+            comm.all_to_all_single(torch.empty(6), torch.empty(6))
+        with pytest.raises(ValueError, match=r"all_to_all.*dtype"):
+            comm.all_to_all_single(torch.empty(8, dtype=torch.float16), torch.empty(8))
+        with pytest.raises(ValueError, match=r"broadcast.*contiguous"):
+            comm.broadcast(torch.empty(4, 4).t(), src=0)
         assert all(counts["calls"] == 0 for counts in comm.stats().values()), "rejected calls are not counted"
 
 

@@ -505,3 +505,56 @@ def test_an_error_about_another_rank_is_not_posted_as_this_ranks_failure():
     assert liveness.failure_of(store, 0) is None
     assert liveness.post_failure(ValueError("a bad sample"), store, rank=0)
     assert liveness.failure_of(store, 0)["error"] == "ValueError: a bad sample"
+
+
+class _ScriptedWork:
+    """A backend work for StallWatchdog.wait: its first ``timeouts`` waits time out (as gloo's ``wait(timeout)``
+    does, leaving the work pending), then it completes, or fails with ``error``."""
+
+    def __init__(self, timeouts: int, error: str = ""):
+        self.timeouts, self.error, self.waits = timeouts, error, 0
+
+    def is_completed(self) -> bool:
+        return self.waits > self.timeouts
+
+    def wait(self, timeout=None) -> bool:
+        self.waits += 1
+        if self.waits <= self.timeouts:
+            time.sleep(timeout.total_seconds() if timeout is not None else 0.05)
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_a_watched_wait_past_its_first_slice_or_failing_is_still_sliced_diagnosed_and_explained(caplog):
+    """StallWatchdog.wait waits the first slice itself (the common case: done by then); a work still pending after
+    it goes on in slices with the stall check, one that fails is explained, one that never completes gives up at
+    collective_timeout_s. One rank, a store of its own: nothing to blame on another rank."""
+    from torch.distributed import HashStore
+
+    from zero_engine.comm._records import ProgressLog
+    from zero_engine.comm.watchdog import StallWatchdog
+    from zero_engine.errors import DistributedError
+
+    progress = ProgressLog()
+    record = progress.record("all_gather", "float32", 4, "w")
+    watchdog = StallWatchdog(HashStore(), 0, 1, progress, stall_timeout_s=0.2, collective_timeout_s=60.0,
+                             backend="gloo", heartbeat_timeout_s=0.5)
+    try:
+        done = _ScriptedWork(timeouts=0)
+        watchdog.wait(done, record)
+        assert done.waits == 1  # the first slice, in wait() itself
+        slow = _ScriptedWork(timeouts=3)
+        with caplog.at_level(logging.WARNING, logger="zero_engine.watchdog"):
+            watchdog.wait(slow, record)
+        assert slow.waits == 4 and any("is slow" in r.getMessage() for r in caplog.records), caplog.records
+        with pytest.raises(DistributedError, match=r"collective #1 all_gather of w .* failed: Connection reset"):
+            watchdog.wait(_ScriptedWork(timeouts=0, error="Connection reset by peer"), record)
+        assert watchdog.failed
+        watchdog.failed = False
+        watchdog.collective_timeout_s = 0.3
+        with pytest.raises(DistributedError, match=r"did not complete within zero_engine.collective_timeout_s=0.3s"):
+            watchdog.wait(_ScriptedWork(timeouts=10**6), record)
+    finally:
+        watchdog.stop(mark=None)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 Finalize = Optional[Callable[[], None]]
+Issued = tuple[Optional[object], Finalize]  # (work, finalize): what every CollectiveIssuer call returns
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -107,107 +108,83 @@ def support_for(backend: str) -> BackendSupport:
     return _support_by_backend[backend]
 
 
-class _RunOnce:
-    """Wrap a finalize step so that calling Pending.wait() twice does not, e.g., divide by the world size twice."""
+def _divide_once(tensor: torch.Tensor, world_size: int) -> Callable[[], None]:
+    """"avg" on a backend without AVG: SUM, then this. At most once: a second ``Pending.wait()`` must not divide
+    again."""
+    once = [tensor]
 
-    def __init__(self, step: Callable[[], None]) -> None:
-        self._step: Optional[Callable[[], None]] = step
+    def divide() -> None:
+        if once:
+            once.pop().div_(world_size)
 
-    def __call__(self) -> None:
-        step, self._step = self._step, None
-        if step is not None:
-            step()
-
-
-def _finish(work, finalize: Finalize, async_op: bool):
-    """Return (work, finalize) for async calls; for sync calls complete everything now and return (None, None)."""
-    if async_op:
-        return work, (_RunOnce(finalize) if finalize is not None else None)
-    if work is not None:
-        work.wait()
-    if finalize is not None:
-        finalize()
-    return None, None
+    return divide
 
 
 class CollectiveIssuer:
-    """Issues the four logical collectives on one process group, natively where possible."""
+    """Issues the four logical collectives on one process group, natively where possible.
+
+    Every call issues asynchronously and returns ``(work, finalize)``: the work handle and what has to run once it
+    completed, or None (see the module docstring). The communicator waits, through its watchdog, for a synchronous
+    call. The capabilities are read per call, from the shared ``support`` record (tests force the emulations by
+    setting its fields)."""
 
     def __init__(self, group, backend: str, world_size: int) -> None:
         self.group = group
         self.backend = str(backend)
         self.world_size = world_size
+        self.rank = dist.get_rank(group)
         self.support = support_for(self.backend)
         if "nccl" in self.backend.lower():
             # NCCL runs all_gather_into_tensor, reduce_scatter_tensor and AVG natively: never emulate on that path
             # (an emulation would add a full-size copy per reduce-scatter and hide a real NCCL error).
             self.support = BackendSupport(all_gather_single=True, reduce_scatter_single=True, avg=True)
 
-    # -- avg ---------------------------------------------------------------------------------------------------
-
-    def _reduce_with_avg_fallback(self, issue: Callable[[dist.ReduceOp], object], result: torch.Tensor, op: str,
-                                  async_op: bool):
-        """Run ``issue(reduce_op)``; for "avg" on a backend without AVG, issue SUM and divide when it completes."""
-        if op != "avg" or self.support.avg:
-            return _finish(issue(reduce_op(op)), None, async_op)
-        work = issue(dist.ReduceOp.SUM)
-        world_size = self.world_size
-        return _finish(work, lambda: result.div_(world_size), async_op)
-
-    # -- the four collectives ------------------------------------------------------------------------------------
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Issued:
         if self.support.all_gather_single:
-            return _finish(_all_gather_single(output, input, group=self.group, async_op=async_op), None, async_op)
+            return _all_gather_single(output, input, group=self.group, async_op=True), None
         # The per-rank chunks are views of `output`, so the list form writes straight into it: no extra copy.
         chunks = list(output.view(-1).chunk(self.world_size))
-        work = dist.all_gather(chunks, input.reshape(-1), group=self.group, async_op=async_op)
-        return _finish(work, None, async_op)
+        return dist.all_gather(chunks, input.reshape(-1), group=self.group, async_op=True), None
 
     def reduces_in_place(self, input_is_scratch: bool) -> bool:
-        """Whether ``reduce_scatter`` runs as an all-reduce of the input in place (see [Note: gloo's reduce-scatter
-        is an all-reduce of a copy]); the communicator records it as the all-reduce it is."""
+        """Whether ``reduce_scatter`` of a scratch input runs as an all-reduce of that input in place (see [Note:
+        gloo's reduce-scatter is an all-reduce of a copy]); the communicator records it as the all-reduce it is."""
         return input_is_scratch and (self.support.reduce_scatter_copies_input or not self.support.reduce_scatter_single)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, async_op: bool,
-                       input_is_scratch: bool = False):
-        """``input_is_scratch``: the caller will not read ``input`` again, so it may be reduced in place."""
-        if self.support.reduce_scatter_single and not self.reduces_in_place(input_is_scratch):
-            return self._reduce_with_avg_fallback(
-                lambda torch_op: _reduce_scatter_single(output, input, op=torch_op, group=self.group,
-                                                        async_op=async_op),
-                output, op, async_op)
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, in_place: bool = False) -> Issued:
+        """``in_place`` (from ``reduces_in_place``): the caller will not read ``input`` again, and it is all-reduced
+        in place."""
+        support = self.support
+        divide = op == "avg" and not support.avg
+        torch_op = dist.ReduceOp.SUM if divide else _REDUCE_OPS[op]  # op checked by the communicator
+        if support.reduce_scatter_single and not in_place:
+            work = _reduce_scatter_single(output, input, op=torch_op, group=self.group, async_op=True)
+            return work, (_divide_once(output, self.world_size) if divide else None)
         # All-reduce, then keep this rank's slice. Emulated, it costs a temporary copy of the full input (the
         # caller's input must stay untouched), unless the caller says it is scratch.
-        reduced = input.detach().reshape(-1) if input_is_scratch else input.detach().reshape(-1).clone()
-        rank = dist.get_rank(self.group)
-        my_slice = reduced.chunk(self.world_size)[rank]
+        reduced = input.detach().reshape(-1) if in_place else input.detach().reshape(-1).clone()
+        my_slice = reduced.chunk(self.world_size)[self.rank]
+        work = dist.all_reduce(reduced, op=torch_op, group=self.group, async_op=True)
+        world_size, once = self.world_size, [output.view(-1)]
 
-        def copy_my_slice() -> None:
-            output.view(-1).copy_(my_slice)
+        def complete() -> None:  # at most once: a second Pending.wait() must not divide again
+            if once:
+                if divide:
+                    reduced.div_(world_size)
+                once.pop().copy_(my_slice)
 
-        # Issued async internally so the slice copy can be deferred to wait().
-        work, finalize = self._reduce_with_avg_fallback(
-            lambda torch_op: dist.all_reduce(reduced, op=torch_op, group=self.group, async_op=True),
-            reduced, op, async_op=True)
+        return work, complete
 
-        def complete() -> None:
-            if finalize is not None:
-                finalize()
-            copy_my_slice()
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> Issued:
+        divide = op == "avg" and not self.support.avg
+        torch_op = dist.ReduceOp.SUM if divide else _REDUCE_OPS[op]  # op checked by the communicator
+        work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=True)
+        return work, (_divide_once(tensor, self.world_size) if divide else None)
 
-        return _finish(work, complete, async_op)
-
-    def all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool):
-        return self._reduce_with_avg_fallback(
-            lambda torch_op: dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=async_op),
-            tensor, op, async_op)
-
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Issued:
         """Native on NCCL and on gloo (CPU tensors; checked with torch 2.13's gloo, sync and async)."""
-        return _finish(dist.all_to_all_single(output, input, group=self.group, async_op=async_op), None, async_op)
+        return dist.all_to_all_single(output, input, group=self.group, async_op=True), None
 
-    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool):
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Issued:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
-        return _finish(work, None, async_op)
+        return dist.broadcast(tensor, src=global_src, group=self.group, async_op=True), None

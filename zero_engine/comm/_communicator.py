@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zero_engine._profiling import profile_range as record_function  # no-op without a profiler
-from zero_engine.comm._backend import CollectiveIssuer, reduce_op
+from zero_engine.comm._backend import _REDUCE_OPS, CollectiveIssuer, reduce_op
 from zero_engine.comm._init import group_timeout_s
 from zero_engine.comm._records import CollectiveRecord, ProgressLog
 from zero_engine.comm.watchdog import StallWatchdog, default_store
@@ -179,10 +179,14 @@ class Communicator:
             # joined then) instead of leaving that to garbage collection at interpreter exit.
             self.group = self._issuer = None
 
+    def _closed_error(self, kind: str, name: str) -> RuntimeError:
+        return RuntimeError(f"{kind} {name!r} on rank {self.rank}: this communicator was closed "
+                            "(engine.destroy()); build a new engine to train again")
+
     def _record(self, kind: str, tensor: Optional[torch.Tensor], numel: int, name: str) -> CollectiveRecord:
+        """The progress record of a collective about to be issued (and its agreement, when one was asked for)."""
         if self._closed:
-            raise RuntimeError(f"{kind} {name!r} on rank {self.rank}: this communicator was closed "
-                               "(engine.destroy()); build a new engine to train again")
+            raise self._closed_error(kind, name)
         dtype = "" if tensor is None else (_DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype))
         record = self.progress.record(kind, dtype, numel, name)
         if self._agree_next[0]:
@@ -190,15 +194,31 @@ class Communicator:
             self.watchdog.agree(record)
         return record
 
-    def _pending(self, issued, tensor: torch.Tensor, record: CollectiveRecord, async_op: bool) -> Pending:
-        """Wrap what the issuer returned (always issued async) and, for a synchronous call, wait for it here so that
-        synchronous collectives are watched too."""
-        work, finalize = issued
-        pending = Pending(work, tensor, finalize, record, self.watchdog)
+    def _issue(self, kind: str, record_kind: str, name: str, input: torch.Tensor, nbytes: int, issue, args: tuple,
+               result: torch.Tensor, async_op: bool) -> Pending:
+        """Issue one tensor collective whose arguments were checked: its progress record (and agreement, when one
+        was asked for), ``issue(*args)`` (a CollectiveIssuer method: always asynchronous) inside its profiler range,
+        ``nbytes`` counted under ``kind``, and its handle. A synchronous call is waited here, so that synchronous
+        collectives are watched too. ``record_kind`` is what runs: a reduce-scatter run as an all-reduce is
+        recorded as one."""
+        # _record's steps written out, not called: this runs for every collective of every step.
+        if self._closed:
+            raise self._closed_error(record_kind, name)
+        record = self.progress.record(record_kind, _DTYPE_NAMES.get(input.dtype) or _dtype_name(input.dtype),
+                                      input.numel(), name)
+        if self._agree_next[0]:
+            self._agree_next[0] = False
+            self.watchdog.agree(record)
+        with record_function(_RANGE_NAMES[kind], name):
+            work, finalize = issue(*args)
+        counts = self._stats[kind]
+        counts["calls"] += 1
+        counts["bytes"] += nbytes
+        pending = Pending(work, result, finalize, record, self.watchdog)
         if async_op:
             return pending
         pending.wait()
-        return Pending(None, tensor)
+        return Pending(None, result)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend}, "
@@ -225,9 +245,8 @@ class Communicator:
             raise ValueError(f"{kind} {name!r} on rank {self.rank} (world {self.world_size}): {problem}")
 
     def _check_pair(self, kind: str, name: str, output: torch.Tensor, input: torch.Tensor) -> None:
-        if (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
-                and input.is_contiguous()):
-            return  # the common case in one test: this runs before every collective
+        """Raise the ValueError that says how ``output`` and ``input`` do not match; called only when the
+        collective's own one-line test failed (that test also covers the sizes, whose message is the caller's)."""
         self._require(output.dtype == input.dtype, kind, name,
                       f"output dtype {output.dtype} differs from input dtype {input.dtype}")
         self._require(output.device == input.device, kind, name,
@@ -258,7 +277,8 @@ class Communicator:
         mine = torch.tensor([descriptor.signature_hash()], dtype=torch.int64, device=device)
         hashes = torch.empty(self.world_size, dtype=torch.int64, device=device)
         with record_function("zero3::debug_check"):
-            self._issuer.all_gather(hashes, mine, async_op=False)
+            work, _ = self._issuer.all_gather(hashes, mine)  # no finalize: the list form writes into `hashes`
+            work.wait()
         if not hashes_disagree(hashes):
             return
         descriptors: list = [None] * self.world_size
@@ -274,18 +294,17 @@ class Communicator:
         ``output`` must hold world_size x input.numel() elements. Counts the output bytes.
         """
         kind = "all_gather"
-        self._check_pair(kind, name, output, input)
-        if output.numel() != input.numel() * self.world_size:  # the message is built only on failure
+        # The checks: the common case in one test (this runs before every collective), the message only on failure.
+        if not (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
+                and input.is_contiguous() and output.numel() == input.numel() * self.world_size):
+            self._check_pair(kind, name, output, input)
             self._require(False, kind, name,
                           f"output has {output.numel()} elements; expected world_size x input = "
                           f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
-        record = self._record(kind, input, input.numel(), name)
-        with record_function(_RANGE_NAMES[kind], name):
-            issued = self._issuer.all_gather(output, input, True)
-        self._count(kind, output.numel() * output.element_size())
-        return self._pending(issued, output, record, async_op)
+        return self._issue(kind, kind, name, input, output.numel() * output.element_size(), self._issuer.all_gather,
+                           (output, input), output, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
                               async_op: bool = False, name: str = "", input_is_scratch: bool = False) -> Pending:
@@ -299,66 +318,62 @@ class Communicator:
         kind = "reduce_scatter"
         if op not in _REDUCE_SCATTER_OPS:
             raise ValueError(f"reduce_scatter {name!r}: op={op!r} is not supported; use one of {_REDUCE_SCATTER_OPS}")
-        self._check_pair(kind, name, output, input)
-        if input.numel() != output.numel() * self.world_size:  # the message is built only on failure
+        if not (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
+                and input.is_contiguous() and input.numel() == output.numel() * self.world_size):
+            self._check_pair(kind, name, output, input)  # the message only on failure, as in all_gather
             self._require(False, kind, name,
                           f"input has {input.numel()} elements; expected world_size x output = "
                           f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
-        self._require_float_for_avg(kind, name, op, input)
+        if op == "avg" and not input.is_floating_point():
+            self._require_float_for_avg(kind, name, op, input)
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name)
         in_place = self._issuer.reduces_in_place(input_is_scratch)
-        record = self._record("all_reduce" if in_place else kind, input, input.numel(), name)
-        with record_function(_RANGE_NAMES[kind], name):
-            issued = self._issuer.reduce_scatter(output, input, op, True, input_is_scratch)
-        self._count(kind, input.numel() * input.element_size())
-        return self._pending(issued, output, record, async_op)
+        return self._issue(kind, "all_reduce" if in_place else kind, name, input, input.numel() * input.element_size(),
+                           self._issuer.reduce_scatter, (output, input, op, in_place), output, async_op)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                           name: str = "") -> Pending:
         """Rank r sends chunk j of ``input`` (``world_size`` equal chunks) to rank j, which stores it as chunk r of
         ``output``. Equal sizes only. Counts the input bytes."""
         kind = "all_to_all"
-        self._check_pair(kind, name, output, input)
-        if output.numel() != input.numel() or input.numel() % self.world_size:  # the message only on failure
+        if not (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
+                and input.is_contiguous() and output.numel() == input.numel()
+                and input.numel() % self.world_size == 0):
+            self._check_pair(kind, name, output, input)  # the message only on failure, as in all_gather
             self._require(False, kind, name,
                           f"input ({input.numel()}) and output ({output.numel()}) must have the same number of "
                           f"elements, a multiple of world_size {self.world_size}")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
-        record = self._record(kind, input, input.numel(), name)
-        with record_function(_RANGE_NAMES[kind], name):
-            issued = self._issuer.all_to_all(output, input, True)
-        self._count(kind, input.numel() * input.element_size())
-        return self._pending(issued, output, record, async_op)
+        return self._issue(kind, kind, name, input, input.numel() * input.element_size(), self._issuer.all_to_all,
+                           (output, input), output, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, name: str = "") -> Pending:
         """Reduce ``tensor`` in place across ranks with ``op`` ("sum", "avg", "max" or "min"). Counts its bytes."""
         kind = "all_reduce"
-        reduce_op(op)  # validates the name before anything is exchanged
-        self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
-        self._require_float_for_avg(kind, name, op, tensor)
+        if op not in _REDUCE_OPS:
+            reduce_op(op)  # raises the ValueError that names the ops, before anything is exchanged
+        if not tensor.is_contiguous():  # the message only on failure, as in all_gather
+            self._require(False, kind, name, "tensor must be contiguous")
+        if op == "avg" and not tensor.is_floating_point():
+            self._require_float_for_avg(kind, name, op, tensor)
         if self.debug:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
-        record = self._record(kind, tensor, tensor.numel(), name)
-        with record_function(_RANGE_NAMES[kind], name):
-            issued = self._issuer.all_reduce(tensor, op, True)
-        self._count(kind, tensor.numel() * tensor.element_size())
-        return self._pending(issued, tensor, record, async_op)
+        return self._issue(kind, kind, name, tensor, tensor.numel() * tensor.element_size(), self._issuer.all_reduce,
+                           (tensor, op), tensor, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, name: str = "") -> Pending:
         """Copy ``tensor`` from rank ``src`` (a rank of this communicator's group) to every rank. Counts its bytes."""
         kind = "broadcast"
-        self._require(0 <= src < self.world_size, kind, name, f"src={src} is not a rank of this group "
-                      f"(0..{self.world_size - 1})")
-        self._require(tensor.is_contiguous(), kind, name, "tensor must be contiguous")
+        if not (0 <= src < self.world_size and tensor.is_contiguous()):  # the message only on failure
+            self._require(0 <= src < self.world_size, kind, name, f"src={src} is not a rank of this group "
+                          f"(0..{self.world_size - 1})")
+            self._require(False, kind, name, "tensor must be contiguous")
         if self.debug:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
-        record = self._record(kind, tensor, tensor.numel(), name)
-        with record_function(_RANGE_NAMES[kind], name):
-            issued = self._issuer.broadcast(tensor, src, True)
-        self._count(kind, tensor.numel() * tensor.element_size())
-        return self._pending(issued, tensor, record, async_op)
+        return self._issue(kind, kind, name, tensor, tensor.numel() * tensor.element_size(), self._issuer.broadcast,
+                           (tensor, src), tensor, async_op)
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, indexed by rank. For small metadata (e.g. order checks), not tensors."""

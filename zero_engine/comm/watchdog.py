@@ -189,6 +189,8 @@ class StallWatchdog:
         # left to NCCL's own watchdog and the process group's timeout, while records, holds, the step fingerprint
         # and the heartbeat work as on gloo.
         self.watches_waits = self.wait_with_timeout = backend == "gloo"
+        # the first slice of every wait (see _wait): until the stall check, or the give-up time if that is sooner
+        self._first_slice = datetime.timedelta(seconds=max(min(self.stall_timeout_s, self.collective_timeout_s), 1e-3))
         # Every rank builds its communicators in the same order, so the n-th watchdog has the same prefix everywhere
         # and a later engine in the same process group never reads an earlier one's keys.
         self.prefix = f"zero_engine/watchdog{next(_instances)}/"
@@ -298,8 +300,19 @@ class StallWatchdog:
     # ---- the wait ------------------------------------------------------------------------------------------------
     def wait(self, work, record: Optional[CollectiveRecord]) -> None:
         """Wait for ``work`` in slices; diagnose a stall; turn a backend failure into a DistributedError."""
+        started = time.monotonic()
         try:
-            self._wait(work, record)
+            # The common case in this one call: a work whose wait honours a timeout completes within the first
+            # slice (what _wait_slice would wait). Anything else (a timeout, a failure, a work waited on the helper
+            # thread) goes the whole way through _wait, from the same start: a timed-out or failed work's wait
+            # raises again there, and is told apart and explained as before.
+            if self.wait_with_timeout and record is not None and record.kind in _WAIT_HONOURS_TIMEOUT:
+                try:
+                    work.wait(timeout=self._first_slice)
+                    return
+                except RuntimeError:
+                    pass
+            self._wait(work, record, started)
         except DistributedError:
             self._mark_failed()
             raise
@@ -319,8 +332,7 @@ class StallWatchdog:
         if self._waiter is not None and self._waiter._current is not None and _waiter is self._waiter:
             _waiter = None  # its thread is stuck in a work of the broken group: the next group gets a fresh one
 
-    def _wait(self, work, record: Optional[CollectiveRecord]) -> None:
-        started = time.monotonic()
+    def _wait(self, work, record: Optional[CollectiveRecord], started: float) -> None:
         stall_at = started + self.stall_timeout_s
         give_up_at = started + self.collective_timeout_s
         while True:
@@ -355,7 +367,7 @@ class StallWatchdog:
                 delay = min(delay * 1.5, 1e-3)  # overshoot at most ~1/3 of the wait, and at most 1 ms
             work.wait()
             return True
-        except RuntimeError as error:
+        except RuntimeError:
             if not work.is_completed():
                 return False  # this slice timed out; the work goes on
             try:

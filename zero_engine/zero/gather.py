@@ -48,6 +48,7 @@ class GatherWork:
 
     @property
     def flat_bytes(self) -> int:
+        """The staging buffers' bytes (``issue`` and ``wait`` add them up as they go, without this)."""
         return sum([out.numel() * out.element_size() for out, _ in self.flat])
 
     def wait(self) -> None:
@@ -55,7 +56,9 @@ class GatherWork:
             return
         for handle in self.pending:
             handle.wait()
+        staged = 0  # bytes, as flat_bytes
         for out, layout in self.flat:
+            staged += out.numel() * out.element_size()
             # One copy-out kernel per staged run (as FSDP2's): the [world, elements per rank] rows split by columns,
             # each column block written into its parameter's own storage, viewed [world, shard_numel].
             sizes = [p.shard_numel for p in layout]
@@ -63,8 +66,8 @@ class GatherWork:
             world = rows.shape[0]
             torch.split_with_sizes_copy(rows, sizes, dim=1, out=[
                 full.view(world, numel) for full, numel in zip(foreach_alloc_full(layout), sizes)])
-        if self.flat and self.accounting is not None:
-            self.accounting.add("comm_buffers", -self.flat_bytes)
+        if staged and self.accounting is not None:
+            self.accounting.add("comm_buffers", -staged)
         self.flat.clear()
         self.keep_alive.clear()
         foreach_to_available(self.params)
@@ -92,7 +95,7 @@ def _all_gather(comm, streams, work: GatherWork, out: torch.Tensor, inp: torch.T
     lifetime]: ``out`` was allocated on the compute stream before this call, ``work`` holds ``inp`` until its
     ``wait()``, which orders the readers of ``out``)."""
     work.keep_alive.append(inp)
-    if streams is None:
+    if streams is None or streams.all_gather is None:  # not CUDA: no side stream (streams.collective_on's no-op)
         work.pending.append(comm.all_gather_into_tensor(out, inp, async_op=True, name=name))
         return
     work.pending.append(streams.collective_on(
@@ -113,15 +116,16 @@ class CoalescedGather:
         self.streams = streams  # CommStreams on CUDA (None: issue on the current stream)
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
-        work = GatherWork(params=list(params), pending=[], accounting=self.accounting,
-                          numel=sum([p.padded_numel for p in params]))
+        work = GatherWork(params=list(params), pending=[], accounting=self.accounting)
         foreach_to_inflight(params, refresh)
         small = []
         for p in params:
+            work.numel += p.padded_numel
             if p.padded_numel >= DIRECT_GATHER_NUMEL:
                 _gather_direct(self.comm, work, p, name, self.streams)
             else:
                 small.append(p)
+        staged = 0  # bytes, as work.flat_bytes
         for run in _runs(small, self.bucket_numel):
             if len(run) == 1:  # alone, it needs no staging either
                 _gather_direct(self.comm, work, run[0], name, self.streams)
@@ -132,8 +136,9 @@ class CoalescedGather:
             out = torch.empty(inp.numel() * self.comm.world_size, dtype=inp.dtype, device=inp.device)
             _all_gather(self.comm, self.streams, work, out, inp, name)
             work.flat.append((out, run))  # the run's shards lie back to back in each rank's row
-        if work.flat and self.accounting is not None:
-            self.accounting.add("comm_buffers", work.flat_bytes)
+            staged += out.numel() * out.element_size()
+        if staged and self.accounting is not None:
+            self.accounting.add("comm_buffers", staged)
         return work
 
 
