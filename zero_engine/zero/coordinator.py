@@ -233,8 +233,9 @@ class ParamCoordinator:
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
         with profile_range("zero3::fetch", event.module):
-            self.gathered.unkeep(unit.params)  # in use again: not given up to make room below
-            self._make_room(unit.missing_numel())
+            if self.gathered.kept:  # none kept (max_reuse_distance 0, no tied weight): no walk, no call
+                self.gathered.unkeep(unit.params)  # in use again: not given up to make room below
+                self._make_room(unit.missing_numel())
             unit.unshard(event.module)
             unit.wait_for_unshard()
             self.fetch_count += 1
@@ -283,7 +284,7 @@ class ParamCoordinator:
         p = self._sharded_of.get(id(param))
         if p is None or p.is_persistent:
             return
-        if reader is not None and p in self._unit_of[reader]:
+        if reader is not None and id(p) in self._unit_of[reader].param_ids:
             return  # the unit's own parameter: the common case
         if any(p in self._unit_of[m] for m in external.units_in_forward(self)):
             return  # an enclosing unit gathers it, and holds it longer than the reader runs
@@ -361,7 +362,7 @@ class ParamCoordinator:
     def _make_room(self, numel: int) -> None:
         """Give up parameters kept for reuse (oldest first) until ``numel`` more fits under max_live_parameters."""
         for p in list(self.gathered.kept.values()):
-            if self.live_numel + numel <= self.max_live:
+            if self.gathered.numel + numel <= self.max_live:
                 return
             release_if_unused(p)  # the release rule without the trace: kept only for reuse, never if used or held
 
@@ -379,14 +380,18 @@ class ParamCoordinator:
         after the frontier (``release``), the look-ahead starts at the frontier: the same candidates, without walking
         again over the gathered events ahead (with everything kept, the whole rest of the trace at every fetch).
         """
-        in_flight = sum({id(w): w.numel for w in self.gathered.inflight.values()}.values())
+        works = {}
+        for w in self.gathered.inflight.values():  # a loop, not a comprehension: this runs at every fetch
+            works[id(w)] = w.numel
+        in_flight = sum(works.values())
         budget = self.prefetch_numel - in_flight
         chosen: list[ShardedParam] = []
         start = index + 1
-        if self._frontier[0] == releases():
+        epoch = releases()  # _choose_prefetch releases nothing
+        if self._frontier[0] == epoch:
             start = max(start, self._frontier[1])
         stop = self._choose_prefetch(start, budget, bool(in_flight), chosen)
-        self._frontier = (releases(), stop)
+        self._frontier = (epoch, stop)
         if chosen:
             self.prefetch_count += len(chosen)
             self.gathered.issue(chosen, self.trace.units[index].prefetch_name)
