@@ -1,4 +1,4 @@
-"""The one rule that decides whether a gathered parameter may be freed (zero_engine/zero/unit.py, ``may_release``).
+"""The one rule that decides whether a gathered parameter may be freed (zero_engine/zero/unit.py, ``releasable``).
 
 A parameter is released only when it is whole, not persistent, used by no running module, held by no user (a
 ``GatheredParameters`` block, the engine's hold to the end of the step) and, following the trace, not reused soon;
@@ -187,11 +187,11 @@ def test_every_release_site_consults_the_one_predicate(site, monkeypatch):
     """With the rule refusing everything, no site releases anything: none decides on its own."""
     asked = []
 
-    def refuse(p, *args, **kwargs):
-        asked.append(p)
-        return False
+    def refuse(params, *args, **kwargs):
+        asked.extend(params)
+        return [], []
 
-    monkeypatch.setattr(unit, "may_release", refuse)
+    monkeypatch.setattr(unit, "releasable", refuse)
     coordinator, sp = _run_site(site, _nothing, monkeypatch)
     assert any(p is sp for p in asked), f"{site} did not ask the release rule"
     assert sp.status is ParamStatus.AVAILABLE, f"{site} released a parameter the rule refused"
@@ -233,6 +233,70 @@ def test_trace_next_use_table_matches_a_search_of_the_trace():
             for p in params:
                 assert trace.next_use(p, fetched_at, after) == _next_use_by_search(trace, p, after), \
                     (p.fqn, fetched_at, after)
+
+
+def test_trace_next_uses_are_looked_up_once_and_again_when_a_unit_grows(monkeypatch):
+    """The trace does not change between recordings: a following step finds every release's ``NextUse``s cached
+    (no per-parameter lookup), until an external parameter joins a unit (its list grows in place)."""
+    coordinator, layers, _ = build_coordinator(n_layers=3)
+    run_step(coordinator, layers)  # records the trace
+    run_step(coordinator, layers)  # follows it: computes each release's next uses
+    trace = coordinator.trace
+    looked_up = []
+    next_event = trace.next_event
+    monkeypatch.setattr(trace, "next_event", lambda p, *args: looked_up.append(p) or next_event(p, *args))
+    run_step(coordinator, layers)
+    assert looked_up == []
+    tied = coordinator.unit_of(layers[0]).params[0]
+    coordinator.add_external(layers[2], tied.param, gather_now=False)
+    run_step(coordinator, layers)
+    assert coordinator.trace is trace and coordinator.follows_trace is False  # the same trace, followed to the end
+    grown = coordinator.unit_of(layers[2]).params
+    assert len(looked_up) == 2 * len(grown) and set(map(id, looked_up)) == set(map(id, grown))  # forward, backward
+    for (fetched_at, after), (params, uses, nexts) in trace._next_uses.items():
+        assert uses == [trace.next_use(p, fetched_at, after) for p in params], (fetched_at, after)
+        assert nexts == {id(p): trace.next_event(p, fetched_at, after) for p in params}
+
+
+def _counting(monkeypatch, name, calls):
+    """Swap ``unit.<name>`` (a function over a list of parameters) for one that records the length of each list."""
+    original = getattr(unit, name)
+
+    def counted(params, *args, **kwargs):
+        calls.append((name, len(params)))
+        return original(params, *args, **kwargs)
+
+    monkeypatch.setattr(unit, name, counted)
+
+
+def test_a_unit_and_the_end_of_step_ask_the_rule_and_release_in_one_call_each(monkeypatch):
+    coordinator, layers, _ = build_coordinator(n_layers=3, max_reuse_distance=2 * PER_LAYER)
+    run_step(coordinator, layers)  # records the trace
+    calls = []
+    _counting(monkeypatch, "releasable", calls)
+    _counting(monkeypatch, "foreach_release", calls)
+    coordinator.begin_step()
+    coordinator.fetch(layers[0], "forward")
+    coordinator.release(layers[0])  # used again only at the end of the backward: released, both parameters
+    assert calls == [("releasable", 2), ("foreach_release", 2)]
+    assert all(p.status is ParamStatus.NOT_AVAILABLE for p in coordinator.unit_of(layers[0]).params)
+    calls.clear()
+    coordinator.fetch(layers[1], "forward")
+    coordinator.fetch(layers[2], "forward")
+    coordinator.release(layers[2])  # used again next (its backward): kept, nothing released
+    assert calls == [("releasable", 2)] and len(coordinator.gathered.kept) == 2
+    calls.clear()
+    # every parameter of the model, once each, in one call: layers[1] in use, layers[2] kept, layers[0] prefetched
+    coordinator.end_step(adopt_trace=False)
+    assert calls == [("releasable", 6), ("foreach_release", 6)]
+    assert coordinator.live_numel == 0 and not coordinator.gathered.kept
+
+
+def test_releasing_a_parameter_that_is_not_whole_still_raises():
+    coordinator, layers, _ = build_coordinator(n_layers=1)
+    sp = coordinator.unit_of(layers[0]).params[1]
+    with pytest.raises(AssertionError, match=r"layers.0.bias: released while NOT_AVAILABLE on rank 0"):
+        sp.release()
 
 
 def test_units_are_listed_in_module_order_and_own_their_parameters():

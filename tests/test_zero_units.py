@@ -161,6 +161,7 @@ def test_coordinator_never_exceeds_the_live_budget():
         run_step(coordinator, layers, observe=lambda c: seen.append(c.live_numel))
     assert max(seen) <= budget, (max(seen), budget)
     assert coordinator.prefetch_count > 0
+    assert coordinator.peak_live_numel == max(seen)  # the peak counts prefetches too (issued inside a fetch)
 
 
 def test_coordinator_keeps_a_parameter_reused_soon():

@@ -33,7 +33,7 @@ from ..errors import RankDivergenceError
 from . import external
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
-from .unit import LiveParams, NextUse, ParamUnit, release_if_unused, releases
+from .unit import LiveParams, NextUse, ParamUnit, release_if_unused, release_unused, releases
 
 log = logging.getLogger("zero_engine.coordinator")
 
@@ -56,6 +56,8 @@ class _Trace:
     next_index: list[dict[int, int | None]] = field(default_factory=list)
     uses: dict[int, list[int]] = field(default_factory=dict)  # id(ShardedParam) -> event indices using it
     shared: set[int] = field(default_factory=set)  # id(ShardedParam) of parameters used by several modules
+    # (fetched_at, after) -> (the unit's parameters then, their NextUses, id(p) -> next event): see next_uses
+    _next_uses: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
     def __post_init__(self):
         self.params = [unit.params for unit in self.units]
@@ -86,6 +88,23 @@ class _Trace:
         uses = self.uses.get(key, [])  # it joined the unit after the trace was recorded (external.py): search
         k = bisect.bisect_right(uses, after)
         return uses[k] if k < len(uses) else None
+
+    def next_uses(self, params: list[ShardedParam], fetched_at: int,
+                  after: int) -> tuple[list[NextUse], dict[int, int | None]]:
+        """The ``NextUse`` of each of ``params`` (the parameters of the unit event ``fetched_at`` fetched, in order)
+        after event ``after``, and the index of each one's next event by id. The trace does not change once
+        recorded, so the answer for a (fetch, end) pair is computed once, at its first following step, and cached
+        while the unit's parameters are the same (an external parameter joining it makes one more)."""
+        key = (fetched_at, after)
+        cached = self._next_uses.get(key)
+        if cached is not None and cached[0] == params:  # compares identities: ShardedParam has no __eq__
+            return cached[1], cached[2]
+        uses, nexts = [], {}
+        for p in params:
+            nxt = nexts[id(p)] = self.next_event(p, fetched_at, after)
+            uses.append(self.use_at(p, nxt, after))
+        self._next_uses[key] = (list(params), uses, nexts)
+        return uses, nexts
 
     def next_use(self, p: ShardedParam, fetched_at: int, after: int) -> NextUse:
         """When ``p``, used by event ``fetched_at``, is used next after event ``after`` (>= ``fetched_at``)."""
@@ -130,7 +149,8 @@ class ParamCoordinator:
         self._fetched_at = [0] * len(self.units)  # trace index of each unit's latest fetch while following
         self._warned_deviation = False
         unique = {id(p): p for unit in self.units for p in unit.params}
-        self._sharded_of = {id(p.param): p for p in unique.values()}  # nn.Parameter -> its state, this model only
+        self._params = list(unique.values())  # every unit's, once each (external ones join from among these)
+        self._sharded_of = {id(p.param): p for p in self._params}  # nn.Parameter -> its state, this model only
         self._held: dict[int, ShardedParam] = {}  # held by the engine until the end of the step (external.py)
         ParamCoordinator.live.add(self)
         for p in unique.values():
@@ -174,13 +194,9 @@ class ParamCoordinator:
         """End of backward: wait for stray prefetches, release everything not persistent, settle the trace."""
         self.gathered.wait_all()
         self._drop_holds()
-        for unit in self.units:
-            for p in unit.params:
-                p.active_users = 0
-        for unit in self.units:
-            for p in unit.params:
-                if not p.is_persistent:  # never released (the rule's first answer, without a call)
-                    release_if_unused(p)
+        for p in self._params:
+            p.active_users = 0
+        release_unused(self._params)
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
             events = [e for e, _ in self._recording]
@@ -217,8 +233,9 @@ class ParamCoordinator:
                     f"step deviates from the recorded module order at {event.module} ({phase}); "
                     "gathering on demand for the rest of this step")
         with profile_range("zero3::fetch", event.module):
-            self.gathered.unkeep(unit.params)  # in use again: not given up to make room below
-            self._make_room(unit.missing_numel())
+            if self.gathered.kept:  # none kept (max_reuse_distance 0, no tied weight): no walk, no call
+                self.gathered.unkeep(unit.params)  # in use again: not given up to make room below
+                self._make_room(unit.missing_numel())
             unit.unshard(event.module)
             unit.wait_for_unshard()
             self.fetch_count += 1
@@ -241,22 +258,22 @@ class ParamCoordinator:
         inside one forward or one backward, so it is gathered once per pass; the live budget still rules: _make_room
         gives kept parameters up first when a fetch needs room."""
         unit = self._unit_of[module]
-        next_use, next_events = None, {}
+        next_uses = next_events = None
         if self._following:  # the trace says which parameters are used again soon
-            fetched_at, after = self._fetched_at[unit.index], self._pos - 1
-
-            def next_use(p):
-                nxt = next_events[id(p)] = self.trace.next_event(p, fetched_at, after)
-                return self.trace.use_at(p, nxt, after)
+            next_uses, next_events = self.trace.next_uses(unit.params, self._fetched_at[unit.index], self._pos - 1)
         with profile_range("zero3::release", unit.name):
             releases_before = releases()
-            kept, released = unit.reshard(next_use, self.max_reuse_distance, keep_frozen)
+            kept, released = unit.reshard(next_uses, self.max_reuse_distance, keep_frozen)
             for p in kept:  # reused soon: _make_room gives it up first when a fetch needs room
                 self.gathered.kept[id(p)] = p
             epoch, frontier = self._frontier
-            if self._following and epoch == releases_before and all(
-                    [next_events[id(p)] is None or next_events[id(p)] >= frontier for p in released]):
-                self._frontier = (releases(), frontier)  # none is used before the frontier: it holds
+            if self._following and epoch == releases_before:
+                for p in released:
+                    nxt = next_events[id(p)]
+                    if nxt is not None and nxt < frontier:
+                        break
+                else:  # none is used before the frontier: it holds (releases() counted exactly these since)
+                    self._frontier = (releases_before + len(released), frontier)
         if self.on_event is not None:
             self.on_event(f"release {unit.name}")
 
@@ -267,7 +284,7 @@ class ParamCoordinator:
         p = self._sharded_of.get(id(param))
         if p is None or p.is_persistent:
             return
-        if reader is not None and p in self._unit_of[reader]:
+        if reader is not None and id(p) in self._unit_of[reader].param_ids:
             return  # the unit's own parameter: the common case
         if any(p in self._unit_of[m] for m in external.units_in_forward(self)):
             return  # an enclosing unit gathers it, and holds it longer than the reader runs
@@ -345,7 +362,7 @@ class ParamCoordinator:
     def _make_room(self, numel: int) -> None:
         """Give up parameters kept for reuse (oldest first) until ``numel`` more fits under max_live_parameters."""
         for p in list(self.gathered.kept.values()):
-            if self.live_numel + numel <= self.max_live:
+            if self.gathered.numel + numel <= self.max_live:
                 return
             release_if_unused(p)  # the release rule without the trace: kept only for reuse, never if used or held
 
@@ -363,14 +380,18 @@ class ParamCoordinator:
         after the frontier (``release``), the look-ahead starts at the frontier: the same candidates, without walking
         again over the gathered events ahead (with everything kept, the whole rest of the trace at every fetch).
         """
-        in_flight = sum({id(w): w.numel for w in self.gathered.inflight.values()}.values())
+        works = {}
+        for w in self.gathered.inflight.values():  # a loop, not a comprehension: this runs at every fetch
+            works[id(w)] = w.numel
+        in_flight = sum(works.values())
         budget = self.prefetch_numel - in_flight
         chosen: list[ShardedParam] = []
         start = index + 1
-        if self._frontier[0] == releases():
+        epoch = releases()  # _choose_prefetch releases nothing
+        if self._frontier[0] == epoch:
             start = max(start, self._frontier[1])
         stop = self._choose_prefetch(start, budget, bool(in_flight), chosen)
-        self._frontier = (releases(), stop)
+        self._frontier = (epoch, stop)
         if chosen:
             self.prefetch_count += len(chosen)
             self.gathered.issue(chosen, self.trace.units[index].prefetch_name)

@@ -52,7 +52,7 @@ _REGISTERED = WeakIdKeyDictionary()
 
 # The forwards running now, outermost first: (coordinator, module, is_unit, own). The model's root is entered as a
 # scope (is_unit False) even when it has no parameters, so a read anywhere in the model's forward has a place to go.
-# ``own``: the ids of the nn.Parameters a unit gathers (the unit's live set, ParamUnit.param_ids), so that a read of
+# ``own``: the ids of the nn.Parameters a unit gathers (the unit's live set, ParamUnit.read_ids), so that a read of
 # one of them, the common case, costs a set lookup here instead of a call into the coordinator.
 _IN_FORWARD: list[tuple[object, nn.Module, bool, "set[int] | frozenset[int]"]] = []
 

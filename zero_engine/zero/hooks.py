@@ -149,7 +149,7 @@ class ModuleHooks:
     @_eager
     def _pre_forward(self, module: nn.Module, args, kwargs):
         self.coordinator.fetch(module, "forward")
-        external.enter_forward(self.coordinator, module, is_unit=True, own=self.coordinator.unit_of(module).param_ids)
+        external.enter_forward(self.coordinator, module, is_unit=True, own=self.coordinator.unit_of(module).read_ids)
         if not torch.is_grad_enabled():
             return None
         leaves, spec = tree_flatten((args, kwargs))

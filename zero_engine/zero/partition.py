@@ -284,13 +284,7 @@ class ShardedParam:
 
     def release(self) -> None:
         """Free the full data (see [Note: release resizes storage, it does not swap tensors])."""
-        if self.status is not ParamStatus.AVAILABLE:
-            raise AssertionError(f"{self.fqn}: released while {self.status.name} on rank {self.rank}")
-        self.local.data = self._empty
-        self.full.untyped_storage().resize_(0)
-        self.status = ParamStatus.NOT_AVAILABLE
-        if type(self.param) is GatheredZeroParameter:
-            self.param.__class__ = ZeroParameter
+        foreach_release((self,))
 
     def take_full_into_shard(self) -> None:
         """After the full data was edited (GatheredParameters, zero.Init): keep this rank's slice of it."""
@@ -403,6 +397,22 @@ def foreach_to_available(params: Iterable["ShardedParam"]) -> None:
             param.__class__ = GatheredZeroParameter
         p.local.data = p.full[: p.numel].view(p.shape)
         p.status = ParamStatus.AVAILABLE
+
+
+def foreach_release(params: Iterable["ShardedParam"]) -> None:
+    """The transition AVAILABLE -> NOT_AVAILABLE of each of ``params``: free their full data (see [Note: release
+    resizes storage, it does not swap tensors]); a unit's reshard releases its parameters in this one call, as a
+    gather makes its transitions (see [Note: a gather's transitions in one call]). ``ShardedParam.release`` calls
+    it."""
+    for p in params:
+        if p.status is not ParamStatus.AVAILABLE:
+            raise AssertionError(f"{p.fqn}: released while {p.status.name} on rank {p.rank}")
+        p.local.data = p._empty
+        p.full.untyped_storage().resize_(0)
+        p.status = ParamStatus.NOT_AVAILABLE
+        param = p.param
+        if type(param) is GatheredZeroParameter:
+            param.__class__ = ZeroParameter
 
 
 class ShardBucket:

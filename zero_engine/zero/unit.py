@@ -7,7 +7,7 @@ the external ones that joined it, with O(1) membership), and three steps:
 - ``unshard(name)``: issue the gather of those of its parameters that are not gathered yet (asynchronous);
 - ``wait_for_unshard()``: wait for that gather and for prefetches in flight that cover its parameters, count them
   in the live budget, and count this unit as one more user of each;
-- ``reshard(...)``: this unit stops using its parameters; each one that ``may_release`` allows is released.
+- ``reshard(...)``: this unit stops using its parameters; those the release rule allows are released.
 
 Which units run when is the coordinator's business (coordinator.py: the trace, prefetching, the live budget); the
 units of an engine share one ``LiveParams`` (the gathers in flight and the gathered elements counted), because a
@@ -16,11 +16,14 @@ several units. ``coordinator.units`` lists them in module order: later work (reg
 attaches to a unit.
 
 [Note: the release rule]
-Whether a gathered parameter may be freed now is decided by ``may_release`` and nowhere else. Every place that
-frees a parameter during training asks it first: through ``release_if_unused`` at the coordinator's end of step,
-making room under ``stage3_max_live_parameters``, the end of what a forward held, and a ``GatheredParameters``
-block's exit; a unit's reshard after its module ran asks it directly (once per parameter, as it also needs to know
-whether a refusal came from the trace alone) and releases through the same ``_release``. A parameter stays gathered while any of these holds:
+Whether a gathered parameter may be freed now is decided by ``releasable`` (over a list of parameters;
+``may_release`` asks it for one) and nowhere else. Every place that frees a parameter during training asks it
+first: through ``release_if_unused`` when making room under ``stage3_max_live_parameters``, at the end of what a
+forward held and at a ``GatheredParameters`` block's exit; through ``release_unused`` at the coordinator's end of
+step; and a unit's reshard after its module ran asks it directly, once for all of the unit's parameters (it returns
+which ones it refused only because of the trace, too). All release through ``_release``: the parameters the rule
+let go, in one call (``foreach_release``, ``LiveParams.forget_each``). A parameter stays gathered while any of these
+holds:
 
 * it is not whole: in flight (a gather is writing it) or already released;
 * it is persistent (small parameters at stage 3, all of them at stages 1-2);
@@ -29,7 +32,7 @@ whether a refusal came from the trace alone) and releases through the same ``_re
   step (``hold_for_step``: read by the model's forward outside every unit, or returned by a module);
 * it is frozen and activation recomputation is running (``keep_frozen``; see [Note: frozen parameters in
   recomputation] in hooks.py);
-* the step follows the recorded trace and the trace says it is used again soon (``next_use``): within
+* the step follows the recorded trace and the trace says it is used again soon (its ``NextUse``): within
   ``max_reuse_distance`` gathered elements, or, for a parameter shared by several modules, later in the same pass
   (see [Note: shared parameters stay within a pass] in coordinator.py). Such a parameter is *kept*: the live budget
   gives it up first when a fetch needs room (the budget asks the rule again, without the trace part).
@@ -42,9 +45,10 @@ from typing import NamedTuple
 import torch.nn as nn
 
 from .gather import GatherWork
-from .partition import ParamStatus, ShardedParam
+from .partition import ParamStatus, ShardedParam, foreach_release
 
-__all__ = ["LiveParams", "NextUse", "ParamUnit", "may_release", "release_if_unused", "releases"]
+__all__ = ["LiveParams", "NextUse", "ParamUnit", "may_release", "releasable", "release_if_unused", "release_unused",
+           "releases"]
 
 
 class NextUse(NamedTuple):
@@ -54,45 +58,67 @@ class NextUse(NamedTuple):
     again_in_pass: bool  # shared by several modules and used again in the same pass (forward or backward)
 
 
+def releasable(params, next_uses: list[NextUse] | None = None, max_reuse_distance: int = 0,
+               keep_frozen: bool = False) -> tuple[list[ShardedParam], list[ShardedParam]]:
+    """The release rule (see [Note: the release rule]) over ``params``: (free, kept), those that may be released
+    now, and those refused only because the trace reuses them soon. ``next_uses``: the trace's ``NextUse`` of each
+    of ``params``, in order (None when the step does not follow a trace)."""
+    free, kept = [], []
+    for i, p in enumerate(params):
+        if p.status is not ParamStatus.AVAILABLE or p.is_persistent or p.active_users or p.held_by_user:
+            continue
+        if keep_frozen and not p.param.requires_grad:
+            continue
+        if next_uses is not None:
+            distance, again_in_pass = next_uses[i]
+            if again_in_pass or (distance is not None and distance < max_reuse_distance):
+                kept.append(p)
+                continue
+        free.append(p)
+    return free, kept
+
+
 def may_release(p: ShardedParam, next_use: NextUse | None = None, max_reuse_distance: int = 0,
                 keep_frozen: bool = False) -> bool:
-    """The release rule: see [Note: the release rule]."""
-    if p.status is not ParamStatus.AVAILABLE or p.is_persistent or p.active_users or p.held_by_user:
-        return False
-    if keep_frozen and not p.param.requires_grad:
-        return False
-    if next_use is None:
-        return True
-    reused_soon = next_use.distance is not None and next_use.distance < max_reuse_distance
-    return not (reused_soon or next_use.again_in_pass)
+    """The release rule for one parameter (``releasable``)."""
+    free, _ = releasable((p,), None if next_use is None else (next_use,), max_reuse_distance, keep_frozen)
+    return bool(free)
 
 
-_releases = 0  # parameters released through release_if_unused so far (this process): see releases()
+_releases = 0  # parameters released through the release rule so far (this process): see releases()
 
 
-def release_if_unused(p: ShardedParam, **rule) -> bool:
-    """Release ``p`` if ``may_release(p, **rule)`` allows it, keeping its engine's live count right. True if
-    released."""
-    if not may_release(p, **rule):
-        return False
-    _release(p)
-    return True
+def release_if_unused(p: ShardedParam, next_use: NextUse | None = None, max_reuse_distance: int = 0,
+                      keep_frozen: bool = False) -> bool:
+    """Release ``p`` if the release rule allows it, keeping its engine's live count right. True if released."""
+    free, _ = releasable((p,), None if next_use is None else (next_use,), max_reuse_distance, keep_frozen)
+    if free:
+        _release(free)
+    return bool(free)
 
 
-def _release(p: ShardedParam) -> None:
-    """Release ``p``, which ``may_release`` just allowed (its callers: ``release_if_unused`` and a unit's
-    ``reshard``, which asks the rule once per parameter)."""
+def release_unused(params: list[ShardedParam], keep_frozen: bool = False) -> list[ShardedParam]:
+    """Release each of ``params`` (no duplicates) that the release rule without the trace allows, in one call (the
+    coordinator's end of step); the ones released."""
+    free, _ = releasable(params, keep_frozen=keep_frozen)
+    if free:
+        _release(free)
+    return free
+
+
+def _release(params: list[ShardedParam]) -> None:
+    """Release ``params``, which the release rule just allowed, in one call (its callers: ``release_if_unused``,
+    ``release_unused`` and a unit's ``reshard``)."""
     global _releases
-    p.release()
-    _releases += 1
-    if p.live_owner is not None:
-        p.live_owner.forget(p)
+    foreach_release(params)
+    _releases += len(params)
+    LiveParams.forget_each(params)
 
 
 def releases() -> int:
-    """How many parameters ``release_if_unused`` has released so far. While it does not change, no parameter went
-    from gathered (or in flight) back to its shard during a step: the coordinator's prefetch skips the events ahead
-    it found gathered (see [Note: the prefetch frontier] in coordinator.py)."""
+    """How many parameters the release rule has let go so far. While it does not change, no parameter went from
+    gathered (or in flight) back to its shard during a step: the coordinator's prefetch skips the events ahead it
+    found gathered (see [Note: the prefetch frontier] in coordinator.py)."""
     return _releases
 
 
@@ -108,9 +134,13 @@ class LiveParams:
 
     def issue(self, params: list[ShardedParam], name: str) -> GatherWork:
         work = self.gatherer.issue(params, name=name)
+        inflight = self.inflight
         for p in params:
-            self.inflight[id(p)] = work
-            self.count(p)
+            inflight[id(p)] = work
+            if p.live_owner is not self:  # count(p), inline: this runs for every gathered parameter
+                p.live_owner = self
+                self.numel += p.padded_numel
+        self.peak_numel = max(self.peak_numel, self.numel)
         return work
 
     def wait(self, work: GatherWork) -> None:
@@ -140,11 +170,23 @@ class LiveParams:
         self.peak_numel = max(self.peak_numel, self.numel)
 
     def forget(self, p: ShardedParam) -> None:
-        """``p`` was released (``release_if_unused``): no longer kept nor counted."""
+        """``p`` was released (outside the release rule: traced.py): no longer kept nor counted."""
         self.kept.pop(id(p), None)
         if p.live_owner is self:
             p.live_owner = None
             self.numel -= p.padded_numel
+
+    @staticmethod
+    def forget_each(params: list[ShardedParam]) -> None:
+        """Each of ``params`` was released (the release rule's ``_release``): no longer kept nor counted by the
+        engine counting it (``live_owner.forget``, for many parameters in one call)."""
+        for p in params:
+            live = p.live_owner
+            if live is not None:
+                if live.kept:
+                    live.kept.pop(id(p), None)
+                p.live_owner = None
+                live.numel -= p.padded_numel
 
     def unkeep(self, params: list[ShardedParam]) -> None:
         if self.kept:  # usually empty (max_reuse_distance 0, no shared weight): no walk
@@ -153,7 +195,10 @@ class LiveParams:
 
     def issue_missing(self, params: list[ShardedParam], name: str) -> GatherWork | None:
         """Issue the gather of those of ``params`` that hold only their shard (None if there are none)."""
-        missing = [p for p in params if p.status is ParamStatus.NOT_AVAILABLE]
+        missing = []
+        for p in params:  # a loop, not a comprehension (one frame less per fetch)
+            if p.status is ParamStatus.NOT_AVAILABLE:
+                missing.append(p)
         return self.issue(missing, name) if missing else None
 
 
@@ -167,13 +212,14 @@ class ParamUnit:
         self.index = index  # position in coordinator.units
         self.params = params  # own parameters first, then the external ones that joined (grows in place)
         self.live = live
-        self._ids = {id(p) for p in params}
-        self.param_ids = {id(p.param) for p in params}  # of their nn.Parameters: a forward's reads (external.py)
+        self.param_ids = {id(p) for p in params}  # O(1) membership (``p in unit``, or id(p) in it on a hot path)
+        # the same, by their nn.Parameters: what a forward reads (external.py checks a read against it)
+        self.read_ids = {id(p.param) for p in params}
         self.externals: set[int] = set()  # ids of parameters it gathers without owning them (external.py)
         self._work: GatherWork | None = None  # its gather issued by unshard, until wait_for_unshard
 
     def __contains__(self, p: ShardedParam) -> bool:
-        return id(p) in self._ids
+        return id(p) in self.param_ids
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.name}, {len(self.params)} params)"
@@ -181,25 +227,29 @@ class ParamUnit:
     # ---- membership (external.py) --------------------------------------------------------------------------------
     def add_external(self, p: ShardedParam) -> bool:
         """``p`` is gathered with this unit from now on; False if it already was."""
-        if id(p) in self._ids:
+        if id(p) in self.param_ids:
             return False
         self.params.append(p)
-        self._ids.add(id(p))
-        self.param_ids.add(id(p.param))
+        self.param_ids.add(id(p))
+        self.read_ids.add(id(p.param))
         self.externals.add(id(p))
         return True
 
     def remove_external(self, p: ShardedParam) -> None:
         if id(p) in self.externals:
             self.externals.discard(id(p))
-            self._ids.discard(id(p))
-            self.param_ids.discard(id(p.param))
+            self.param_ids.discard(id(p))
+            self.read_ids.discard(id(p.param))
             self.params.remove(p)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------------
     def missing_numel(self) -> int:
         """Elements a gather of this unit would make live (its parameters holding only their shard)."""
-        return sum(p.padded_numel for p in self.params if p.status is ParamStatus.NOT_AVAILABLE)
+        numel = 0
+        for p in self.params:
+            if p.status is ParamStatus.NOT_AVAILABLE:
+                numel += p.padded_numel
+        return numel
 
     def unshard(self, name: str | None = None) -> None:
         """Issue the gather of what is missing (asynchronous; ``wait_for_unshard`` waits). The caller made room
@@ -214,24 +264,16 @@ class ParamUnit:
             self._work = None
         self.live.acquire(self.params, users=1)
 
-    def reshard(self, next_use=None, max_reuse_distance: int = 0,
+    def reshard(self, next_uses: list[NextUse] | None = None, max_reuse_distance: int = 0,
                 keep_frozen: bool = False) -> tuple[list[ShardedParam], list[ShardedParam]]:
-        """This unit no longer uses its parameters: release each one the release rule allows. ``next_use(p)``: the
-        trace's ``NextUse`` of ``p`` (None when the step does not follow a trace). Returns (kept, released): kept,
-        the parameters kept only because the trace reuses them soon (the caller keeps them in
-        ``LiveParams.kept``)."""
-        kept, released = [], []
+        """This unit no longer uses its parameters: release those the release rule allows, in one call.
+        ``next_uses``: the trace's ``NextUse`` of each of ``self.params``, in order (None when the step does not
+        follow a trace). Returns (kept, released): kept, the parameters kept only because the trace reuses them soon
+        (the caller keeps them in ``LiveParams.kept``)."""
         for p in self.params:
             if p.active_users:
                 p.active_users -= 1
-            if p.is_persistent:  # never released (the rule's first test, here without a call)
-                continue
-            use = next_use(p) if next_use is not None else None
-            if may_release(p, next_use=use, max_reuse_distance=max_reuse_distance, keep_frozen=keep_frozen):
-                _release(p)
-                released.append(p)
-            elif use is not None and may_release(p, keep_frozen=keep_frozen):
-                # refused only because the trace reuses it soon (the trace part only ever adds a refusal); in use,
-                # held, not whole, or frozen (released at the end of the step): neither released nor kept
-                kept.append(p)
+        released, kept = releasable(self.params, next_uses, max_reuse_distance, keep_frozen)
+        if released:
+            _release(released)
         return kept, released
