@@ -1,0 +1,39 @@
+"""bench/profile_step.py's estimate of zero_engine's Python without the profiler's own cost: the arithmetic on a
+cProfile table, and the calibration it takes its costs from."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+spec = importlib.util.spec_from_file_location("profile_step", ROOT / "bench" / "profile_step.py")
+profile_step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_step)
+
+OURS = ("/repo/zero_engine/zero/grads.py", 10, "add")
+THEIRS = ("/venv/torch/nn/modules/module.py", 1, "_call_impl")
+HELPER = ("/repo/zero_engine/zero/grads.py", 20, "_copy_group")
+C_CALL = ("~", 0, "<built-in method builtins.id>")
+
+
+def test_each_call_received_and_made_by_our_frames_takes_its_cost_off():
+    # pstats' table: func -> (primitive calls, calls, own time, cumulative, {caller: (pcalls, calls, own, cum)})
+    stats = {
+        OURS: (10, 10, 1.0, 2.0, {THEIRS: (10, 10, 1.0, 2.0)}),
+        HELPER: (5, 5, 0.5, 0.6, {OURS: (5, 5, 0.5, 0.6)}),
+        C_CALL: (30, 30, 0.3, 0.3, {OURS: (20, 20, 0.2, 0.2), THEIRS: (10, 10, 0.1, 0.1)}),
+        THEIRS: (10, 10, 0.7, 3.0, {}),
+    }
+    cost = {"callee_py": 0.01, "caller_py": 0.02, "callee_c": 0.005, "caller_c": 0.03}
+    got = profile_step._without_profiler_cost(stats, cost, "Python: zero_engine")
+    # own time 1.0 + 0.5; 15 calls received (0.01 each); 5 Python calls made (0.02) and 20 C calls made (0.03) by
+    # ours; the C calls torch's frame made are not ours
+    assert abs(got - (1.5 - 15 * 0.01 - 5 * 0.02 - 20 * 0.03)) < 1e-12
+
+
+def test_calibration_measures_a_cost_for_every_kind_of_event():
+    cost = profile_step._calibrate("thread", n=2000)
+    assert set(cost) == {"callee_py", "caller_py", "callee_c", "caller_c"}
+    assert all(value >= 0 for value in cost.values())
+    assert cost["callee_py"] > 0  # a no-op's own time under cProfile is all the profiler's
