@@ -233,10 +233,10 @@ class ShardedParam:
         self.master_init = exact.float() if needs_master else None  # frozen params: no master, no copy
         self.shard = exact.to(self.dtype)
         # The full buffer starts with the parameter's own data; `release()` frees it.
-        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=param.device)
+        self.set_full(torch.empty(self.padded_numel, dtype=self.dtype, device=param.device))
         self.full[: self.numel].copy_(flat)
         self.full[self.numel:].zero_()
-        self.local.data = self.full[: self.numel].view(self.shape)
+        self.local.data = self.full_view
         self.status = ParamStatus.AVAILABLE
         _REGISTRY[param] = self
         if type(param) is nn.Parameter:  # subclasses of users' own are left as they are
@@ -261,7 +261,7 @@ class ShardedParam:
         sp.shard = torch.zeros(sp.shard_numel, dtype=sp.dtype, device=device)
         sp.master_init = None if sp.master_init is None else torch.zeros(sp.shard_numel, dtype=torch.float32,
                                                                          device=device)
-        sp.full = torch.empty(sp.padded_numel, dtype=sp.dtype, device=device)
+        sp.set_full(torch.empty(sp.padded_numel, dtype=sp.dtype, device=device))
         sp.full.untyped_storage().resize_(0)
         sp._empty = torch.empty(0, dtype=sp.dtype, device=device)
         param.data = sp._empty
@@ -269,6 +269,14 @@ class ShardedParam:
         _REGISTRY[param] = sp
         param.__class__ = ZeroParameter
         return sp
+
+    def set_full(self, full: torch.Tensor) -> None:
+        """``full`` becomes the buffer the whole parameter is gathered into, and ``full_view`` its first ``numel``
+        elements in the parameter's shape: what the parameter's data is while gathered. The view is made once per
+        buffer, not at every gather: it stays valid while the buffer's storage is freed and given its bytes back,
+        as that is the same storage (see [Note: release resizes storage, it does not swap tensors])."""
+        self.full = full
+        self.full_view = full[: self.numel].view(self.shape)
 
     # ---- state transitions -------------------------------------------------------------------------------------
     def to_inflight(self, refresh: bool = False) -> None:
@@ -326,7 +334,7 @@ class ShardedParam:
         self.master_init = exact if keeps_master else None
         self.shard = exact.to(self.shard.device, dtype, copy=True)  # the master may live elsewhere (offload)
         self.dtype = dtype
-        self.full = torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device)
+        self.set_full(torch.empty(self.padded_numel, dtype=dtype, device=self.shard.device))
         self.full.untyped_storage().resize_(0)
         self._empty = torch.empty(0, dtype=dtype, device=self.shard.device)
         self.local.data = self._empty
@@ -395,7 +403,7 @@ def foreach_to_available(params: Iterable["ShardedParam"]) -> None:
             # the class first: setting .data below then takes torch's C path, not ZeroParameter.__torch_function__
             # (see [Note: the check costs nothing while gathered])
             param.__class__ = GatheredZeroParameter
-        p.local.data = p.full[: p.numel].view(p.shape)
+        p.local.data = p.full_view
         p.status = ParamStatus.AVAILABLE
 
 
