@@ -62,10 +62,8 @@ class GatherWork:
             # One copy-out kernel per staged run (as FSDP2's): the [world, elements per rank] rows split by columns,
             # each column block written into its parameter's own storage, viewed [world, shard_numel].
             sizes = [p.shard_numel for p in layout]
-            rows = out.view(-1, sum(sizes))
-            world = rows.shape[0]
-            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[
-                full.view(world, numel) for full, numel in zip(foreach_alloc_full(layout), sizes)])
+            foreach_alloc_full(layout)
+            torch.split_with_sizes_copy(out.view(-1, sum(sizes)), sizes, dim=1, out=[p.full_rows for p in layout])
         if staged and self.accounting is not None:
             self.accounting.add("comm_buffers", -staged)
         self.flat.clear()

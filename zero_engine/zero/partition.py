@@ -277,6 +277,9 @@ class ShardedParam:
         as that is the same storage (see [Note: release resizes storage, it does not swap tensors])."""
         self.full = full
         self.full_view = full[: self.numel].view(self.shape)
+        self.full_rows = full.view(-1, self.shard_numel)  # [world, shard_numel]: where a coalesced gather copies out
+        self.full_storage = full.untyped_storage()  # the storage object released and re-allocated
+        self.full_nbytes = full.nbytes  # what it holds while allocated
 
     # ---- state transitions -------------------------------------------------------------------------------------
     def to_inflight(self, refresh: bool = False) -> None:
@@ -379,12 +382,10 @@ def foreach_alloc_full(params: Iterable["ShardedParam"]) -> list[torch.Tensor]:
     buffers, in order."""
     fulls = []
     for p in params:
-        full = p.full
-        storage = full.untyped_storage()
-        nbytes = full.nbytes  # the tensor's size, whatever its storage holds now (full_bytes)
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-        fulls.append(full)
+        storage = p.full_storage
+        if storage.size() != p.full_nbytes:  # a refresh of an AVAILABLE parameter keeps its bytes
+            storage.resize_(p.full_nbytes)
+        fulls.append(p.full)
     return fulls
 
 
@@ -416,7 +417,7 @@ def foreach_release(params: Iterable["ShardedParam"]) -> None:
         if p.status is not ParamStatus.AVAILABLE:
             raise AssertionError(f"{p.fqn}: released while {p.status.name} on rank {p.rank}")
         p.local.data = p._empty
-        p.full.untyped_storage().resize_(0)
+        p.full_storage.resize_(0)
         p.status = ParamStatus.NOT_AVAILABLE
         param = p.param
         if type(param) is GatheredZeroParameter:
