@@ -77,7 +77,7 @@ import torch
 from .partition import ShardedParam
 from .tensor_parallel import local_grad
 
-__all__ = ["GradReducer", "all_reduce_grads"]
+__all__ = ["GradReducer"]
 
 MAX_IN_FLIGHT = 2
 
@@ -183,8 +183,7 @@ class GradReducer:
         self._next_launch = 0
         self._in_flight: list[_Bucket] = []
         self.grad_bytes = 0  # gradient shards that exist now
-        # queued by the first gradient hook of a pass: the end-of-backward flush (zero/hooks.py's BackwardEndCallback)
-        self.backward_end = backward_end
+        self.backward_end = backward_end  # the end-of-backward flush a pass's first gradient queues (hooks.py)
 
     def _index_buckets(self) -> None:
         """The lookups over ``self.buckets``: the parameters in bucket order and, for each, its bucket, its copy
@@ -268,11 +267,9 @@ class GradReducer:
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
         """``grad``, ``p``'s gradient of this pass, into its bucket (reduced when the bucket is complete).
 
-        [Note: one call per gradient]
-        Stages 2-3 call this as ``p.param``'s post-accumulate-grad hook, ``partial(reducer.add, p)``: ``grad`` is then
-        the parameter itself, whose ``.grad`` is taken (and dropped from it: the full gradient is freed once it is in
-        its bucket), and the first gradient of a pass queues the end-of-backward flush. One Python call per gradient,
-        not a hook calling the reducer."""
+        [Note: one call per gradient] At stages 2-3 this is ``p.param``'s post-accumulate-grad hook itself
+        (``partial(reducer.add, p)``): ``grad`` is then the parameter, whose ``.grad`` is taken and dropped (freed once
+        in its bucket), and a pass's first gradient queues the end-of-backward flush."""
         if grad is p.param:  # the gradient hook's call
             if not self.backward_end.queued:
                 self.backward_end.queue_if_needed()
@@ -572,31 +569,3 @@ class GradReducer:
         if self.accounting is not None:
             self.accounting.add(category, nbytes)
 
-
-def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int,
-                     into: list[torch.Tensor] | None = None, reduce_dtype: torch.dtype | None = None) -> None:
-    """Stage 0 (plain data parallel): average every gradient across ranks, a flat bucket at a time.
-
-    Every parameter takes part, in the fixed order of ``params``: one that got no gradient on this rank (a branch
-    not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do).
-    ``into``: one tensor per parameter that receives the average instead of ``param.grad`` (fp16/bf16 training:
-    the fp32 master's gradient). ``reduce_dtype``: the dtype the buckets are averaged in (communication_data_type;
-    default the destination's dtype: 16-bit gradients are averaged in fp32, as at the other stages)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    outs = grads if into is None else into
-    start = 0
-    while start < len(grads):
-        end, size = start, 0
-        while end < len(grads) and (end == start or size + grads[end].numel() <= bucket_numel):
-            size += grads[end].numel()
-            end += 1
-        flat = torch.cat([g.reshape(-1).to(reduce_dtype or outs[start].dtype) for g in grads[start:end]])
-        comm.all_reduce(flat, op="avg", name="grads")
-        offset = 0
-        for out in outs[start:end]:
-            out.copy_(flat[offset: offset + out.numel()].view_as(out))
-            offset += out.numel()
-        start = end

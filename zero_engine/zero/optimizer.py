@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 
 from .._profiling import profile_range
-from .grads import GradReducer, all_reduce_grads
+from .allreduce import all_reduce_grads
+from .grads import GradReducer
 from .partition import ShardedParam, runs
 
 log = logging.getLogger("zero_engine.optimizer")
