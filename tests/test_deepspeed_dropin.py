@@ -342,6 +342,27 @@ def test_second_engine_after_the_first_was_garbage_collected():
     assert run_ranks(_collected_body, 2, timeout=TIMEOUT) == [True, True]
 
 
+def _dropped_but_hooked_body(stage):
+    from zero_engine import guards
+
+    torch.manual_seed(0)
+    model = Small()
+    engine, *rest = deepspeed.initialize(model=model, config=config(stage))
+    _train(engine, 1, 0)
+    del engine, rest
+    gc.collect()  # stages 2-3 hook the model (its parameters' gradient hooks hold the reducer, and it the engine)
+    with pytest.raises(RuntimeError, match="already wrapped by a live zero_engine engine"):
+        deepspeed.initialize(model=model, config=config(stage))
+    guards._ENGINE_OF[model]().destroy()  # the engine the hooks kept alive, found as initialize found it
+    return True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_engine_dropped_without_destroy_is_kept_alive_by_the_hooks_on_its_model(stage):
+    # a second engine would hook the same parameters; the first one's gradient hooks would take their gradients
+    assert run_ranks(_dropped_but_hooked_body, 2, stage, timeout=TIMEOUT) == [True, True]
+
+
 def _stage0_after_stage3_body():
     torch.manual_seed(0)
     model = Small()

@@ -142,7 +142,10 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
                                  # gradients copied in a unit at a time (stage 1: a bucket at a time; every gradient
                                  # is there at once): [Note: one copy per unit] in zero/grads.py
                                  copy_groups=None if engine.stage == 1 else unit_groups,
-                                 backward_end=engine.backward_end)
+                                 # the flush a pass's first gradient hook queues (stages 2-3, which have them):
+                                 # through the hooks the model holds its engine until destroy(), as guards.py wants;
+                                 # at stage 1 nothing on the model does, nor does the optimizer a user keeps
+                                 backward_end=engine.backward_end if engine.stage >= 2 else None)
     if engine.stage >= 2:  # see [Note: one call per gradient] in zero/grads.py
         engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine.reducer.add, sp))
                              for sp in trainable]

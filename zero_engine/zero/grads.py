@@ -183,7 +183,7 @@ class GradReducer:
         self._next_launch = 0
         self._in_flight: list[_Bucket] = []
         self.grad_bytes = 0  # gradient shards that exist now
-        self.backward_end = backward_end  # the end-of-backward flush a pass's first gradient queues (hooks.py)
+        self.backward_end = backward_end  # the end-of-backward flush a pass's first gradient hook queues (hooks.py)
 
     def _index_buckets(self) -> None:
         """The lookups over ``self.buckets``: the parameters in bucket order and, for each, its bucket, its copy
