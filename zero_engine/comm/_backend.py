@@ -23,6 +23,8 @@ callable that ``Pending.wait()`` runs once the work has completed.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -132,12 +134,17 @@ class CollectiveIssuer:
         self.group = group
         self.backend = str(backend)
         self.world_size = world_size
-        self.rank = dist.get_rank(group)
         self.support = support_for(self.backend)
         if "nccl" in self.backend.lower():
             # NCCL runs all_gather_into_tensor, reduce_scatter_tensor and AVG natively: never emulate on that path
             # (an emulation would add a full-size copy per reduce-scatter and hide a real NCCL error).
             self.support = BackendSupport(all_gather_single=True, reduce_scatter_single=True, avg=True)
+
+    @functools.cached_property
+    def rank(self) -> int:
+        """This rank in the group, read once, at the first use (an issuer is built before any collective runs, and
+        without a process group by tests); an attribute after that."""
+        return dist.get_rank(self.group)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Issued:
         if self.support.all_gather_single:
