@@ -24,7 +24,6 @@ callable that ``Pending.wait()`` runs once the work has completed.
 from __future__ import annotations
 
 import functools
-
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
