@@ -16,6 +16,14 @@ Parts, each run in its own subprocess (one part's memory or failure never touche
   fsdp2_compiled  fsdp2 with each block compiled (torchtitan's recipe: ``block.compile()`` after fully_shard)
   fake8_zero3   per-rank peak GPU memory at world 8 on torch's fake process group (no data moves; shapes, buffers
   fake8_fsdp2   and allocations are real): zero_engine under zero.Init vs FSDP2 built on meta
+  fake8_zero3_reuse0  fake8_zero3 with ``stage3_max_reuse_distance: 0`` (each block released after its forward, as
+                FSDP2 does; docs/benchmarks.md, "Where the world-8 peak gap comes from")
+  syncs         host synchronisations per phase (forward, backward, step) of each of 4 steps, counted by
+                ``torch.cuda.set_sync_debug_mode("warn")``: world 1 over NCCL, and world 2 on the fake process group
+                (where the gradient-presence walk and the step fingerprint run); each sync's Python line is listed
+
+``--size demo`` swaps the 1.1B GPT for `make demo`'s (4 layers, n_embd 256, vocab 512, seq 64, micro-batch 8) with
+the demo config's bucket sizes: a step that is launch-bound on a GPU, so its time is the runtime's CPU per step.
 
 Without CUDA the full run refuses (exit status 2, "no CUDA device"); ``--tiny`` runs every part at toy size on
 whatever device there is (CPU here: memory figures are then n/a), which is how tests/test_gpu_check.py checks the
@@ -37,16 +45,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("adam", "zero3", "torch", "fsdp2", "deepspeed", "zero3_compiled", "fsdp2_compiled", "fake8_zero3",
-         "fake8_fsdp2")
+         "fake8_fsdp2", "fake8_zero3_reuse0", "syncs")
 NO_CUDA_EXIT = 2
 BYTES_PER_ADAM_ELEMENT = 28  # fp32: read param, grad, exp_avg, exp_avg_sq (16); write param, exp_avg, exp_avg_sq
 
 
-def model_config(tiny: bool):
+def model_config(tiny: bool, size: str = "1b"):
     from zero_engine.testing.models import GPTConfig
 
     if tiny:
         return GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32), 2
+    if size == "demo":  # examples/train_gpt.py's defaults and examples/configs/zero3.json's micro-batch
+        return GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256), 8
     # 20 x 12 x 2048^2 + 32768 x 2048 (tied) + 1024 x 2048 = 1.076e9 parameters
     return GPTConfig(vocab_size=32768, block_size=1024, n_layer=20, n_head=16, n_embd=2048), 4
 
@@ -154,22 +164,27 @@ def _build_model(cfg):
     return GPT(cfg)
 
 
-def _zero3_config(micro: int, compiled: bool = False) -> dict:
+def _zero3_config(micro: int, compiled: bool = False, size: str = "1b", **zero_optimization) -> dict:
     compile_section = {"compile": {"enabled": True, "backend": "inductor"}} if compiled else {}
+    if size == "demo":  # examples/configs/zero3.json's stage-3 keys
+        buckets = {"reduce_bucket_size": 500_000, "stage3_prefetch_bucket_size": 1_000_000,
+                   "stage3_param_persistence_threshold": 1000, "stage3_max_live_parameters": 2_000_000,
+                   "stage3_max_reuse_distance": 100_000}
+    else:
+        buckets = {"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                   "stage3_param_persistence_threshold": 100_000}
     return {**compile_section, "train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
             "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 50_000_000,
-                                  "stage3_prefetch_bucket_size": 50_000_000,
-                                  "stage3_param_persistence_threshold": 100_000}}
+            "zero_optimization": {"stage": 3, "overlap_comm": True, **buckets, **zero_optimization}}
 
 
 def part_zero3(args, compiled: bool = False) -> dict:
     import zero_engine
 
-    cfg, micro = model_config(args.tiny)
+    cfg, micro = model_config(args.tiny, args.size)
     zero_engine.init_distributed()
-    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=_zero3_config(micro, compiled))
+    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=_zero3_config(micro, compiled, args.size))
     x, y = batch(cfg, micro, engine.device)
     reset_peak()
     seconds = time_steps(_train_step(engine, None, x, y, engine=True), args.warmup, args.steps)
@@ -183,7 +198,7 @@ def part_zero3_compiled(args) -> dict:
 
 
 def part_torch(args) -> dict:
-    cfg, micro = model_config(args.tiny)
+    cfg, micro = model_config(args.tiny, args.size)
     dev = device()
     model = _build_model(cfg).to(dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -222,7 +237,7 @@ def part_fsdp2(args, compiled: bool = False) -> dict:
     import zero_engine
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg, micro = model_config(args.tiny)
+    cfg, micro = model_config(args.tiny, args.size)
     zero_engine.init_distributed()
     dev = device()
     mesh = init_device_mesh(dev.type, (1,))
@@ -239,11 +254,11 @@ def part_deepspeed(args) -> dict:
         import deepspeed
     except Exception as error:  # noqa: BLE001 -- any import failure means "not available here"
         return {"skipped": f"import deepspeed failed: {type(error).__name__}: {error}"}
-    cfg, micro = model_config(args.tiny)
+    cfg, micro = model_config(args.tiny, args.size)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     model = _build_model(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    config = {k: v for k, v in _zero3_config(micro).items() if k != "optimizer"}
+    config = {k: v for k, v in _zero3_config(micro, size=args.size).items() if k != "optimizer"}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     x, y = batch(cfg, micro, engine.device)
     reset_peak()
@@ -258,15 +273,16 @@ def part_deepspeed(args) -> dict:
     return out
 
 
-def part_fake8_zero3(args) -> dict:
+def part_fake8_zero3(args, **zero_optimization) -> dict:
     import zero_engine
     from zero_engine.testing import fake_world
 
-    cfg, micro = model_config(args.tiny)
+    cfg, micro = model_config(args.tiny, args.size)
     with fake_world(8):
         with zero_engine.zero.Init():
             model = _build_model(cfg)
-        engine, *_ = zero_engine.initialize(model=model, config=_zero3_config(micro))
+        config = _zero3_config(micro, size=args.size, **zero_optimization)
+        engine, *_ = zero_engine.initialize(model=model, config=config)
         x, y = batch(cfg, micro, engine.device)
         reset_peak()
         seconds = time_steps(_train_step(engine, None, x, y, engine=True), 1, 2)
@@ -275,12 +291,62 @@ def part_fake8_zero3(args) -> dict:
     return out
 
 
+def part_fake8_zero3_reuse0(args) -> dict:
+    return part_fake8_zero3(args, stage3_max_reuse_distance=0)
+
+
+def _count_syncs(engine, cfg, micro: int, steps: int = 4) -> list:
+    """Per step, for forward, backward and step: the Python lines (file:line) of each synchronising CUDA call."""
+    import warnings
+
+    x, y = batch(cfg, micro, engine.device)
+    counted = []
+    for _ in range(steps):
+        phases = {}
+        for phase, run in (("forward", lambda: engine(x, y)), ("backward", lambda: engine.backward(loss)),
+                           ("step", engine.step)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = run()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if phase == "forward":
+                loss = out
+            phases[phase] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                             if "synchroniz" in str(w.message).lower()]
+        counted.append(phases)
+    return counted
+
+
+def part_syncs(args) -> dict:
+    import zero_engine
+    from zero_engine.testing import fake_world
+
+    if not torch.cuda.is_available():
+        return {"skipped": "CUDA only (set_sync_debug_mode); tests/test_host_syncs.py counts them on the CPU"}
+    cfg, micro = model_config(args.tiny, "demo")
+    zero_engine.init_distributed()
+    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=_zero3_config(micro, size="demo"))
+    world1 = _count_syncs(engine, cfg, micro)
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+    with fake_world(2):
+        with zero_engine.zero.Init():
+            model = _build_model(cfg)
+        engine, *_ = zero_engine.initialize(model=model, config=_zero3_config(micro, size="demo"))
+        fake2 = _count_syncs(engine, cfg, micro)
+        engine.destroy()
+    return {"world1_nccl": world1, "world2_fake": fake2}
+
+
 def part_fake8_fsdp2(args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from zero_engine.testing import fake_world
 
-    cfg, micro = model_config(args.tiny)
+    cfg, micro = model_config(args.tiny, args.size)
     dev = device()
     with fake_world(8):
         with torch.device("meta"):
@@ -306,7 +372,8 @@ def run_part(name: str, args) -> dict:
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, __file__, "--run-part", name, "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    cmd = [sys.executable, __file__, "--run-part", name, "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--size", args.size]
     if args.tiny:
         cmd.append("--tiny")
     started = time.perf_counter()
@@ -358,10 +425,18 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {res.get('skipped') or res.get('error', 'not run')[:200]} | | | | |")
     lines += ["", "## Per-rank peak at world 8 (fake process group)", "", "| runtime | peak allocated per rank |",
               "|---|---|"]
-    for name in ("fake8_zero3", "fake8_fsdp2"):
+    for name in ("fake8_zero3", "fake8_fsdp2", "fake8_zero3_reuse0"):
         res = r.get(name, {})
         value = _gib(res["peak_bytes"]) if "step_ms" in res else res.get("error", "not run")[:200]
         lines.append(f"| {name.replace('fake8_', '')} | {value} |")
+    syncs = r.get("syncs", {})
+    if "world1_nccl" in syncs:
+        lines += ["", "## Host syncs per phase (demo GPT, set_sync_debug_mode)", "",
+                  "| world | step | forward | backward | step() | where (the step's calls) |", "|---|---|---|---|---|---|"]
+        for world in ("world1_nccl", "world2_fake"):
+            for i, phases in enumerate(syncs[world]):
+                lines.append(f"| {world} | {i} | {len(phases['forward'])} | {len(phases['backward'])} | "
+                             f"{len(phases['step'])} | {', '.join(sorted(set(phases['step'])))} |")
     lines += ["", f"Command: `{report['command']}`", ""]
     return "\n".join(lines)
 
@@ -371,6 +446,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check"))
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--tiny", action="store_true", help="toy sizes on any device (tests the logic on CPU)")
+    parser.add_argument("--size", choices=("1b", "demo"), default="1b", help="the GPT: 1.1B, or make demo's")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--part-timeout", type=int, default=240)

@@ -23,7 +23,7 @@ def test_full_run_without_cuda_refuses_with_a_clear_message(capsys, tmp_path):
 
 def test_tiny_run_writes_json_and_markdown(tmp_path):
     out = tmp_path / "gpu_check"
-    parts = "adam,zero3,fsdp2,deepspeed,fake8_zero3"
+    parts = "adam,zero3,fsdp2,deepspeed,fake8_zero3,fake8_zero3_reuse0,syncs"
     assert gpu_check.main(["--tiny", "--parts", parts, "--out", str(out), "--warmup", "1", "--steps", "1"]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     results = report["results"]
@@ -32,9 +32,20 @@ def test_tiny_run_writes_json_and_markdown(tmp_path):
     assert results["zero3"]["step_ms"] > 0 and results["zero3"]["params"] > 0
     assert results["fsdp2"]["step_ms"] > 0
     assert results["fake8_zero3"]["model_state_bytes"] > 0
+    assert results["fake8_zero3_reuse0"]["model_state_bytes"] == results["fake8_zero3"]["model_state_bytes"]
+    assert "world1_nccl" in results["syncs"] if torch.cuda.is_available() else "skipped" in results["syncs"]
     assert "step_ms" in results["deepspeed"] or "skipped" in results["deepspeed"]
     md = out.with_suffix(".md").read_text()
     assert "## Adam step" in md and "| zero3 |" in md and "world 8" in md
+
+
+def test_demo_size_runs_the_demo_gpt(tmp_path):
+    out = tmp_path / "gpu_check"
+    assert gpu_check.main(["--size", "demo", "--parts", "zero3", "--out", str(out), "--warmup", "1", "--steps", "1"]
+                          ) == (0 if torch.cuda.is_available() else gpu_check.NO_CUDA_EXIT)
+    cfg, micro = gpu_check.model_config(False, "demo")
+    assert (cfg.n_layer, cfg.n_embd, cfg.vocab_size, cfg.block_size, micro) == (4, 256, 512, 64, 8)
+    assert gpu_check._zero3_config(micro, size="demo")["zero_optimization"]["stage3_max_reuse_distance"] == 100_000
 
 
 def test_a_failing_part_is_reported_not_hidden(tmp_path):
