@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import zero_engine
-from zero_engine.testing import run_ranks
+from zero_engine.testing import fake_world, run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 TIMEOUT = 120
@@ -133,6 +134,42 @@ def test_cuda_forward_backward_do_not_synchronize(dtype):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__, dtype]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0 and "OK" in proc.stdout, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+
+
+def _cuda_syncs(run):
+    """``run()``'s result and the Python lines of the synchronising CUDA calls it made (set_sync_debug_mode)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run `make gpu-check` on a GPU)")
+def test_cuda_step_synchronizes_once_at_world_2_on_the_fake_group():
+    # The step fingerprint and the presence walk run only with 2 ranks or more, and on one GPU only the fake group
+    # runs them without gloo's host waits. The count the CPU test above cannot make: a tensor built on the GPU from
+    # host values (the fingerprint's all-reduce input, by torch.tensor(..., device=cuda)) waits for its own copy;
+    # that was a second sync per step until the first GPU count (bench/gpu_check.py's syncs part, an H100).
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    with fake_world(2):
+        engine, *_ = zero_engine.initialize(model=GPT(cfg), config=_config("bf16"))
+        device = next(engine.module.parameters()).device
+        assert device.type == "cuda", device
+        try:
+            for i, (idx, targets) in enumerate(make_batches(cfg, 4, 2)):
+                loss, forward = _cuda_syncs(lambda: engine(idx.to(device), targets.to(device)))
+                _, backward = _cuda_syncs(lambda: engine.backward(loss))
+                _, step = _cuda_syncs(engine.step)
+                if i >= 1:  # the first step records the trace and walks for gradient presence
+                    assert forward == [] and backward == [], (i, forward, backward)
+                    assert len(step) == 1, (i, step)  # the grad norm with the fingerprint's verdict
+        finally:
+            engine.destroy()
 
 
 if __name__ == "__main__":  # one rank of the CUDA test above, under torchrun

@@ -48,7 +48,11 @@ class StepFingerprint:
         if comm.world_size == 1:
             return cls(comm, None, records)
         device = device if device is not None else comm.exchange_device(None)
-        both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
+        # Made on the host and copied without blocking: torch.tensor(..., device=cuda) waits for its own copy, a
+        # second host sync per step (seen on an H100 with set_sync_debug_mode). Pinned, so the copy is a real DMA
+        # and the caching host allocator keeps the block until the copy is done.
+        host = torch.tensor([crc, -crc], dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+        both = host.to(device, non_blocking=True)
         comm.all_reduce(both, op="max", name="step fingerprint")
         comm.progress.take_step_fingerprint()  # the fingerprint's own all-reduce belongs to no step
         return cls(comm, None if both.device.type == "meta" else both[0] == -both[1], records)

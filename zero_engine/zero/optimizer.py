@@ -393,11 +393,15 @@ class ZeroOptimizer(_OptimizerWrapper):
 #     trace (see [Note: when the presence walk runs] in zero/presence.py): none in a steady step;
 #   - step: the fingerprint's two ``int()`` (comm/fingerprint.py) -> read with the norm: none more;
 #   - step: the grad-norm ``.item()`` -> this one (``read_step_values``), for both optimizer wrappers;
+#   - step, on CUDA (found by the first GPU count, 2026-11-27): the fingerprint's all-reduce input made by
+#     ``torch.tensor(..., device=cuda)``, which waits for its own host-to-device copy -> a pinned host tensor
+#     copied with non_blocking=True: none;
 #   - step, offload_optimizer with an accelerator only: a stream synchronize before the norm (the gradient shards
 #     copied to the host must be complete before the host computes their norm) -> unchanged, off the default path.
 # Not counted: a step whose norm is non-finite (naming the ranks costs an object exchange), the first step and trace
 # deviations (the trace check and the presence walk), and collectives' own waits (gloo completes on the host).
-# tests/test_host_syncs.py counts them (CPU: wrapped Tensor methods; CUDA: torch.cuda.set_sync_debug_mode).
+# tests/test_host_syncs.py counts them (CPU: wrapped Tensor methods; CUDA: torch.cuda.set_sync_debug_mode, at world 1
+# over NCCL and at world 2 on the fake group, where the fingerprint runs); bench/gpu_check.py's syncs part lists them.
 
 def read_step_values(norm_value: torch.Tensor, fingerprint=None) -> float:
     """The step's one host synchronisation: ``norm_value`` (a 0-dim tensor) and, with a step fingerprint, whether
