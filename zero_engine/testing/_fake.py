@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from zero_engine.comm import Communicator
+from zero_engine.comm import Communicator, _backend
 
 
 @contextlib.contextmanager
@@ -17,6 +17,11 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[Communicator]:
     Collectives on the fake backend return at once without exchanging data (an all-gather fills the output with
     copies of this rank's input), so this checks shapes, padding arithmetic, counters and call sequences at world
     sizes no machine could run -- never numerics. Yields a ``Communicator`` on the fake world group.
+
+    A reduce-scatter writes this rank's slice of its input, as if every rank had sent the same. torch's fake group
+    leaves the output as it was: uninitialized memory, which on a GPU holds non-finite values (fp32 leftovers read as
+    bf16), so every step was skipped as non-finite and a peak measured there missed the optimizer's states (the
+    second GPU run, 2026-11-27: 8 bytes of model states per parameter instead of 16).
     """
     if dist.is_initialized():
         raise RuntimeError(
@@ -30,7 +35,16 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[Communicator]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    real = _backend._reduce_scatter_single
+
+    def reduce_scatter_own_slice(output, input, **kwargs):
+        work = real(output, input, **kwargs)
+        output.view(-1).copy_(input.reshape(world_size, -1)[rank])
+        return work
+
+    _backend._reduce_scatter_single = reduce_scatter_own_slice
     try:
         yield Communicator()
     finally:
+        _backend._reduce_scatter_single = real
         dist.destroy_process_group()
