@@ -23,7 +23,9 @@ Parts, each run in its own subprocess (one part's memory or failure never touche
                 (where the gradient-presence walk and the step fingerprint run); each sync's Python line is listed
 
 ``--size demo`` swaps the 1.1B GPT for `make demo`'s (4 layers, n_embd 256, vocab 512, seq 64, micro-batch 8) with
-the demo config's bucket sizes: a step that is launch-bound on a GPU, so its time is the runtime's CPU per step.
+the demo config's stage-3 keys (its buckets, and each Block one unit, as FSDP2's fully_shard per block): a step
+that is launch-bound on a GPU, so its time is the runtime's CPU per step. (The 2026-11-27 GPU run's demo figures
+were taken before the Block units were added here: each module with parameters was its own unit.)
 
 Without CUDA the full run refuses (exit status 2, "no CUDA device"); ``--tiny`` runs every part at toy size on
 whatever device there is (CPU here: memory figures are then n/a), which is how tests/test_gpu_check.py checks the
@@ -169,7 +171,7 @@ def _zero3_config(micro: int, compiled: bool = False, size: str = "1b", **zero_o
     if size == "demo":  # examples/configs/zero3.json's stage-3 keys
         buckets = {"reduce_bucket_size": 500_000, "stage3_prefetch_bucket_size": 1_000_000,
                    "stage3_param_persistence_threshold": 1000, "stage3_max_live_parameters": 2_000_000,
-                   "stage3_max_reuse_distance": 100_000}
+                   "stage3_max_reuse_distance": 100_000, "leaf_module": {"classes": ["Block"]}}
     else:
         buckets = {"reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
                    "stage3_param_persistence_threshold": 100_000}

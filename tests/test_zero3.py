@@ -609,3 +609,42 @@ def test_gradients_are_copied_in_with_one_op_per_unit(stage):
         assert 0 < expected < params / 2, (expected, params)
         for names in per_backward:
             assert names == ["_chunk_cat"] * expected, (names, expected)
+
+
+def _grad_norm_body():
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    # small buckets: many gradient shards, each counted in the norm
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, gas=1, reduce_bucket_size=500))
+    buckets = sum(1 for b in engine.optimizer.reducer.buckets)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (idx, targets), = make_batches(cfg, 1, 2 * world)
+    reference(idx, targets).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
+    engine.backward(engine(idx[2 * rank: 2 * rank + 2], targets[2 * rank: 2 * rank + 2]))
+    calls = {"_foreach_norm": 0, "vector_norm": 0}
+    originals = (torch._foreach_norm, torch.linalg.vector_norm)
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+    torch._foreach_norm = counted("_foreach_norm", originals[0])
+    torch.linalg.vector_norm = counted("vector_norm", originals[1])
+    try:
+        engine.step()
+    finally:
+        torch._foreach_norm, torch.linalg.vector_norm = originals
+    norm = engine.get_global_grad_norm()
+    engine.destroy()
+    return buckets, calls, norm, expected
+
+
+def test_global_grad_norm_is_one_multi_tensor_norm_over_every_bucket():
+    for buckets, calls, norm, expected in run_ranks(_grad_norm_body, 2, timeout=TIMEOUT):
+        assert buckets > 4, buckets
+        assert calls == {"_foreach_norm": 1, "vector_norm": 0}, calls  # not five ops per bucket
+        assert abs(norm - expected) / expected < 1e-5, (norm, expected)  # clip_grad_norm_'s norm, full batch

@@ -37,9 +37,9 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[Communicator]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     real = _backend._reduce_scatter_single
 
-    def reduce_scatter_own_slice(output, input, **kwargs):
-        work = real(output, input, **kwargs)
-        output.view(-1).copy_(input.reshape(world_size, -1)[rank])
+    def reduce_scatter_own_slice(output, input, group=None, **kwargs):
+        work = real(output, input, group=group, **kwargs)
+        output.view(-1).copy_(input.reshape(-1, output.numel())[dist.get_rank(group)])  # this rank in the group
         return work
 
     _backend._reduce_scatter_single = reduce_scatter_own_slice
