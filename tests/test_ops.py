@@ -224,6 +224,19 @@ def test_a_step_makes_no_python_call_per_parameter():
     assert few == many and many[1] == 1, (few, many)
 
 
+def test_a_step_reads_its_step_counts_in_one_call(monkeypatch):
+    # one tolist() over the group's counters, not an item() per parameter (52 a step on the demo)
+    params = [make_param(5, seed).requires_grad_(True) for seed in range(40)]
+    optimizer = CPUAdam(params, lr=LR)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "item", lambda self, item=torch.Tensor.item: (reads.append(1), item(self))[1])
+    optimizer.step()
+    assert reads == [] and {int(optimizer.state[p]["step"]) for p in params} == {2}
+
+
 def test_a_step_count_saved_as_a_plain_number_goes_on():
     # a checkpoint of an older torch stored the step as a number; it becomes a float32 tensor, one step further
     params = [make_param(7, seed).requires_grad_(True) for seed in range(2)]

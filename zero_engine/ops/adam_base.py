@@ -112,11 +112,12 @@ class OpAdamBase(torch.optim.Optimizer):
         counters = []
         for state in states:
             counter = state["step"]
-            if not isinstance(counter, torch.Tensor):  # a checkpoint from an older torch stored a plain number
+            if not isinstance(counter, torch.Tensor) or counter.device.type != "cpu":
+                # a plain number (a checkpoint from an older torch) or a device tensor (a capturable optimizer's)
                 counter = state["step"] = torch.tensor(float(counter), dtype=torch.float32)
             counters.append(counter)
         torch._foreach_add_(counters, 1)  # float32 + 1, as ``counter += 1``
-        return [int(counter.item()) for counter in counters]
+        return [int(step) for step in torch.stack(counters).tolist()]  # one read, not an item() per parameter
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
