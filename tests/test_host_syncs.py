@@ -34,7 +34,8 @@ _READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 @contextlib.contextmanager
 def _counting_host_reads(calls: list[str], host_resident: set[int] = frozenset()):
     """Wrap the tensor reads and the synchronize calls; each call appends its caller (file:line) to ``calls``.
-    Reads of the tensors in ``host_resident`` (ids) are not counted: they are on the host with an accelerator too."""
+    Reads of the tensors in ``host_resident`` (ids), and of stacks of them, are not counted: they are on the host
+    with an accelerator too."""
     originals = []
 
     def wrap(owner, name):
@@ -50,6 +51,16 @@ def _counting_host_reads(calls: list[str], host_resident: set[int] = frozenset()
 
     for name in _READS:
         wrap(torch.Tensor, name)
+    if host_resident:  # a stack of host tensors is on the host too (the optimizer reads its step counts that way)
+        stack = torch.stack
+
+        def stacked(tensors, *args, **kwargs):
+            out = stack(tensors, *args, **kwargs)
+            if all(id(t) in host_resident for t in tensors):
+                host_resident.add(id(out))
+            return out
+        originals.append((torch, "stack", stack))
+        torch.stack = stacked
     wrap(torch.cuda, "synchronize")
     wrap(torch.cuda.Stream, "synchronize")
     wrap(torch.cuda.Event, "synchronize")
