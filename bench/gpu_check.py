@@ -302,26 +302,15 @@ def part_fake8_zero3_reuse0(args) -> dict:
 
 def _count_syncs(engine, cfg, micro: int, steps: int = 4) -> list:
     """Per step, for forward, backward and step: the Python lines (file:line) of each synchronising CUDA call."""
-    import warnings
+    from zero_engine.testing import cuda_syncs
 
     x, y = batch(cfg, micro, engine.device)
     counted = []
     for _ in range(steps):
-        phases = {}
-        for phase, run in (("forward", lambda: engine(x, y)), ("backward", lambda: engine.backward(loss)),
-                           ("step", engine.step)):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    out = run()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            if phase == "forward":
-                loss = out
-            phases[phase] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                             if "synchroniz" in str(w.message).lower()]
-        counted.append(phases)
+        loss, forward = cuda_syncs(lambda: engine(x, y))
+        _, backward = cuda_syncs(lambda: engine.backward(loss))
+        _, step = cuda_syncs(engine.step)
+        counted.append({"forward": forward, "backward": backward, "step": step})
     return counted
 
 

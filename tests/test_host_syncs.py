@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zero_engine
-from zero_engine.testing import fake_world, run_ranks
+from zero_engine.testing import cuda_syncs, fake_world, run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 TIMEOUT = 120
@@ -147,18 +146,6 @@ def test_cuda_forward_backward_do_not_synchronize(dtype):
     assert proc.returncode == 0 and "OK" in proc.stdout, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
 
 
-def _cuda_syncs(run):
-    """``run()``'s result and the Python lines of the synchronising CUDA calls it made (set_sync_debug_mode)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return out, [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run `make gpu-check` on a GPU)")
 def test_cuda_step_synchronizes_once_at_world_2_on_the_fake_group():
     # The step fingerprint and the presence walk run only with 2 ranks or more, and on one GPU only the fake group
@@ -173,9 +160,9 @@ def test_cuda_step_synchronizes_once_at_world_2_on_the_fake_group():
         assert device.type == "cuda", device
         try:
             for i, (idx, targets) in enumerate(make_batches(cfg, 4, 2)):
-                loss, forward = _cuda_syncs(lambda: engine(idx.to(device), targets.to(device)))
-                _, backward = _cuda_syncs(lambda: engine.backward(loss))
-                _, step = _cuda_syncs(engine.step)
+                loss, forward = cuda_syncs(lambda: engine(idx.to(device), targets.to(device)))
+                _, backward = cuda_syncs(lambda: engine.backward(loss))
+                _, step = cuda_syncs(engine.step)
                 if i >= 1:  # the first step records the trace and walks for gradient presence
                     assert forward == [] and backward == [], (i, forward, backward)
                     assert len(step) == 1, (i, step)  # the grad norm with the fingerprint's verdict

@@ -23,5 +23,7 @@ from zero_engine.testing._harness import (
     on_ranks,
     run_ranks,
 )
+from zero_engine.testing._syncs import cuda_syncs
 
-__all__ = ["run_ranks", "on_ranks", "RankError", "RankTimeoutError", "RankFailure", "fake_world", "kill_this_rank"]
+__all__ = ["run_ranks", "on_ranks", "RankError", "RankTimeoutError", "RankFailure", "fake_world", "kill_this_rank",
+           "cuda_syncs"]
