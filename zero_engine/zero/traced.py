@@ -58,7 +58,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .._profiling import profile_range
-from .partition import ParamStatus, ShardedParam
+from .partition import ShardedParam
+from .unit import release_unused
 
 __all__ = ["TracedRegion", "is_traced", "traced_modules"]
 
@@ -229,11 +230,7 @@ def connect(engine, traced: list[TracedRegion]) -> None:
         piece.bucket = bucket
     for region in traced:
         region.hook_gradients(partial(_on_grad, engine))
-        for sp in region.params:
-            if sp.status is ParamStatus.AVAILABLE and sp.active_users == 0 and not sp.held_by_user:
-                sp.release()
-                if sp.live_owner is not None:
-                    sp.live_owner.forget(sp)
+        release_unused(region.params)  # the release rule (unit.py): whole, unused and not held by a user
 
 
 def _on_grad(engine, piece: _Piece) -> None:

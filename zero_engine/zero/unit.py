@@ -169,17 +169,10 @@ class LiveParams:
         self.numel += p.padded_numel
         self.peak_numel = max(self.peak_numel, self.numel)
 
-    def forget(self, p: ShardedParam) -> None:
-        """``p`` was released (outside the release rule: traced.py): no longer kept nor counted."""
-        self.kept.pop(id(p), None)
-        if p.live_owner is self:
-            p.live_owner = None
-            self.numel -= p.padded_numel
-
     @staticmethod
     def forget_each(params: list[ShardedParam]) -> None:
         """Each of ``params`` was released (the release rule's ``_release``): no longer kept nor counted by the
-        engine counting it (``live_owner.forget``, for many parameters in one call)."""
+        engine counting it."""
         for p in params:
             live = p.live_owner
             if live is not None:
