@@ -46,17 +46,12 @@ class GatherWork:
     # caller holds such a buffer until the compute stream waited (a cat's output would otherwise be freed at once).
     keep_alive: list = field(default_factory=list)
 
-    @property
-    def flat_bytes(self) -> int:
-        """The staging buffers' bytes (``issue`` and ``wait`` add them up as they go, without this)."""
-        return sum([out.numel() * out.element_size() for out, _ in self.flat])
-
     def wait(self) -> None:
         if self.done:
             return
         for handle in self.pending:
             handle.wait()
-        staged = 0  # bytes, as flat_bytes
+        staged = 0  # bytes of the staging buffers
         for out, layout in self.flat:
             staged += out.numel() * out.element_size()
             # One copy-out kernel per staged run (as FSDP2's): the [world, elements per rank] rows split by columns,
@@ -123,7 +118,7 @@ class CoalescedGather:
                 _gather_direct(self.comm, work, p, name, self.streams)
             else:
                 small.append(p)
-        staged = 0  # bytes, as work.flat_bytes
+        staged = 0  # bytes of the staging buffers
         for run in _runs(small, self.bucket_numel):
             if len(run) == 1:  # alone, it needs no staging either
                 _gather_direct(self.comm, work, run[0], name, self.streams)

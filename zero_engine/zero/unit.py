@@ -16,12 +16,12 @@ several units. ``coordinator.units`` lists them in module order: later work (reg
 attaches to a unit.
 
 [Note: the release rule]
-Whether a gathered parameter may be freed now is decided by ``releasable`` (over a list of parameters;
-``may_release`` asks it for one) and nowhere else. Every place that frees a parameter during training asks it
-first: through ``release_if_unused`` when making room under ``stage3_max_live_parameters``, at the end of what a
-forward held and at a ``GatheredParameters`` block's exit; through ``release_unused`` at the coordinator's end of
-step; and a unit's reshard after its module ran asks it directly, once for all of the unit's parameters (it returns
-which ones it refused only because of the trace, too). All release through ``_release``: the parameters the rule
+Whether a gathered parameter may be freed now is decided by ``releasable`` (over a list of parameters) and nowhere
+else. Every place that frees a parameter during training asks it first: through ``release_if_unused`` when making
+room under ``stage3_max_live_parameters``, at the end of what a forward held and at a ``GatheredParameters`` block's
+exit; through ``release_unused`` at the coordinator's end of step and when traced regions take their parameters
+(traced.py); and a unit's reshard after its module ran asks it directly, once for all of the unit's parameters (it
+returns which ones it refused only because of the trace, too). All release through ``_release``: the parameters the rule
 let go, in one call (``foreach_release``, ``LiveParams.forget_each``). A parameter stays gathered while any of these
 holds:
 
@@ -47,7 +47,7 @@ import torch.nn as nn
 from .gather import GatherWork
 from .partition import ParamStatus, ShardedParam, foreach_release
 
-__all__ = ["LiveParams", "NextUse", "ParamUnit", "may_release", "releasable", "release_if_unused", "release_unused",
+__all__ = ["LiveParams", "NextUse", "ParamUnit", "releasable", "release_if_unused", "release_unused",
            "releases"]
 
 
@@ -76,13 +76,6 @@ def releasable(params, next_uses: list[NextUse] | None = None, max_reuse_distanc
                 continue
         free.append(p)
     return free, kept
-
-
-def may_release(p: ShardedParam, next_use: NextUse | None = None, max_reuse_distance: int = 0,
-                keep_frozen: bool = False) -> bool:
-    """The release rule for one parameter (``releasable``)."""
-    free, _ = releasable((p,), None if next_use is None else (next_use,), max_reuse_distance, keep_frozen)
-    return bool(free)
 
 
 _releases = 0  # parameters released through the release rule so far (this process): see releases()
