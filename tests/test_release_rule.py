@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_engine
+from torch.utils._python_dispatch import TorchDispatchMode
 from zero_engine.testing import run_ranks
 from zero_engine.zero import GatheredParameters, unit
 from zero_engine.zero.partition import ParamStatus
@@ -404,4 +405,70 @@ def test_shard_buckets_and_optimizer_sub_groups_are_runs_of_whole_units():
         assert units == [["0.a", "0.b"], ["1.a", "1.b"], ["2.a", "2.b"]]
         assert buckets == units and sub_groups == units
         assert one_tensor  # each unit's all-gather input is a view of its bucket: no cat
+        assert all(same_losses) and same_params  # bitwise: the same micro-batch on every rank, SGD, fp32
+
+
+class _NormedBlock(nn.Module):
+    """A transformer block's parameter pattern: small LayerNorm weights and biases (persistent under a threshold of
+    100) between the weights the unit gathers (256 elements each: coalesced, below DIRECT_GATHER_NUMEL)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.fc1 = nn.LayerNorm(16), nn.Linear(16, 16)
+        self.ln2, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, h):
+        return h + self.fc2(torch.tanh(self.fc1(self.ln1(h))) + self.ln2(h))
+
+
+class _CountCats(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.cats = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.cats += func is torch.ops.aten.cat.default
+        return func(*args, **(kwargs or {}))
+
+
+def _persistent_layout_body():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_NormedBlock() for _ in range(3)])
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
+                                    # a prefetch takes one unit (512 elements): no gather spans two units
+                                    "stage3_prefetch_bucket_size": 600, "stage3_max_reuse_distance": 0, "leaf_module": {"classes": ["_NormedBlock"]}}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    gathered = [[p for p in u.params if not p.is_persistent] for u in engine.coordinator.units]
+    one_tensor = [p[0].bucket.run_view(p) is not None for p in gathered]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
+    same_losses, cats = [], []
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ref_loss = reference(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        with _CountCats() as counter:
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+        engine.step()  # its refresh of the persistent parameters spans units: one staged gather (not counted)
+        cats.append(counter.cats)
+        same_losses.append(torch.equal(loss.detach(), ref_loss.detach()))
+    ours, ref = full_params(engine), dict(reference.named_parameters())
+    same_params = all(torch.equal(v, ref[n].detach()) for n, v in ours.items())
+    engine.destroy()
+    return [len(g) for g in gathered], one_tensor, cats, same_losses, same_params
+
+
+def test_a_units_gathered_shards_are_one_tensor_with_its_persistent_parameters_beside_them():
+    """[Note: persistent shards last]: a unit's persistent parameters (LayerNorms, biases) lie after the ones it
+    gathers in the flat shard, so the all-gather input of a block is a view, not a ``cat`` of its shards each time
+    it is gathered (6 in forward and backward before: 3 blocks, each gathered twice)."""
+    for sizes, one_tensor, cats, same_losses, same_params in run_ranks(_persistent_layout_body, 2, timeout=TIMEOUT):
+        assert sizes == [2, 2, 2]  # fc1.weight and fc2.weight: the LayerNorms and biases are persistent
+        assert all(one_tensor)
+        assert cats == [0, 0, 0], cats
         assert all(same_losses) and same_params  # bitwise: the same micro-batch on every rank, SGD, fp32

@@ -130,6 +130,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
         unit_groups = [[sp] for sp in engine.sharded]
     # Shard buckets and the optimizer's sub-groups (ZeroOptimizer) are runs of whole units; gradient buckets are
     # not (see [Note: gradient buckets are not runs of units] in zero/grads.py).
+    if engine.stage == 3:
+        _decide_persistence(engine.sharded, zc)  # before the layout, which places them
     engine.shard_buckets = flatten_shards(unit_groups, bucket)
     trainable = [sp for sp in reversed(engine.sharded) if sp.param.requires_grad]  # ~ the order backward goes
     engine.reducer = GradReducer(trainable, engine.shard_comm, zc.reduce_bucket_size,
@@ -159,11 +161,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
             engine.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
         return unit_groups
 
-    persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
-    for sp in engine.sharded:
-        sp.is_persistent = sp.numel <= min(zc.param_persistence_threshold, persistent_budget)
-        if sp.is_persistent:
-            persistent_budget -= sp.numel
+    for sp in engine.sharded:  # persistence was decided before the layout
         if not sp.is_persistent and sp.is_available:
             sp.release()
     gatherer = make_gatherer(gather_comm, zc, engine.accounting, engine.streams)
@@ -211,6 +209,16 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
     return unit_groups
+
+
+def _decide_persistence(sharded: list[ShardedParam], zc) -> None:
+    """Stage 3: which parameters stay whole between uses (small ones, up to DeepSpeed's cap on them all together),
+    decided before the shard layout, which places them ([Note: persistent shards last] in zero/partition.py)."""
+    persistent_budget = zc.model_persistence_threshold  # DeepSpeed's cap on all persistent elements together
+    for sp in sharded:
+        sp.is_persistent = sp.numel <= min(zc.param_persistence_threshold, persistent_budget)
+        if sp.is_persistent:
+            persistent_budget -= sp.numel
 
 
 def _gather_comm(engine):

@@ -34,6 +34,18 @@ Where the bytes of a ZeRO-3 step live (decided once, at initialize):
   With per-parameter padding the all-gather of a large parameter already writes its storage directly; what the
   flat layout would add is fewer collectives for small parameters, which the staged run gives too.
 * *Gradients*: see [Note: gradient buffers] in grads.py.
+
+[Note: persistent shards last]
+A gather unit's persistent parameters (at stage 3 the small ones: LayerNorm weights, biases) stay whole, so a
+gather of the unit asks for the others only. In module order they lie between those (a block's ``ln1`` before its
+``attn.qkv``), and the shards to gather would not be adjacent: every gather of the unit would ``cat`` them into a
+staging input, a copy of the unit's shard per gather (8 a step on ``make demo``'s GPT, forward and backward). So
+the layout puts each unit's persistent parameters after its others (``flatten_shards``; persistence is decided
+before the buckets are built, wiring.py): a unit's gathered shards are one view. Per unit, not per bucket: a
+traced region (traced.py) gathers its persistent parameters too, and needs the whole unit adjacent. A gather that
+spans units (a prefetch) or buckets still stages with ``cat``, as FSDP2 copies every gather's input in. Only the
+flat shard's order changes: units, gradient buckets, optimizer sub-groups and checkpoints (per parameter) keep
+module order.
 """
 
 from __future__ import annotations
@@ -493,5 +505,7 @@ def runs(groups: Iterable[list[ShardedParam]], limit: int) -> list[list[ShardedP
 def flatten_shards(groups: Iterable[list[ShardedParam]], bucket_numel: int) -> list[ShardBucket]:
     """Move the shards into flat buckets, each a run of whole ``groups`` (see ``runs``): at stage 3 the gather
     units in module order, so that a unit's shards are one tensor (the input of its all-gather, no ``cat``) and an
-    offloader moves or swaps units whole."""
+    offloader moves or swaps units whole. In each unit the persistent parameters come after the others: [Note:
+    persistent shards last]."""
+    groups = [[p for p in group if not p.is_persistent] + [p for p in group if p.is_persistent] for group in groups]
     return [ShardBucket(run, i) for i, run in enumerate(runs(groups, bucket_numel))]
