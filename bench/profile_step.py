@@ -3,6 +3,7 @@
     python bench/profile_step.py --size demo --world 2 --systems ddp,fsdp2,zero3     # about a minute
     python bench/profile_step.py --size demo --world 2 --systems zero3 --top 30
     python bench/profile_step.py --size demo --world 2 --systems zero3 --clock thread   # CPU time, load-robust
+    python bench/profile_step.py --size demo --world 2 --systems fsdp2,zero3 --ops       # tensor ops per step
 
 Each system runs in fresh processes (torchrun, gloo, ``OMP_NUM_THREADS=1``) with bench/compare.py's model, data,
 optimizer and ZeRO knobs (bench/_worker.py builds them). After the warm-up steps, rank 0 profiles the timed steps
@@ -23,7 +24,8 @@ one says by how much. The row ``Python: zero_engine, profiler's cost removed`` e
 it: the profiler's cost per call event is measured on this machine and clock first (``_calibrate``, as the
 ``profile`` module's calibration does) and taken off for each call zero_engine's frames received and made. It is an
 estimate, noisier than the raw row, and not part of the split (the raw row is). ``--top N`` also prints the N
-functions with the most own time.
+functions with the most own time. ``--ops`` runs one more steady step per system and counts the tensor ops it
+dispatches (``OpCounter``: the ops Python and autograd call, views excluded; what a GPU would launch, roughly).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -97,6 +101,22 @@ def _calibrate(clock: str, n: int = 20000) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in found.items()}
 
 
+class OpCounter(TorchDispatchMode):
+    """The aten ops a step dispatches, by name: those called from Python and by autograd's backward (a mode sees the
+    top-level ops only, not what an op calls inside), views excluded (metadata, no kernel); collectives are counted
+    by bench/_measure.py, not here."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.namespace == "aten":
+            name = func.overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
 def _without_profiler_cost(stats: dict, cost: dict[str, float], bucket: str) -> float:
     """The own time of the functions in ``bucket`` (``_where``), less what cProfile itself spent there: each call
     of them costs ``callee_py``, and each call they made costs ``caller_py`` or ``caller_c`` (see ``_calibrate``).
@@ -114,7 +134,8 @@ def _without_profiler_cost(stats: dict, cost: dict[str, float], bucket: str) -> 
     return total
 
 
-def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: int, clock: str = "wall") -> None:
+def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: int, clock: str = "wall",
+           ops: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -129,14 +150,19 @@ def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: 
     model = gpt.GPT(cfg)
     micro = size.global_batch // world
     batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
-               for x, y in gpt.make_batches(cfg, warmup + 2 * steps, size.global_batch, seed=1)]
+               for x, y in gpt.make_batches(cfg, warmup + 2 * steps + ops, size.global_batch, seed=1)]
     runner = build_runner(system, model, size, world)
     plain, profiled = [], []
     # "thread": the main thread's CPU time (time.thread_time), which other processes' load on a shared machine does
     # not inflate; waits then cost nothing, so the split shows the CPU each part spends, Python's above all.
     profiler = cProfile.Profile(time.thread_time) if clock == "thread" else cProfile.Profile()
+    counter = OpCounter()
     for i, (x, y) in enumerate(batches):
         dist.barrier()
+        if i == warmup + 2 * steps:  # --ops: one more steady step, its ops counted
+            with counter:
+                runner.step(x, y)
+            continue
         on = i >= warmup + steps and rank == 0
         start = time.perf_counter()
         if on:
@@ -158,7 +184,7 @@ def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: 
             stats.stats, _calibrate(clock), "Python: zero_engine") / steps
         heavy = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
         with open(out, "w") as f:
-            json.dump({"system": system, "plain": plain, "profiled": profiled, "split": split,
+            json.dump({"system": system, "plain": plain, "profiled": profiled, "split": split, "ops": counter.counts,
                        "top": [(f"{os.path.relpath(p) if p != '~' else ''}:{line}({name})", calls / steps,
                                 tottime / steps) for (p, line, name), (_, calls, tottime, _, _) in heavy]}, f)
     dist.destroy_process_group()
@@ -175,11 +201,12 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="what cProfile measures: wall time, or the main thread's CPU time (robust to other "
                              "processes' load; waits count zero)")
+    parser.add_argument("--ops", action="store_true", help="also count the tensor ops of one steady step")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.size, args.steps, args.warmup, args.out, args.top, args.clock)
+        worker(args.worker, args.size, args.steps, args.warmup, args.out, args.top, args.clock, args.ops)
         return 0
     env = dict(os.environ, OMP_NUM_THREADS="1")
     results = []
@@ -189,7 +216,7 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc_per_node={args.world}", os.path.abspath(__file__), "--worker", system,
                             "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                            "--top", str(args.top), "--clock", args.clock, "--out", out], env=env, check=True,
+                            "--top", str(args.top), "--clock", args.clock, "--out", out] + ["--ops"] * args.ops, env=env, check=True,
                            timeout=1800,
                            stdout=subprocess.DEVNULL)
             with open(out) as f:
@@ -204,6 +231,12 @@ def main(argv=None) -> int:
         f"{statistics.median(r['profiled']) * 1e3:.1f}" for r in results) + " |")
     for b in buckets:
         print(f"| {b} | " + " | ".join(f"{r['split'].get(b, 0.0) * 1e3:.1f}" for r in results) + " |")
+    if args.ops:
+        print("| tensor ops, one steady step (views excluded) | " + " | ".join(
+            str(sum(r["ops"].values())) for r in results) + " |")
+        for r in results:
+            common = sorted(r["ops"].items(), key=lambda kv: -kv[1])
+            print(f"\n{r['system']}: ops per step: " + ", ".join(f"{name} {n}" for name, n in common))
     for r in results:
         if r["top"]:
             print(f"\n{r['system']}: functions with the most own time (calls per step, ms per step)")

@@ -55,3 +55,15 @@ def test_engine_cpu_times_every_entry_point_of_a_step():
         assert result[label] > 0, result
     # nested entry points are counted once: all of them together stay within the step they run in
     assert result["all entry points"] < result["main thread, whole step (median)"] * 1.5, result
+
+
+def test_op_counter_counts_the_ops_a_step_dispatches_and_no_views():
+    import torch
+
+    x = torch.randn(4, 4, requires_grad=True)
+    with profile_step.OpCounter() as counter:
+        y = (x.t() @ x).view(-1)  # t and view: metadata only
+        y.sum().backward()
+    assert counter.counts.get("mm", 0) >= 3, counter.counts  # forward, and both of backward's
+    assert "t" not in counter.counts and "view" not in counter.counts, counter.counts
+    assert counter.counts.get("sum") == 1, counter.counts
