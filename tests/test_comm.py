@@ -138,8 +138,9 @@ def _exercise_emulated_collectives(full_numel: int) -> dict:
     shard = _shard_numel(full_numel, world)
     padded = shard * world
     support = _backend.support_for(comm.backend)
-    saved = (support.all_gather_single, support.reduce_scatter_single, support.avg)
+    saved = (support.all_gather_single, support.reduce_scatter_single, support.avg, support.reduce_scatter_by_all_to_all)
     support.all_gather_single = support.reduce_scatter_single = support.avg = False
+    support.reduce_scatter_by_all_to_all = False  # the emulations themselves, not gloo's all-to-all reduce-scatter
     results = {}
     try:
         for tag, async_op in (("sync", False), ("async", True)):
@@ -156,7 +157,8 @@ def _exercise_emulated_collectives(full_numel: int) -> dict:
             results[f"all_reduce_avg_{tag}"] = pending.wait().tolist()
         results["stats"] = comm.stats()
     finally:
-        support.all_gather_single, support.reduce_scatter_single, support.avg = saved
+        (support.all_gather_single, support.reduce_scatter_single, support.avg,
+         support.reduce_scatter_by_all_to_all) = saved
     return results
 
 
@@ -176,29 +178,73 @@ def test_emulated_collectives_match_native_results_and_counters(world_size):
         assert result["stats"]["all_gather"] == {"calls": 2, "bytes": 2 * shard * world_size * 4}
 
 
-def _scratch_reduce_scatter(full_numel: int) -> dict:
-    """A reduce-scatter whose input is scratch: on gloo an in-place all-reduce, bitwise the native result, counted
-    as the reduce-scatter it is, recorded as the all-reduce that runs (its wait honours timeouts)."""
+def _reduce_scatter_on_gloo(full_numel: int) -> dict:
+    """A reduce-scatter of CPU tensors on gloo runs as an all-to-all and a sum ([Note: gloo's reduce-scatter as an
+    all-to-all]): gloo's own result (an all-reduce), bitwise at world 2; its input untouched; counted as the
+    reduce-scatter it is, recorded as the all-to-all that runs (its wait honours timeouts). Scratch or not, and in
+    each dtype the engine reduces in."""
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     shard = _shard_numel(full_numel, world)
     out = {}
-    for op in ("sum", "avg"):
-        native, scratch = torch.empty(shard), torch.empty(shard)
-        comm.reduce_scatter_tensor(native, _rank_data(rank, shard * world), op=op).wait()
-        inp = _rank_data(rank, shard * world)
-        comm.reduce_scatter_tensor(scratch, inp, op=op, async_op=True, input_is_scratch=True).wait()
-        out[op] = (torch.equal(native, scratch), comm.progress.last.kind)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for op in ("sum", "avg"):
+            for scratch in (False, True):
+                inp = _rank_data(rank, shard * world).to(dtype)
+                kept = inp.clone()
+                native, ours = torch.empty(shard, dtype=dtype), torch.empty(shard, dtype=dtype)
+                dist.reduce_scatter_tensor(native, inp.clone(), op=dist.ReduceOp.SUM)
+                if op == "avg":
+                    native.div_(world)
+                comm.reduce_scatter_tensor(ours, inp, op=op, async_op=True, input_is_scratch=scratch).wait()
+                out[(str(dtype), op, scratch)] = (torch.equal(native, ours),
+                                                  torch.allclose(native.float(), ours.float(), rtol=1e-2, atol=1e-3),
+                                                  torch.equal(inp, kept), comm.progress.last.kind)
     out["stats"] = comm.stats()["reduce_scatter"]["calls"]
+    out["workspace"] = comm.reduce_scatter_workspace(torch.empty(8 * world))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_reduce_scatter_on_gloo_is_an_all_to_all_and_a_sum_with_gloos_result(world_size):
+    for result in run_ranks(_reduce_scatter_on_gloo, world_size, 10, timeout=RANK_TIMEOUT_S):
+        stats, workspace = result.pop("stats"), result.pop("workspace")
+        for key, (equal, close, input_kept, kind) in result.items():
+            assert close and input_kept and kind == "all_to_all", (key, result[key])
+            if world_size == 2:  # one addition, a + b either way
+                assert equal, key
+        assert stats == 12
+        assert workspace == 8 * world_size * 4  # the received rows: the input's size, counted by the caller
+
+
+def _scratch_reduce_scatter_without_all_to_all(full_numel: int) -> dict:
+    """Where the all-to-all does not apply (gloo with CUDA tensors; forced off here), a scratch input is all-reduced
+    in place: bitwise the native result, recorded as the all-reduce that runs."""
+    comm = Communicator()
+    support = _backend.support_for(comm.backend)
+    rank, world = comm.rank, comm.world_size
+    shard = _shard_numel(full_numel, world)
+    out = {}
+    support.reduce_scatter_by_all_to_all = False
+    try:
+        for op in ("sum", "avg"):
+            native, scratch = torch.empty(shard), torch.empty(shard)
+            comm.reduce_scatter_tensor(native, _rank_data(rank, shard * world), op=op).wait()
+            inp = _rank_data(rank, shard * world)
+            comm.reduce_scatter_tensor(scratch, inp, op=op, async_op=True, input_is_scratch=True).wait()
+            out[op] = (torch.equal(native, scratch), comm.progress.last.kind)
+        out["workspace"] = comm.reduce_scatter_workspace(torch.empty(8 * world))
+    finally:
+        support.reduce_scatter_by_all_to_all = True
     out["in_place"] = _backend.decide_support("gloo", (2, 13)).reduce_scatter_copies_input
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_scratch_reduce_scatter_on_gloo_is_an_in_place_all_reduce_with_the_same_result(world_size):
-    for result in run_ranks(_scratch_reduce_scatter, world_size, 10, timeout=RANK_TIMEOUT_S):
+def test_a_scratch_reduce_scatter_without_the_all_to_all_is_an_in_place_all_reduce_with_the_same_result(world_size):
+    for result in run_ranks(_scratch_reduce_scatter_without_all_to_all, world_size, 10, timeout=RANK_TIMEOUT_S):
         assert result["sum"] == (True, "all_reduce") and result["avg"] == (True, "all_reduce")
-        assert result["stats"] == 4 and result["in_place"]
+        assert result["workspace"] == 0 and result["in_place"]
 
 
 def _native_error_mentioning_support() -> list:
@@ -217,6 +263,7 @@ def _native_error_mentioning_support() -> list:
         return native(*args, **kwargs)
 
     _backend._reduce_scatter_single = fail_on_rank_1
+    support.reduce_scatter_by_all_to_all = False  # the native reduce-scatter on CPU tensors: the op under test
     raised = None
     try:
         output = torch.empty(2)
@@ -230,6 +277,7 @@ def _native_error_mentioning_support() -> list:
         comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size) * (comm.rank + 1), op="sum")
     finally:
         _backend._reduce_scatter_single = native
+        support.reduce_scatter_by_all_to_all = True
     after = (support.all_gather_single, support.reduce_scatter_single, support.avg)
     return [output.tolist(), raised, before == after]
 
@@ -250,6 +298,10 @@ def test_native_or_emulated_is_a_function_of_backend_name_and_torch_version():
     assert not any(getattr(decide("mpi", (2, 13)), name) for name in everything)  # unknown: emulate
     assert not decide("cpu:gloo,cuda:nccl", (2, 4)).avg and decide("cpu:gloo,cuda:nccl", (2, 13)).avg
     assert not hasattr(_backend, "_is_unsupported_error")  # no decision is ever taken from an error message
+    # gloo's reduce-scatter runs as an all-to-all (CPU tensors; any torch: all_to_all_single is older than 2.13)
+    assert decide("gloo", (2, 13)).reduce_scatter_by_all_to_all and decide("gloo", (2, 4)).reduce_scatter_by_all_to_all
+    assert not decide("nccl", (2, 13)).reduce_scatter_by_all_to_all
+    assert not decide("mpi", (2, 13)).reduce_scatter_by_all_to_all
 
 
 # -- debug mode: mismatched collectives become errors on every rank ----------------------------------------------
@@ -346,7 +398,7 @@ def test_a_collective_issued_and_waited_is_a_handful_of_python_calls():
         # all_gather_into_tensor, _issue, ProgressLog.record, profile_range, CollectiveIssuer.all_gather,
         # Pending.wait, StallWatchdog.wait: no per-collective helper towers (there were 13 calls).
         assert len(result["all_gather"]) <= 7, result["all_gather"]
-        # the same, plus reduces_in_place and the slice copy that completes an in-place reduce-scatter (gloo)
+        # the same, plus reduce_scatter_plan and the sum that completes gloo's all-to-all reduce-scatter
         assert len(result["reduce_scatter"]) <= 9, result["reduce_scatter"]
         assert "_wait_slice" not in result["all_gather"] + result["reduce_scatter"]
 

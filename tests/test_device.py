@@ -121,6 +121,7 @@ def test_nccl_path_is_always_native():
     for backend in ("nccl", "cpu:gloo,cuda:nccl"):
         support = CollectiveIssuer(None, backend, world_size=2).support
         assert (support.all_gather_single, support.reduce_scatter_single, support.avg) == (True, True, True)
+        assert not support.reduce_scatter_by_all_to_all
 
 
 def test_hf_reader_stages_reads_into_a_non_cpu_tensor(tmp_path):

@@ -70,6 +70,17 @@ class BackendSupport:
     # same bytes on the wire, without that copy and with a work that honours timeouts (bench/profile_step.py: the
     # demo model's 9 reduce-scatters cost 7.4 ms a step to issue).
     reduce_scatter_copies_input: bool = False
+    # [Note: gloo's reduce-scatter as an all-to-all] Either way above, gloo reduces the whole input on every rank:
+    # its ring all-reduce moves each byte twice (reduce, then gather the result back), and a reduce-scatter needs
+    # only the first half. An all-to-all of the input (rank j receives every rank's chunk j) and a sum of the
+    # received rows on this rank is that half: it took 0.46-0.72 of the in-place all-reduce's time for 1-16 MiB at
+    # worlds 2 and 4 (bench/reduce_scatter_probe.py, docs/benchmarks.md), so the reduce-scatters of a training step
+    # run this way on gloo (CPU tensors: gloo's all-to-all takes no CUDA ones). Its cost is the received rows: one
+    # more buffer of the input's size until the work completes (``Communicator.reduce_scatter_workspace``, which
+    # the gradient reducer counts as a comm buffer). The input is only read, so it needs no copy either. At world 2
+    # the sum is the all-reduce's one addition, bitwise; above, a fixed order (torch.sum over the rows), which may
+    # round differently from the ring's (itself different per chunk).
+    reduce_scatter_by_all_to_all: bool = False
     logged: set = field(default_factory=set)
 
 
@@ -90,7 +101,8 @@ def decide_support(backend: str, torch_version: tuple[int, int] | None = None) -
     parts = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
     native = all(name in _NATIVE_SINCE and version >= _NATIVE_SINCE[name] for name in parts)
     return BackendSupport(all_gather_single=native, reduce_scatter_single=native, avg=native,
-                          reduce_scatter_copies_input=all(name == "gloo" for name in parts))
+                          reduce_scatter_copies_input=all(name == "gloo" for name in parts),
+                          reduce_scatter_by_all_to_all=all(name == "gloo" for name in parts))
 
 
 _support_by_backend: dict[str, BackendSupport] = {}
@@ -152,14 +164,23 @@ class CollectiveIssuer:
         chunks = list(output.view(-1).chunk(self.world_size))
         return dist.all_gather(chunks, input.reshape(-1), group=self.group, async_op=True), None
 
-    def reduces_in_place(self, input_is_scratch: bool) -> bool:
-        """Whether ``reduce_scatter`` of a scratch input runs as an all-reduce of that input in place (see [Note:
-        gloo's reduce-scatter is an all-reduce of a copy]); the communicator records it as the all-reduce it is."""
-        return input_is_scratch and (self.support.reduce_scatter_copies_input or not self.support.reduce_scatter_single)
+    def reduce_scatter_plan(self, input: torch.Tensor, input_is_scratch: bool) -> str:
+        """The collective a ``reduce_scatter`` of ``input`` runs, which the communicator records for the watchdog:
+        "all_to_all" on gloo for CPU tensors ([Note: gloo's reduce-scatter as an all-to-all]), "all_reduce" of a
+        scratch input in place where the native one would copy it ([Note: gloo's reduce-scatter is an all-reduce of
+        a copy]), or the native "reduce_scatter"."""
+        support = self.support
+        if support.reduce_scatter_by_all_to_all and input.device.type == "cpu":
+            return "all_to_all"
+        if input_is_scratch and (support.reduce_scatter_copies_input or not support.reduce_scatter_single):
+            return "all_reduce"
+        return "reduce_scatter"
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, in_place: bool = False) -> Issued:
-        """``in_place`` (from ``reduces_in_place``): the caller will not read ``input`` again, and it is all-reduced
-        in place."""
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                       plan: str = "reduce_scatter") -> Issued:
+        """``plan`` from ``reduce_scatter_plan`` ("all_to_all" is ``reduce_scatter_by_all_to_all``); with
+        "all_reduce" the caller will not read ``input`` again, and it is all-reduced in place."""
+        in_place = plan == "all_reduce"
         support = self.support
         divide = op == "avg" and not support.avg
         torch_op = dist.ReduceOp.SUM if divide else _REDUCE_OPS[op]  # op checked by the communicator
@@ -178,6 +199,24 @@ class CollectiveIssuer:
                 if divide:
                     reduced.div_(world_size)
                 once.pop().copy_(my_slice)
+
+        return work, complete
+
+    def reduce_scatter_by_all_to_all(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                                     plan: str = "all_to_all") -> Issued:
+        """See [Note: gloo's reduce-scatter as an all-to-all]: every rank's chunk r arrives here as a row of
+        ``received``; their sum (divided for "avg") is this rank's slice."""
+        flat = input.detach().reshape(-1)
+        received = torch.empty_like(flat)
+        work = dist.all_to_all_single(received, flat, group=self.group, async_op=True)
+        world_size, once = self.world_size, [output.view(-1)]
+
+        def complete() -> None:  # at most once: a second Pending.wait() must not sum again
+            if once:
+                out = once.pop()
+                torch.sum(received.view(world_size, -1), 0, out=out)
+                if op == "avg":
+                    out.div_(world_size)
 
         return work, complete
 

@@ -311,9 +311,11 @@ class Communicator:
         """Reduce ``input`` across ranks with ``op`` ("sum" or "avg") and keep this rank's slice in ``output``.
 
         ``input`` must hold world_size x output.numel() elements; rank r receives the reduced
-        ``input.view(-1)[r*n:(r+1)*n]``. Counts the input bytes. ``input_is_scratch``: the caller does not read
-        ``input`` afterwards, so on gloo it is all-reduced in place (see [Note: gloo's reduce-scatter is an
-        all-reduce of a copy] in _backend.py; recorded for the watchdog as the all-reduce it is).
+        ``input.view(-1)[r*n:(r+1)*n]``. Counts the input bytes. On gloo with CPU tensors it runs as an all-to-all and
+        a sum (see [Note: gloo's reduce-scatter as an all-to-all] in _backend.py; recorded for the watchdog as the
+        all-to-all it is; ``reduce_scatter_workspace`` says what it holds). ``input_is_scratch``: the caller does not
+        read ``input`` afterwards, so where gloo's own reduce-scatter would copy it (CUDA tensors), it is all-reduced
+        in place ([Note: gloo's reduce-scatter is an all-reduce of a copy]; recorded as that all-reduce).
         """
         kind = "reduce_scatter"
         if op not in _REDUCE_SCATTER_OPS:
@@ -328,9 +330,18 @@ class Communicator:
             self._require_float_for_avg(kind, name, op, input)
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name)
-        in_place = self._issuer.reduces_in_place(input_is_scratch)
-        return self._issue(kind, "all_reduce" if in_place else kind, name, input, input.numel() * input.element_size(),
-                           self._issuer.reduce_scatter, (output, input, op, in_place), output, async_op)
+        issuer = self._issuer
+        plan = issuer.reduce_scatter_plan(input, input_is_scratch)
+        run = issuer.reduce_scatter_by_all_to_all if plan == "all_to_all" else issuer.reduce_scatter
+        return self._issue(kind, plan, name, input, input.numel() * input.element_size(), run,
+                           (output, input, op, plan), output, async_op)
+
+    def reduce_scatter_workspace(self, input: torch.Tensor) -> int:
+        """Bytes a ``reduce_scatter_tensor`` of ``input`` holds beside its buffers until it completes (the received
+        rows of [Note: gloo's reduce-scatter as an all-to-all]), for the caller's memory accounting."""
+        if self._issuer.reduce_scatter_plan(input, True) == "all_to_all":
+            return input.numel() * input.element_size()
+        return 0
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                           name: str = "") -> Pending:

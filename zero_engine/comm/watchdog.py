@@ -81,9 +81,11 @@ __all__ = ["StallWatchdog", "default_store"]
 _CHECK_PERIOD_S = 1.0  # how often a stalled rank re-reads the others' state
 _HOLD_POLL_S = 0.01
 _PUBLISHED_RECORDS = 48
-# gloo's work.wait(timeout) returns on time for these. Its reduce-scatter (torch 2.13) ignores the timeout and its
-# is_completed() stays False until wait() is called, so that one is waited on a helper thread (_BlockingWaiter).
-_WAIT_HONOURS_TIMEOUT = frozenset({"all_gather", "all_reduce", "broadcast", "barrier"})
+# gloo's work.wait(timeout) returns on time for these (all_to_all: checked with torch 2.13, it raises "Operation
+# timed out" on time, and is_completed() turns True without a wait). Its reduce-scatter (torch 2.13) ignores the
+# timeout and its is_completed() stays False until wait() is called, so that one is waited on a helper thread
+# (_BlockingWaiter).
+_WAIT_HONOURS_TIMEOUT = frozenset({"all_gather", "all_reduce", "all_to_all", "broadcast", "barrier"})
 
 BRANCH_ADVICE = ("make data-dependent branches agree across ranks (decide on rank 0 and broadcast the decision), "
                  "and call engine(), engine.backward() and engine.step() the same number of times on every rank")

@@ -103,6 +103,7 @@ class _Bucket:
         self.arrived = 0  # its parameters whose gradient arrived this pass
         self.pending = None  # comm Pending of the launched reduce-scatter
         self.recv: torch.Tensor | None = None
+        self.workspace = 0  # bytes its launched reduce-scatter holds beside send and recv (comm's workspace)
         self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
         self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
         self.unaveraged = False  # shard_grads not yet averaged across replicas ([Note: gradients across replicas])
@@ -487,6 +488,9 @@ class GradReducer:
         bucket.recv = bucket.shard_grads if direct else torch.empty(bucket.per_rank, dtype=self.reduce_dtype,
                                                                      device=bucket.send.device)
         bucket.pending = self._reduce_scatter(bucket.recv, bucket.send, bucket)
+        if self.quantized is None:  # gloo's received rows, say ([Note: gloo's reduce-scatter as an all-to-all])
+            bucket.workspace = bucket.comm.reduce_scatter_workspace(bucket.send)
+            self._track("comm_buffers", bucket.workspace)
         self._next_launch = bucket.index + 1
         # At most two buckets in flight (double buffering): overlap without holding every send buffer.
         self._in_flight.append(bucket)
@@ -521,7 +525,8 @@ class GradReducer:
             else:  # device -> (pinned) host is asynchronous; see [Note: gradient shards on the host]
                 bucket.shard_grads.copy_(recv, non_blocking=recv.device != bucket.shard_grads.device)
         bucket.has_grads = True
-        self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size())
+        self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size() - bucket.workspace)
+        bucket.workspace = 0
         bucket.send = bucket.recv = bucket.pending = None
         bucket.arrived = 0
         for group in bucket.groups:
