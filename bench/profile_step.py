@@ -216,9 +216,8 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc_per_node={args.world}", os.path.abspath(__file__), "--worker", system,
                             "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                            "--top", str(args.top), "--clock", args.clock, "--out", out] + ["--ops"] * args.ops, env=env, check=True,
-                           timeout=1800,
-                           stdout=subprocess.DEVNULL)
+                            "--top", str(args.top), "--clock", args.clock, "--out", out] + ["--ops"] * args.ops,
+                           env=env, check=True, timeout=1800, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 results.append(json.load(f))
     buckets = sorted({b for r in results for b in r["split"]}, key=lambda b: -max(r["split"].get(b, 0) for r in results))

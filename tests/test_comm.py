@@ -138,7 +138,8 @@ def _exercise_emulated_collectives(full_numel: int) -> dict:
     shard = _shard_numel(full_numel, world)
     padded = shard * world
     support = _backend.support_for(comm.backend)
-    saved = (support.all_gather_single, support.reduce_scatter_single, support.avg, support.reduce_scatter_by_all_to_all)
+    saved = (support.all_gather_single, support.reduce_scatter_single, support.avg,
+             support.reduce_scatter_by_all_to_all)
     support.all_gather_single = support.reduce_scatter_single = support.avg = False
     support.reduce_scatter_by_all_to_all = False  # the emulations themselves, not gloo's all-to-all reduce-scatter
     results = {}

@@ -467,7 +467,8 @@ def test_a_units_gathered_shards_are_one_tensor_with_its_persistent_parameters_b
     """[Note: persistent shards last]: a unit's persistent parameters (LayerNorms, biases) lie after the ones it
     gathers in the flat shard, so the all-gather input of a block is a view, not a ``cat`` of its shards each time
     it is gathered (6 in forward and backward before: 3 blocks, each gathered twice)."""
-    for sizes, one_tensor, cats, same_losses, same_params in run_ranks(_persistent_layout_body, 2, timeout=TIMEOUT):
+    for sizes, one_tensor, cats, same_losses, same_params in run_ranks(_persistent_layout_body, 2,
+                                                                       timeout=TIMEOUT):
         assert sizes == [2, 2, 2]  # fc1.weight and fc2.weight: the LayerNorms and biases are persistent
         assert all(one_tensor)
         assert cats == [0, 0, 0], cats

@@ -501,7 +501,9 @@ class GradReducer:
         """One reduce-scatter, from the reduce-scatter stream on CUDA. Both buffers were allocated and filled on the
         compute stream and stay referenced by the bucket until ``_complete`` has waited (see [Note: streams, events
         and buffer lifetime] in streams.py)."""
-        def issue():  # the send buffer is not read again: gloo may all-reduce it in place (see _backend.py)
+        # the send buffer is not read again: where gloo cannot all-to-all it (CUDA tensors), it is all-reduced in
+        # place (see _backend.py)
+        def issue():
             if self.quantized is not None:  # ZeRO++ qgZ (zero/quantize.py); never with experts (wiring.py)
                 return self.quantized.reduce_scatter(bucket.comm, out, inp, bucket.name, self.async_op)
             return bucket.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
