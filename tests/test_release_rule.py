@@ -13,6 +13,7 @@ each release site of a coordinator on its own (test_zero_units.py's loopback com
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 
 import pytest
@@ -381,22 +382,33 @@ def _unit_layout_body():
     buckets = [[p.fqn for p in b.params] for b in engine.shard_buckets]
     sub_groups = [[p.fqn for p in g] for g in engine.optimizer.sub_groups]
     one_tensor = all(u.params[0].bucket.run_view(u.params) is not None for u in engine.coordinator.units)
+    same_losses, same_params = _train_beside_sgd(engine, reference, torch.randn(2, 10, generator=_seeded(1)), 2)
+    engine.destroy()
+    return units, buckets, sub_groups, one_tensor, same_losses, same_params
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _train_beside_sgd(engine, reference: nn.Module, x: torch.Tensor, steps: int, watch=None):
+    """``steps`` steps of ``engine`` and of ``reference`` under torch's SGD (lr 0.1) on the same micro-batch ``x``:
+    whether each step's loss and the final parameters are bitwise equal. ``watch``: a context manager entered
+    around each of the engine's forward and backward."""
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
     same_losses = []
-    for _ in range(2):
+    for _ in range(steps):
         ref_opt.zero_grad()
         ref_loss = reference(x).square().mean()
         ref_loss.backward()
         ref_opt.step()
-        loss = engine(x).square().mean()
-        engine.backward(loss)
+        with watch if watch is not None else contextlib.nullcontext():
+            loss = engine(x).square().mean()
+            engine.backward(loss)
         engine.step()
         same_losses.append(torch.equal(loss.detach(), ref_loss.detach()))
     ours, ref = full_params(engine), dict(reference.named_parameters())
-    same_params = all(torch.equal(v, ref[n].detach()) for n, v in ours.items())
-    engine.destroy()
-    return units, buckets, sub_groups, one_tensor, same_losses, same_params
+    return same_losses, all(torch.equal(v, ref[n].detach()) for n, v in ours.items())
 
 
 def test_shard_buckets_and_optimizer_sub_groups_are_runs_of_whole_units():
@@ -439,28 +451,17 @@ def _persistent_layout_body():
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
                                     # a prefetch takes one unit (512 elements): no gather spans two units
-                                    "stage3_prefetch_bucket_size": 600, "stage3_max_reuse_distance": 0, "leaf_module": {"classes": ["_NormedBlock"]}}}
+                                    "stage3_prefetch_bucket_size": 600, "stage3_max_reuse_distance": 0,
+                                    "leaf_module": {"classes": ["_NormedBlock"]}}}
     engine, *_ = zero_engine.initialize(model=model, config=config)
     gathered = [[p for p in u.params if not p.is_persistent] for u in engine.coordinator.units]
     one_tensor = [p[0].bucket.run_view(p) is not None for p in gathered]
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
-    same_losses, cats = [], []
-    for _ in range(3):
-        ref_opt.zero_grad()
-        ref_loss = reference(x).square().mean()
-        ref_loss.backward()
-        ref_opt.step()
-        with _CountCats() as counter:
-            loss = engine(x).square().mean()
-            engine.backward(loss)
-        engine.step()  # its refresh of the persistent parameters spans units: one staged gather (not counted)
-        cats.append(counter.cats)
-        same_losses.append(torch.equal(loss.detach(), ref_loss.detach()))
-    ours, ref = full_params(engine), dict(reference.named_parameters())
-    same_params = all(torch.equal(v, ref[n].detach()) for n, v in ours.items())
+    # forward and backward watched; a step's refresh of the persistent parameters spans units (one staged gather)
+    counter = _CountCats()
+    same_losses, same_params = _train_beside_sgd(engine, reference, torch.randn(2, 16, generator=_seeded(1)), 3,
+                                                 watch=counter)
     engine.destroy()
-    return [len(g) for g in gathered], one_tensor, cats, same_losses, same_params
+    return [len(g) for g in gathered], one_tensor, counter.cats, same_losses, same_params
 
 
 def test_a_units_gathered_shards_are_one_tensor_with_its_persistent_parameters_beside_them():
@@ -471,5 +472,5 @@ def test_a_units_gathered_shards_are_one_tensor_with_its_persistent_parameters_b
                                                                        timeout=TIMEOUT):
         assert sizes == [2, 2, 2]  # fc1.weight and fc2.weight: the LayerNorms and biases are persistent
         assert all(one_tensor)
-        assert cats == [0, 0, 0], cats
+        assert cats == 0, cats  # in the 3 steps' forward and backward
         assert all(same_losses) and same_params  # bitwise: the same micro-batch on every rank, SGD, fp32
