@@ -178,8 +178,22 @@ class CollectiveIssuer:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str,
                        plan: str = "reduce_scatter") -> Issued:
-        """``plan`` from ``reduce_scatter_plan`` ("all_to_all" is ``reduce_scatter_by_all_to_all``); with
-        "all_reduce" the caller will not read ``input`` again, and it is all-reduced in place."""
+        """``plan`` from ``reduce_scatter_plan``; with "all_reduce" the caller will not read ``input`` again, and it
+        is all-reduced in place."""
+        if plan == "all_to_all":  # every rank's chunk r arrives here as a row: their sum is this rank's slice
+            flat = input.detach().reshape(-1)
+            received = torch.empty_like(flat)
+            work = dist.all_to_all_single(received, flat, group=self.group, async_op=True)
+            world_size, slice_out = self.world_size, [output.view(-1)]
+
+            def sum_rows() -> None:  # at most once: a second Pending.wait() must not sum again
+                if slice_out:
+                    out = slice_out.pop()
+                    torch.sum(received.view(world_size, -1), 0, out=out)
+                    if op == "avg":
+                        out.div_(world_size)
+
+            return work, sum_rows
         in_place = plan == "all_reduce"
         support = self.support
         divide = op == "avg" and not support.avg
@@ -199,24 +213,6 @@ class CollectiveIssuer:
                 if divide:
                     reduced.div_(world_size)
                 once.pop().copy_(my_slice)
-
-        return work, complete
-
-    def reduce_scatter_by_all_to_all(self, output: torch.Tensor, input: torch.Tensor, op: str,
-                                     plan: str = "all_to_all") -> Issued:
-        """See [Note: gloo's reduce-scatter as an all-to-all]: every rank's chunk r arrives here as a row of
-        ``received``; their sum (divided for "avg") is this rank's slice."""
-        flat = input.detach().reshape(-1)
-        received = torch.empty_like(flat)
-        work = dist.all_to_all_single(received, flat, group=self.group, async_op=True)
-        world_size, once = self.world_size, [output.view(-1)]
-
-        def complete() -> None:  # at most once: a second Pending.wait() must not sum again
-            if once:
-                out = once.pop()
-                torch.sum(received.view(world_size, -1), 0, out=out)
-                if op == "avg":
-                    out.div_(world_size)
 
         return work, complete
 

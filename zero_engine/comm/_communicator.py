@@ -330,11 +330,9 @@ class Communicator:
             self._require_float_for_avg(kind, name, op, input)
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name)
-        issuer = self._issuer
-        plan = issuer.reduce_scatter_plan(input, input_is_scratch)
-        run = issuer.reduce_scatter_by_all_to_all if plan == "all_to_all" else issuer.reduce_scatter
-        return self._issue(kind, plan, name, input, input.numel() * input.element_size(), run,
-                           (output, input, op, plan), output, async_op)
+        plan = self._issuer.reduce_scatter_plan(input, input_is_scratch)
+        return self._issue(kind, plan, name, input, input.numel() * input.element_size(),
+                           self._issuer.reduce_scatter, (output, input, op, plan), output, async_op)
 
     def reduce_scatter_workspace(self, input: torch.Tensor) -> int:
         """Bytes a ``reduce_scatter_tensor`` of ``input`` holds beside its buffers until it completes (the received
