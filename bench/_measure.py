@@ -147,12 +147,26 @@ def _kind(op_name: str) -> str | None:
         return "all_reduce"
     if "broadcast" in name:
         return "broadcast"
+    if "alltoall" in name or "all_to_all" in name:
+        return "all_to_all"
     return "other"
 
 
+def _inside(ranges: dict, event: dict) -> bool:
+    start = event.get("ts", 0)
+    return any(lo <= start < hi for lo, hi in ranges.get(event.get("tid"), ()))
+
+
 def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str, dict[str, int]]:
-    """{"all_gather": {"calls", "bytes"}, ...} from a chrome trace; see [Note: counting communication ...]."""
+    """{"all_gather": {"calls", "bytes"}, ...} from a chrome trace; see [Note: counting communication ...]. On gloo
+    zero_engine runs a reduce-scatter as an all-to-all ([Note: gloo's reduce-scatter as an all-to-all]): an
+    all-to-all inside its "zero3::reduce_scatter ..." range is counted as the reduce-scatter it is (input bytes)."""
     counts: dict[str, dict[str, int]] = {}
+    reduce_scatter_ranges: dict = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("name", "").split(" ", 1)[0] == "zero3::reduce_scatter":  # "zero3::reduce_scatter <its name>"
+            start = e.get("ts", 0)
+            reduce_scatter_ranges.setdefault(e.get("tid"), []).append((start, start + e.get("dur", 0)))
     events = sorted((e for e in trace.get("traceEvents", []) if e.get("name", "").startswith("c10d::")),
                     key=lambda e: (e.get("tid"), e.get("ts", 0)))
     open_until: dict = {}  # tid -> end of the last counted op: a c10d op nested inside another is not a new one
@@ -164,11 +178,14 @@ def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str,
         kind = _kind(name)
         if kind is None:
             continue
+        if kind == "all_to_all" and _inside(reduce_scatter_ranges, event):
+            kind = "reduce_scatter"
         args = event.get("args", {})
         dims = args.get("Input Dims", [])
         types = args.get("Input type", [])
-        # all-gather is counted by its output (arg 0), reduce-scatter by its input (arg 1), the rest by arg 0.
-        index = 1 if kind == "reduce_scatter" else 0
+        # all-gather is counted by its output (arg 0), reduce-scatter and all-to-all by their input (arg 1), the
+        # rest by arg 0.
+        index = 1 if kind in ("reduce_scatter", "all_to_all") else 0
         if len(dims) <= index:
             continue
         arg_type = types[index] if len(types) > index else ""

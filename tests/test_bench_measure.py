@@ -1,0 +1,58 @@
+"""bench/_measure.py's count of a step's collectives from the torch profiler (what bench/compare.py reports for every
+system) agrees with zero_engine's own counters, including gloo's reduce-scatter run as an all-to-all."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import zero_engine
+from zero_engine.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from _measure import collectives_from_trace, profile_collectives  # noqa: E402
+
+
+def _profiled_step_body():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "reduce_bucket_size": 1000}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    x = torch.randn(2, 32)
+
+    def step():
+        engine.backward(engine(x).square().mean())
+        engine.step()
+
+    step()
+    before = engine.comm_stats()
+    _, counted = profile_collectives(step, 4)
+    after = engine.comm_stats()
+    engine.destroy()
+    ours = {kind: after[kind]["bytes"] - before[kind]["bytes"] for kind in ("all_gather", "reduce_scatter")}
+    return counted, ours
+
+
+def test_a_profiled_step_counts_what_the_engine_counts():
+    for counted, ours in run_ranks(_profiled_step_body, 2, timeout=120):
+        assert ours["reduce_scatter"] > 0
+        for kind in ("all_gather", "reduce_scatter"):
+            assert counted.get(kind, {}).get("bytes", 0) == ours[kind], (kind, counted, ours)
+        assert "all_to_all" not in counted and "other" not in counted, counted
+
+
+def test_an_all_to_all_outside_a_reduce_scatter_range_is_its_own_kind():
+    alltoall = {"name": "c10d::alltoall_base_", "tid": 1, "ts": 50, "dur": 5,
+                "args": {"Input Dims": [[8], [8]], "Input type": ["float", "float"]}}
+    ranged = {"name": "zero3::reduce_scatter grads bucket 0", "tid": 1, "ts": 40, "dur": 20}
+    assert collectives_from_trace({"traceEvents": [alltoall]}, 4) == {"all_to_all": {"calls": 1, "bytes": 32}}
+    assert collectives_from_trace({"traceEvents": [ranged, alltoall]}, 4) == {
+        "reduce_scatter": {"calls": 1, "bytes": 32}}
+    elsewhere = dict(ranged, tid=2)  # another thread's range does not hold this op
+    assert collectives_from_trace({"traceEvents": [elsewhere, alltoall]}, 4) == {
+        "all_to_all": {"calls": 1, "bytes": 32}}
