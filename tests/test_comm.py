@@ -201,21 +201,28 @@ def _reduce_scatter_on_gloo(full_numel: int) -> dict:
                 out[(str(dtype), op, scratch)] = (torch.equal(native, ours),
                                                   torch.allclose(native.float(), ours.float(), rtol=1e-2, atol=1e-3),
                                                   torch.equal(inp, kept), comm.progress.last.kind)
-    out["stats"] = comm.stats()["reduce_scatter"]["calls"]
     out["workspace"] = comm.reduce_scatter_workspace(torch.empty(8 * world))
+    # above the cap, a scratch input is all-reduced in place: no workspace
+    cap = _backend.ALL_TO_ALL_REDUCE_MAX_BYTES // 4
+    large = torch.ones((cap // world + 1) * world)
+    comm.reduce_scatter_tensor(torch.empty(large.numel() // world), large, op="sum", input_is_scratch=True)
+    out["large"] = (comm.progress.last.kind, comm.reduce_scatter_workspace(large),
+                    comm.reduce_scatter_workspace(torch.empty(cap)))
+    out["stats"] = comm.stats()["reduce_scatter"]["calls"]
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_reduce_scatter_on_gloo_is_an_all_to_all_and_a_sum_with_gloos_result(world_size):
     for result in run_ranks(_reduce_scatter_on_gloo, world_size, 10, timeout=RANK_TIMEOUT_S):
-        stats, workspace = result.pop("stats"), result.pop("workspace")
+        stats, workspace, large = result.pop("stats"), result.pop("workspace"), result.pop("large")
         for key, (equal, close, input_kept, kind) in result.items():
             assert close and input_kept and kind == "all_to_all", (key, result[key])
             if world_size == 2:  # one addition, a + b either way
                 assert equal, key
-        assert stats == 12
+        assert stats == 13
         assert workspace == 8 * world_size * 4  # the received rows: the input's size, counted by the caller
+        assert large == ("all_reduce", 0, _backend.ALL_TO_ALL_REDUCE_MAX_BYTES)  # the cap itself still takes it
 
 
 def _scratch_reduce_scatter_without_all_to_all(full_numel: int) -> dict:

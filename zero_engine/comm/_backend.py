@@ -77,11 +77,20 @@ class BackendSupport:
     # worlds 2 and 4 (bench/reduce_scatter_probe.py, docs/benchmarks.md), so the reduce-scatters of a training step
     # run this way on gloo (CPU tensors: gloo's all-to-all takes no CUDA ones). Its cost is the received rows: one
     # more buffer of the input's size until the work completes (``Communicator.reduce_scatter_workspace``, which
-    # the gradient reducer counts as a comm buffer). The input is only read, so it needs no copy either. At world 2
+    # the gradient reducer counts as a comm buffer). So only inputs up to ``ALL_TO_ALL_REDUCE_MAX_BYTES`` take it:
+    # there the time is a fixed cost that the step waits for (make demo's 2 MiB buckets: the step 4-5% faster, 2 MiB
+    # more peak RSS); bench/compare.py's 100m model, whose 19.5 MB buckets reduce behind the backward's compute,
+    # gained no step time from it and held 35 MiB more peak RSS per rank (docs/benchmarks.md, "Fourth pass"), so
+    # larger inputs keep the in-place all-reduce. The input is only read, so it needs no copy either. At world 2
     # the sum is the all-reduce's one addition, bitwise; above, a fixed order (torch.sum over the rows), which may
     # round differently from the ring's (itself different per chunk).
     reduce_scatter_by_all_to_all: bool = False
     logged: set = field(default_factory=set)
+
+
+# The largest reduce-scatter input (bytes) run as an all-to-all on gloo: [Note: gloo's reduce-scatter as an
+# all-to-all].
+ALL_TO_ALL_REDUCE_MAX_BYTES = 4 << 20
 
 
 def _torch_version() -> tuple[int, int]:
@@ -166,11 +175,12 @@ class CollectiveIssuer:
 
     def reduce_scatter_plan(self, input: torch.Tensor, input_is_scratch: bool) -> str:
         """The collective a ``reduce_scatter`` of ``input`` runs, which the communicator records for the watchdog:
-        "all_to_all" on gloo for CPU tensors ([Note: gloo's reduce-scatter as an all-to-all]), "all_reduce" of a
-        scratch input in place where the native one would copy it ([Note: gloo's reduce-scatter is an all-reduce of
-        a copy]), or the native "reduce_scatter"."""
+        "all_to_all" on gloo for CPU tensors up to ``ALL_TO_ALL_REDUCE_MAX_BYTES`` ([Note: gloo's reduce-scatter as
+        an all-to-all]), "all_reduce" of a scratch input in place where the native one would copy it ([Note: gloo's
+        reduce-scatter is an all-reduce of a copy]), or the native "reduce_scatter"."""
         support = self.support
-        if support.reduce_scatter_by_all_to_all and input.device.type == "cpu":
+        if (support.reduce_scatter_by_all_to_all and input.device.type == "cpu"
+                and input.numel() * input.element_size() <= ALL_TO_ALL_REDUCE_MAX_BYTES):
             return "all_to_all"
         if input_is_scratch and (support.reduce_scatter_copies_input or not support.reduce_scatter_single):
             return "all_reduce"
