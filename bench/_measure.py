@@ -159,8 +159,8 @@ def _inside(ranges: dict, event: dict) -> bool:
 
 def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str, dict[str, int]]:
     """{"all_gather": {"calls", "bytes"}, ...} from a chrome trace; see [Note: counting communication ...]. On gloo
-    zero_engine runs a reduce-scatter as an all-to-all ([Note: gloo's reduce-scatter as an all-to-all]): an
-    all-to-all inside its "zero3::reduce_scatter ..." range is counted as the reduce-scatter it is (input bytes)."""
+    zero_engine runs a reduce-scatter as an all-to-all or an all-reduce in place (comm/_backend.py's Notes): a
+    collective inside its "zero3::reduce_scatter ..." range is counted as the reduce-scatter it is (input bytes)."""
     counts: dict[str, dict[str, int]] = {}
     reduce_scatter_ranges: dict = {}
     for e in trace.get("traceEvents", []):
@@ -175,17 +175,16 @@ def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str,
         start, end = event.get("ts", 0), event.get("ts", 0) + event.get("dur", 0)
         if start < open_until.get(event.get("tid"), float("-inf")):
             continue
-        kind = _kind(name)
-        if kind is None:
+        op = _kind(name)
+        if op is None:
             continue
-        if kind == "all_to_all" and _inside(reduce_scatter_ranges, event):
-            kind = "reduce_scatter"
+        kind = "reduce_scatter" if _inside(reduce_scatter_ranges, event) else op
         args = event.get("args", {})
         dims = args.get("Input Dims", [])
         types = args.get("Input type", [])
         # all-gather is counted by its output (arg 0), reduce-scatter and all-to-all by their input (arg 1), the
-        # rest by arg 0.
-        index = 1 if kind in ("reduce_scatter", "all_to_all") else 0
+        # rest by arg 0 (an all-reduce's tensor: a reduce-scatter's input when it runs one).
+        index = 1 if op in ("reduce_scatter", "all_to_all") else 0
         if len(dims) <= index:
             continue
         arg_type = types[index] if len(types) > index else ""

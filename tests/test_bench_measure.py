@@ -4,6 +4,7 @@ system) agrees with zero_engine's own counters, including gloo's reduce-scatter 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -15,7 +16,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from _measure import collectives_from_trace, profile_collectives  # noqa: E402
 
 
-def _profiled_step_body():
+def _profiled_step_body(cap_bytes: int):
+    from zero_engine.comm import _backend
+
+    _backend.ALL_TO_ALL_REDUCE_MAX_BYTES, cap = cap_bytes, _backend.ALL_TO_ALL_REDUCE_MAX_BYTES
+    try:
+        return _profiled_step()
+    finally:
+        _backend.ALL_TO_ALL_REDUCE_MAX_BYTES = cap
+
+
+def _profiled_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -38,12 +49,13 @@ def _profiled_step_body():
     return counted, ours
 
 
-def test_a_profiled_step_counts_what_the_engine_counts():
-    for counted, ours in run_ranks(_profiled_step_body, 2, timeout=120):
+@pytest.mark.parametrize("cap_bytes", [4 << 20, 0], ids=["all-to-all", "all-reduce in place"])
+def test_a_profiled_step_counts_what_the_engine_counts(cap_bytes):
+    for counted, ours in run_ranks(_profiled_step_body, 2, cap_bytes, timeout=120):
         assert ours["reduce_scatter"] > 0
         for kind in ("all_gather", "reduce_scatter"):
             assert counted.get(kind, {}).get("bytes", 0) == ours[kind], (kind, counted, ours)
-        assert "all_to_all" not in counted and "other" not in counted, counted
+        assert set(counted) == {"all_gather", "reduce_scatter", "all_reduce"}, counted  # grad norm, fingerprint
 
 
 def test_an_all_to_all_outside_a_reduce_scatter_range_is_its_own_kind():
@@ -52,6 +64,10 @@ def test_an_all_to_all_outside_a_reduce_scatter_range_is_its_own_kind():
     ranged = {"name": "zero3::reduce_scatter grads bucket 0", "tid": 1, "ts": 40, "dur": 20}
     assert collectives_from_trace({"traceEvents": [alltoall]}, 4) == {"all_to_all": {"calls": 1, "bytes": 32}}
     assert collectives_from_trace({"traceEvents": [ranged, alltoall]}, 4) == {
+        "reduce_scatter": {"calls": 1, "bytes": 32}}
+    allreduce = {"name": "c10d::allreduce_", "tid": 1, "ts": 45, "dur": 5,
+                 "args": {"Input Dims": [[[8]]], "Input type": ["TensorList"]}}
+    assert collectives_from_trace({"traceEvents": [ranged, allreduce]}, 4) == {  # in place, above the cap
         "reduce_scatter": {"calls": 1, "bytes": 32}}
     elsewhere = dict(ranged, tid=2)  # another thread's range does not hold this op
     assert collectives_from_trace({"traceEvents": [elsewhere, alltoall]}, 4) == {
