@@ -366,18 +366,26 @@ class _TwoParamLayer(nn.Module):
         return torch.tanh(h @ self.a.t())[:, :10] @ self.b.t()
 
 
+def _sgd_engine_and_reference(layers: list[nn.Module], **zero_optimization):
+    """A ZeRO-3 engine (SGD, lr 0.1, micro-batch 2) over ``nn.Sequential(*layers)``, and a copy of the model made
+    before it is partitioned: the reference ``_train_beside_sgd`` trains."""
+    model = nn.Sequential(*layers)
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, **zero_optimization}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    return engine, reference
+
+
 def _unit_layout_body():
     torch.manual_seed(0)
-    model = nn.Sequential(*[_TwoParamLayer() for _ in range(3)])
-    reference = copy.deepcopy(model)
     # 250 elements per rank: filled by size alone, a shard bucket would hold [0.a 0.b 1.a] [1.b 2.a 2.b] (and
     # sub-groups alike), splitting the second unit; as runs of whole units, each unit (150) is a bucket and a
     # sub-group.
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_prefetch_bucket_size": 500, "sub_group_size": 250}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
+    engine, reference = _sgd_engine_and_reference([_TwoParamLayer() for _ in range(3)],
+                                                  stage3_param_persistence_threshold=0,
+                                                  stage3_prefetch_bucket_size=500, sub_group_size=250)
     units = [[p.fqn for p in u.params] for u in engine.coordinator.units]
     buckets = [[p.fqn for p in b.params] for b in engine.shard_buckets]
     sub_groups = [[p.fqn for p in g] for g in engine.optimizer.sub_groups]
@@ -445,15 +453,11 @@ class _CountCats(TorchDispatchMode):
 
 def _persistent_layout_body():
     torch.manual_seed(0)
-    model = nn.Sequential(*[_NormedBlock() for _ in range(3)])
-    reference = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
-                                    # a prefetch takes one unit (512 elements): no gather spans two units
-                                    "stage3_prefetch_bucket_size": 600, "stage3_max_reuse_distance": 0,
-                                    "leaf_module": {"classes": ["_NormedBlock"]}}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
+    # a prefetch takes one unit (512 elements): no gather spans two units
+    engine, reference = _sgd_engine_and_reference([_NormedBlock() for _ in range(3)],
+                                                  stage3_param_persistence_threshold=100,
+                                                  stage3_prefetch_bucket_size=600, stage3_max_reuse_distance=0,
+                                                  leaf_module={"classes": ["_NormedBlock"]})
     gathered = [[p for p in u.params if not p.is_persistent] for u in engine.coordinator.units]
     one_tensor = [p[0].bucket.run_view(p) is not None for p in gathered]
     # forward and backward watched; a step's refresh of the persistent parameters spans units (one staged gather)
