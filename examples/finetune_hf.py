@@ -146,6 +146,8 @@ def main() -> None:
     zero_engine.hf.save_pretrained(engine, final, dtype=torch.float32 if args.save_dtype == "float32" else None)
     if rank == 0:
         print(f"saved {final} (load it with transformers.AutoModelForCausalLM.from_pretrained)", flush=True)
+    # Every rank done, nothing in flight, watchdog stopped; only then the group goes (see engine.destroy()).
+    engine.destroy()
     dist.destroy_process_group()
 
 
