@@ -113,6 +113,9 @@ class TorchRunner:
     def extras(self) -> dict:
         return {}
 
+    def close(self) -> None:
+        pass
+
 
 def _clip_dtensor_grads(params, max_norm: float) -> None:
     """clip_grad_norm_ for FSDP2 + TP, whose gradients are DTensors on two meshes (dp x tp for the split ones, dp for
@@ -157,6 +160,10 @@ class ZeroEngineRunner:
     def extras(self) -> dict:
         return {"memory_stats": self.engine.memory_stats(), "comm_stats_total": self.engine.comm_stats()}
 
+    def close(self) -> None:
+        """Before destroy_process_group(), as README's shutdown section says: every rank done, nothing in flight."""
+        self.engine.destroy()
+
 
 class DeepSpeedRunner:
     def __init__(self, model, config: dict):
@@ -189,6 +196,9 @@ class DeepSpeedRunner:
 
     def extras(self) -> dict:
         return {"deepspeed_version": self.version}
+
+    def close(self) -> None:
+        pass
 
 
 def tensor_parallel(model, world: int, tp: int):
@@ -342,6 +352,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    runner.close()
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

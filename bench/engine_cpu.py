@@ -92,6 +92,7 @@ def main() -> None:
         result["all entry points"] = sum(totals.values()) / args.steps * 1e3
         result["main thread, whole step (median)"] = sorted(whole)[len(whole) // 2] * 1e3
         print(json.dumps({k: round(v, 2) for k, v in result.items()}))
+    runner.close()
     dist.destroy_process_group()
 
 

@@ -56,6 +56,7 @@ def worker(precision: str, out: str) -> None:
                                                            "optimizer_states")})
     if dist.get_rank() == 0:
         json.dump({"psi": psi, "world": world, "precision": precision, "ranks": rows}, open(out, "w"))
+    engine.destroy()  # before the group goes: README's shutdown section
     dist.destroy_process_group()
 
 

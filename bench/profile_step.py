@@ -187,6 +187,7 @@ def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: 
             json.dump({"system": system, "plain": plain, "profiled": profiled, "split": split, "ops": counter.counts,
                        "top": [(f"{os.path.relpath(p) if p != '~' else ''}:{line}({name})", calls / steps,
                                 tottime / steps) for (p, line, name), (_, calls, tottime, _, _) in heavy]}, f)
+    runner.close()
     dist.destroy_process_group()
 
 
