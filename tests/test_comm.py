@@ -3,6 +3,7 @@
 Functions whose names start with an underscore run on simulated ranks (run_ranks sends them by reference).
 """
 
+import contextlib
 import datetime
 import math
 import os
@@ -131,19 +132,29 @@ def test_collectives_match_local_reference_and_count_exactly(world_size, full_nu
 
 # -- emulation of backend gaps ----------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _forced(support, **fields):
+    """``support``'s capability ``fields`` set for the block (tests force paths this way), restored after."""
+    saved = {name: getattr(support, name) for name in fields}
+    for name, value in fields.items():
+        setattr(support, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(support, name, value)
+
+
 def _exercise_emulated_collectives(full_numel: int) -> dict:
     """Force every emulation path (as on a gloo without single-tensor collectives or AVG) and compare results."""
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     shard = _shard_numel(full_numel, world)
     padded = shard * world
-    support = _backend.support_for(comm.backend)
-    saved = (support.all_gather_single, support.reduce_scatter_single, support.avg,
-             support.reduce_scatter_by_all_to_all)
-    support.all_gather_single = support.reduce_scatter_single = support.avg = False
-    support.reduce_scatter_by_all_to_all = False  # the emulations themselves, not gloo's all-to-all reduce-scatter
     results = {}
-    try:
+    # the emulations themselves, not gloo's all-to-all reduce-scatter
+    with _forced(_backend.support_for(comm.backend), all_gather_single=False, reduce_scatter_single=False, avg=False,
+                 reduce_scatter_by_all_to_all=False):
         for tag, async_op in (("sync", False), ("async", True)):
             gathered = torch.empty(padded)
             results[f"all_gather_{tag}"] = comm.all_gather_into_tensor(
@@ -157,9 +168,6 @@ def _exercise_emulated_collectives(full_numel: int) -> dict:
             pending.wait()
             results[f"all_reduce_avg_{tag}"] = pending.wait().tolist()
         results["stats"] = comm.stats()
-    finally:
-        (support.all_gather_single, support.reduce_scatter_single, support.avg,
-         support.reduce_scatter_by_all_to_all) = saved
     return results
 
 
@@ -229,12 +237,10 @@ def _scratch_reduce_scatter_without_all_to_all(full_numel: int) -> dict:
     """Where the all-to-all does not apply (gloo with CUDA tensors; forced off here), a scratch input is all-reduced
     in place: bitwise the native result, recorded as the all-reduce that runs."""
     comm = Communicator()
-    support = _backend.support_for(comm.backend)
     rank, world = comm.rank, comm.world_size
     shard = _shard_numel(full_numel, world)
     out = {}
-    support.reduce_scatter_by_all_to_all = False
-    try:
+    with _forced(_backend.support_for(comm.backend), reduce_scatter_by_all_to_all=False):
         for op in ("sum", "avg"):
             native, scratch = torch.empty(shard), torch.empty(shard)
             comm.reduce_scatter_tensor(native, _rank_data(rank, shard * world), op=op).wait()
@@ -242,8 +248,6 @@ def _scratch_reduce_scatter_without_all_to_all(full_numel: int) -> dict:
             comm.reduce_scatter_tensor(scratch, inp, op=op, async_op=True, input_is_scratch=True).wait()
             out[op] = (torch.equal(native, scratch), comm.progress.last.kind)
         out["workspace"] = comm.reduce_scatter_workspace(torch.empty(8 * world))
-    finally:
-        support.reduce_scatter_by_all_to_all = True
     out["in_place"] = _backend.decide_support("gloo", (2, 13)).reduce_scatter_copies_input
     return out
 
@@ -271,21 +275,20 @@ def _native_error_mentioning_support() -> list:
         return native(*args, **kwargs)
 
     _backend._reduce_scatter_single = fail_on_rank_1
-    support.reduce_scatter_by_all_to_all = False  # the native reduce-scatter on CPU tensors: the op under test
     raised = None
-    try:
-        output = torch.empty(2)
-        if comm.rank == 1:
-            try:
-                comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size), op="sum")
-            except RuntimeError as error:
-                raised = str(error)
-        else:
-            raised = "rank 0 skips the first call"
-        comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size) * (comm.rank + 1), op="sum")
+    try:  # with the native reduce-scatter on CPU tensors: the op under test
+        with _forced(support, reduce_scatter_by_all_to_all=False):
+            output = torch.empty(2)
+            if comm.rank == 1:
+                try:
+                    comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size), op="sum")
+                except RuntimeError as error:
+                    raised = str(error)
+            else:
+                raised = "rank 0 skips the first call"
+            comm.reduce_scatter_tensor(output, torch.ones(2 * comm.world_size) * (comm.rank + 1), op="sum")
     finally:
         _backend._reduce_scatter_single = native
-        support.reduce_scatter_by_all_to_all = True
     after = (support.all_gather_single, support.reduce_scatter_single, support.avg)
     return [output.tolist(), raised, before == after]
 
