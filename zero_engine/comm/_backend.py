@@ -109,9 +109,9 @@ def decide_support(backend: str, torch_version: tuple[int, int] | None = None) -
     version = torch_version or _torch_version()
     parts = [part.split(":")[-1].strip().lower() for part in str(backend).split(",")]
     native = all(name in _NATIVE_SINCE and version >= _NATIVE_SINCE[name] for name in parts)
+    gloo = all(name == "gloo" for name in parts)
     return BackendSupport(all_gather_single=native, reduce_scatter_single=native, avg=native,
-                          reduce_scatter_copies_input=all(name == "gloo" for name in parts),
-                          reduce_scatter_by_all_to_all=all(name == "gloo" for name in parts))
+                          reduce_scatter_copies_input=gloo, reduce_scatter_by_all_to_all=gloo)
 
 
 _support_by_backend: dict[str, BackendSupport] = {}
