@@ -8,8 +8,10 @@ end-of-backward callback and ``step()`` are each wrapped in ``time.thread_time()
 is counted once, in the outer one), so the figure is what the engine spends on the CPU, including the torch work it
 issues (staging copies, the gradient copy-in, the optimizer's kernel), and not the model's own compute. cProfile
 (bench/profile_step.py) says where the time goes but adds its own cost to every call; this does not. Rank 0 prints
-one JSON line, ms per step. Run it with another tree's ``zero_engine`` first on PYTHONPATH to compare trees (a tree
-from before the gradient hook became ``GradReducer.add`` wraps ``ZeroEngine.on_grad_ready`` instead).
+one JSON line, ms per step, with the path of the ``zero_engine`` that ran. ``--tree PATH`` times another checkout's
+``zero_engine`` with this script, to compare trees (a tree from before the gradient hook became ``GradReducer.add``
+wraps ``ZeroEngine.on_grad_ready`` instead). PYTHONPATH cannot do it: the bench workers put this repository first
+on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ def main() -> None:
     parser.add_argument("--size", default="demo", choices=sorted(SIZES))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--tree", help="a checkout whose zero_engine to time (default: this one)")
     args = parser.parse_args()
+    if args.tree:  # imported first, so that import_system finds it in sys.modules and does not load this repo's
+        sys.path.insert(0, os.path.abspath(args.tree))
+        import zero_engine  # noqa: F401
     import_system("zero3")
     import zero_engine.engine as engine_module
     import zero_engine.zero.grads as grads
@@ -91,7 +97,8 @@ def main() -> None:
         result = {label: seconds / args.steps * 1e3 for label, seconds in totals.items()}
         result["all entry points"] = sum(totals.values()) / args.steps * 1e3
         result["main thread, whole step (median)"] = sorted(whole)[len(whole) // 2] * 1e3
-        print(json.dumps({k: round(v, 2) for k, v in result.items()}))
+        result = {k: round(v, 2) for k, v in result.items()}
+        print(json.dumps({**result, "zero_engine": os.path.dirname(sys.modules["zero_engine"].__file__)}))
     runner.close()
     dist.destroy_process_group()
 

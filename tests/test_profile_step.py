@@ -39,20 +39,23 @@ def test_calibration_measures_a_cost_for_every_kind_of_event():
     assert cost["callee_py"] > 0  # a no-op's own time under cProfile is all the profiler's
 
 
-def test_engine_cpu_times_every_entry_point_of_a_step():
-    # bench/engine_cpu.py, the profiler-free measure beside profile_step: two steps at world 2 under torchrun
+def test_engine_cpu_times_every_entry_point_of_a_step(tmp_path):
+    # bench/engine_cpu.py, the profiler-free measure beside profile_step: two steps at world 2 under torchrun, of the
+    # zero_engine in the tree --tree names (here this one, through a link), not of this repository's
     import json
     import os
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "bench" / "engine_cpu.py"), "--steps", "2", "--warmup", "1"]
+           str(ROOT / "bench" / "engine_cpu.py"), "--steps", "2", "--warmup", "1", "--tree", str(tmp_path)]
+    (tmp_path / "zero_engine").symlink_to(ROOT / "zero_engine")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     for label in ("module hooks", "gradient hook", "end of backward", "step()"):
         assert result[label] > 0, result
+    assert result["zero_engine"] == str(tmp_path / "zero_engine"), result  # the tree it was asked to time
     # nested entry points are counted once: all of them together stay within the step they run in
     assert result["all entry points"] < result["main thread, whole step (median)"] * 1.5, result
 
