@@ -5,6 +5,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 spec = importlib.util.spec_from_file_location("profile_step", ROOT / "bench" / "profile_step.py")
@@ -70,3 +72,24 @@ def test_op_counter_counts_the_ops_a_step_dispatches_and_no_views():
     assert counter.counts.get("mm", 0) >= 3, counter.counts  # forward, and both of backward's
     assert "t" not in counter.counts and "view" not in counter.counts, counter.counts
     assert counter.counts.get("sum") == 1, counter.counts
+
+
+def test_comm_floor_replays_each_systems_collectives_of_a_step():
+    # bench/comm_floor.py at world 2, a few steps: both systems timed, ours' 22 collectives (demo) replayed
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "bench" / "comm_floor.py"), "--steps", "2", "--warmup", "1", "--replays", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert result["ddp_collectives"] >= 1 and result["zero3_collectives"] > result["ddp_collectives"], result
+    assert result["fixed_cpu_ms_per_collective"] > 0, result
+    for system in ("ddp", "zero3"):
+        assert 0 < result[f"{system}_comm_cpu_ms"] and 0 < result[f"{system}_step_ms"], result
+        assert 0 < result[f"{system}_busy"] <= 1.5, result
+    assert result["comm_floor_ratio"] == pytest.approx(
+        1 + (result["zero3_comm_cpu_ms"] - result["ddp_comm_cpu_ms"]) / result["ddp_step_cpu_ms"], abs=2e-3)
