@@ -7,7 +7,7 @@ Each rank builds bench/compare.py's model twice, as DDP and as our ZeRO-3 (bench
 their steps, taking turns. It then replays each system's collectives of one steady step without the model, many
 times: for ZeRO-3 the collectives its communicator issued in that step (same calls, sizes and paths, the
 reduce-scatter's all-to-all and local sum included); for DDP one all-reduce per gradient bucket (the sizes DDP
-reports), each divided by the world size first, as DDP's default hook does. Each replay issues all of a step's
+reports after it rebuilt its buckets), each divided by the world size first, as DDP's default hook does. Each replay issues all of a step's
 collectives, then waits for them.
 
 Rank 0 prints one JSON line: per system, the step's wall time and the CPU time of the whole process (every thread:
@@ -158,7 +158,8 @@ def main() -> None:
 
     x, y = batches[-1]
     calls = _record_engine_collectives(runners["zero3"].engine, lambda: runners["zero3"].step(x, y))
-    bucket_bytes = [int(b) for b in runners["ddp"].wrapped._get_ddp_logging_data()["bucket_sizes"].split(",")]
+    logged = runners["ddp"].wrapped._get_ddp_logging_data()  # after its first step DDP rebuilds its buckets
+    bucket_bytes = [int(b) for b in logged.get("rebuilt_bucket_sizes", logged["bucket_sizes"]).split(",")]
     buckets = [torch.randn(nbytes // 4) for nbytes in bucket_bytes]  # fp32 gradients
     for system, replay in (("ddp", lambda: _replay_ddp(buckets, world)), ("zero3", lambda: _replay_engine(calls)),
                            ("ddp", lambda: _replay_ddp(buckets, world)), ("zero3", lambda: _replay_engine(calls))):
