@@ -7,8 +7,8 @@ Each rank builds bench/compare.py's model twice, as DDP and as our ZeRO-3 (bench
 their steps, taking turns. It then replays each system's collectives of one steady step without the model, many
 times: for ZeRO-3 the collectives its communicator issued in that step (same calls, sizes and paths, the
 reduce-scatter's all-to-all and local sum included); for DDP one all-reduce per gradient bucket (the sizes DDP
-reports after it rebuilt its buckets), each divided by the world size first, as DDP's default hook does. Each replay issues all of a step's
-collectives, then waits for them.
+reports after it rebuilt its buckets), each divided by the world size first, as DDP's default hook does. Each
+replay issues all of a step's collectives, then waits for them.
 
 Rank 0 prints one JSON line: per system, the step's wall time and the CPU time of the whole process (every thread:
 gloo's threads move the bytes), medians, and the replay's wall and process CPU per step. ``busy``: the share of the
@@ -39,58 +39,51 @@ from _common import SIZES, load_gpt_module  # noqa: E402
 from _worker import build_runner, import_system  # noqa: E402
 
 
-def _timed_steps(runner, batches) -> tuple[float, float]:
-    """Median wall and process-CPU seconds of ``runner``'s steps (a barrier before each, as compare.py times)."""
+def _medians(calls) -> tuple[float, float]:
+    """Median wall and process-CPU seconds of each of ``calls`` (zero-argument callables), a barrier before each, as
+    compare.py times steps."""
     walls, cpus = [], []
-    for x, y in batches:
+    for call in calls:
         dist.barrier()
         wall, cpu = time.perf_counter(), time.process_time()
-        runner.step(x, y)
+        call()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _record_engine_collectives(engine, step) -> list:
-    """The communicator calls one ``step()`` makes: (communicator, method, output, input, kwargs) with fresh
-    buffers of the same shapes and dtypes, to be issued again."""
+_RECORDED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+def _record_engine_collectives(step) -> list:
+    """The communicator calls one ``step()`` makes, each as (communicator, method, tensors, options), the tensors
+    fresh ones of the same shapes and dtypes, to be issued again. The engine passes tensors by position and options
+    by keyword."""
     from zero_engine.comm._communicator import Communicator
 
     calls = []
-    originals = {name: getattr(Communicator, name) for name in ("all_gather_into_tensor", "reduce_scatter_tensor")}
+    originals = {name: getattr(Communicator, name) for name in _RECORDED}
 
     def recorder(name):
-        def record(self, output, input, **kwargs):
-            calls.append((self, name, torch.empty_like(output), torch.randn_like(input), kwargs))
-            return originals[name](self, output, input, **kwargs)
+        def record(self, *tensors, **options):
+            fresh = [torch.randn_like(t) if t.is_floating_point() else torch.zeros_like(t) for t in tensors]
+            calls.append((self, name, fresh, options))
+            return originals[name](self, *tensors, **options)
         return record
-
-    original_all_reduce = Communicator.all_reduce
-
-    def record_all_reduce(self, tensor, op="sum", async_op=False, name=""):
-        calls.append((self, "all_reduce", None, torch.zeros_like(tensor), {"op": op, "name": name}))
-        return original_all_reduce(self, tensor, op=op, async_op=async_op, name=name)
 
     try:
         for name in originals:
             setattr(Communicator, name, recorder(name))
-        Communicator.all_reduce = record_all_reduce
         step()
     finally:
         for name, fn in originals.items():
             setattr(Communicator, name, fn)
-        Communicator.all_reduce = original_all_reduce
     return calls
 
 
 def _replay_engine(calls) -> None:
-    pending = []
-    for comm, name, output, input, kwargs in calls:
-        kwargs = dict(kwargs, async_op=True)
-        if name == "all_reduce":
-            pending.append(comm.all_reduce(input, **kwargs))
-        else:  # an input all-reduced in place (input_is_scratch) keeps finite values: averaged again each time
-            pending.append(getattr(comm, name)(output, input, **kwargs))
+    # an input all-reduced in place (input_is_scratch) keeps finite values: it is averaged again each time
+    pending = [getattr(comm, name)(*tensors, **dict(options, async_op=True)) for comm, name, tensors, options in calls]
     for p in pending:
         p.wait()
 
@@ -104,22 +97,11 @@ def _replay_ddp(buckets: list[torch.Tensor], world: int) -> None:
         work.wait()
 
 
-def _time_replays(replay, n: int) -> tuple[float, float]:
-    walls, cpus = [], []
-    for _ in range(n):
-        dist.barrier()
-        wall, cpu = time.perf_counter(), time.process_time()
-        replay()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return statistics.median(walls), statistics.median(cpus)
-
-
 def _fixed_cost_ms(comm, n: int) -> float:
     """Median process CPU of one all-gather of 1 KiB through ``comm``: what a collective costs whatever its size."""
     inp = torch.zeros(256)
     out = torch.empty(256 * comm.world_size)
-    return _time_replays(lambda: comm.all_gather_into_tensor(out, inp, name="fixed cost probe"), n)[1] * 1e3
+    return _medians([lambda: comm.all_gather_into_tensor(out, inp, name="fixed cost probe")] * n)[1] * 1e3
 
 
 def main() -> None:
@@ -150,20 +132,20 @@ def main() -> None:
     steps = {system: [] for system in runners}
     for part in (timed[:half], timed[half:]):
         for system, runner in runners.items():
-            steps[system].append(_timed_steps(runner, part))
+            steps[system].append(_medians([lambda x=x, y=y, step=runner.step: step(x, y) for x, y in part]))
     result = {}
     for system, halves in steps.items():
         result[f"{system}_step_ms"] = round(statistics.mean(w for w, _ in halves) * 1e3, 1)
         result[f"{system}_step_cpu_ms"] = round(statistics.mean(c for _, c in halves) * 1e3, 1)
 
     x, y = batches[-1]
-    calls = _record_engine_collectives(runners["zero3"].engine, lambda: runners["zero3"].step(x, y))
+    calls = _record_engine_collectives(lambda: runners["zero3"].step(x, y))
     logged = runners["ddp"].wrapped._get_ddp_logging_data()  # after its first step DDP rebuilds its buckets
     bucket_bytes = [int(b) for b in logged.get("rebuilt_bucket_sizes", logged["bucket_sizes"]).split(",")]
     buckets = [torch.randn(nbytes // 4) for nbytes in bucket_bytes]  # fp32 gradients
     for system, replay in (("ddp", lambda: _replay_ddp(buckets, world)), ("zero3", lambda: _replay_engine(calls)),
                            ("ddp", lambda: _replay_ddp(buckets, world)), ("zero3", lambda: _replay_engine(calls))):
-        wall, cpu = _time_replays(replay, args.replays // 2)
+        wall, cpu = _medians([replay] * (args.replays // 2))
         result.setdefault(f"{system}_comm_ms", []).append(wall * 1e3)
         result.setdefault(f"{system}_comm_cpu_ms", []).append(cpu * 1e3)
     for key in [k for k in result if k.endswith(("comm_ms", "comm_cpu_ms"))]:
@@ -173,7 +155,8 @@ def main() -> None:
     result["ddp_collectives"] = len(buckets)
     cores = len(os.sched_getaffinity(0))
     for system in runners:
-        result[f"{system}_busy"] = round(result[f"{system}_step_cpu_ms"] * world / (result[f"{system}_step_ms"] * cores), 2)
+        cpu, wall = result[f"{system}_step_cpu_ms"], result[f"{system}_step_ms"]
+        result[f"{system}_busy"] = round(cpu * world / (wall * cores), 2)
     extra = result["zero3_comm_cpu_ms"] - result["ddp_comm_cpu_ms"]
     result["comm_floor_ratio"] = round(1 + extra / result["ddp_step_cpu_ms"], 3)
     result["step_ratio"] = round(result["zero3_step_ms"] / result["ddp_step_ms"], 3)
