@@ -41,20 +41,25 @@ def test_calibration_measures_a_cost_for_every_kind_of_event():
     assert cost["callee_py"] > 0  # a no-op's own time under cProfile is all the profiler's
 
 
-def test_engine_cpu_times_every_entry_point_of_a_step(tmp_path):
-    # bench/engine_cpu.py, the profiler-free measure beside profile_step: two steps at world 2 under torchrun, of the
-    # zero_engine in the tree --tree names (here this one, through a link), not of this repository's
+def _bench_at_world_2(script: str, *args: str) -> dict:
+    """Run bench/<script> under torchrun at world 2 and return the JSON line rank 0 prints."""
     import json
     import os
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "bench" / "engine_cpu.py"), "--steps", "2", "--warmup", "1", "--tree", str(tmp_path)]
-    (tmp_path / "zero_engine").symlink_to(ROOT / "zero_engine")
+           str(ROOT / "bench" / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_engine_cpu_times_every_entry_point_of_a_step(tmp_path):
+    # bench/engine_cpu.py, the profiler-free measure beside profile_step: two steps at world 2 under torchrun, of the
+    # zero_engine in the tree --tree names (here this one, through a link), not of this repository's
+    (tmp_path / "zero_engine").symlink_to(ROOT / "zero_engine")
+    result = _bench_at_world_2("engine_cpu.py", "--steps", "2", "--warmup", "1", "--tree", str(tmp_path))
     for label in ("module hooks", "gradient hook", "end of backward", "step()"):
         assert result[label] > 0, result
     assert result["zero_engine"] == str(tmp_path / "zero_engine"), result  # the tree it was asked to time
@@ -76,16 +81,7 @@ def test_op_counter_counts_the_ops_a_step_dispatches_and_no_views():
 
 def test_comm_floor_replays_each_systems_collectives_of_a_step():
     # bench/comm_floor.py at world 2, a few steps: both systems timed, ours' 22 collectives (demo) replayed
-    import json
-    import os
-    import subprocess
-
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "bench" / "comm_floor.py"), "--steps", "2", "--warmup", "1", "--replays", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    result = _bench_at_world_2("comm_floor.py", "--steps", "2", "--warmup", "1", "--replays", "2")
     assert result["ddp_collectives"] >= 1 and result["zero3_collectives"] > result["ddp_collectives"], result
     assert result["fixed_cpu_ms_per_collective"] > 0, result
     for system in ("ddp", "zero3"):
