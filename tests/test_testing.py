@@ -149,6 +149,31 @@ def test_fake_world_reduce_scatter_writes_this_ranks_slice():
                                                dist.reduce_scatter_tensor), "the real collective is put back"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run `make gpu-check` on a GPU)")
+def test_fake_world_wait_orders_the_consumer_after_a_side_stream_collective():
+    # NCCL's work.wait() makes the current stream wait for the collective, and the engine's consumers rely on that
+    # (zero/streams.py). torch's fake work returns at once: on an H100, 1 fake world-8 step in 3 read an output before
+    # the side stream had written it, and was skipped as non-finite. The side stream sleeps first, so an unordered
+    # consumer reads the NaN the output was filled with.
+    with fake_world(4, rank=1) as comm:
+        side = torch.cuda.Stream()
+        for kind, out, inp, expected in (
+                ("all_gather", torch.full((12,), float("nan"), device="cuda"), torch.arange(3.0, device="cuda"),
+                 [0.0, 1.0, 2.0] * 4),
+                ("reduce_scatter", torch.full((3,), float("nan"), device="cuda"), torch.arange(12.0, device="cuda"),
+                 [3.0, 4.0, 5.0])):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU time before the collective
+                if kind == "all_gather":
+                    pending = comm.all_gather_into_tensor(out, inp, async_op=True, name="w")
+                else:
+                    pending = comm.reduce_scatter_tensor(out, inp, op="avg", async_op=True)
+            pending.wait()
+            seen = out.clone()  # on the compute stream, ordered only by the wait
+            assert seen.tolist() == expected, kind
+
+
 def test_fake_world_destroys_its_group_even_on_error():
     with pytest.raises(KeyError):
         with fake_world(8):
