@@ -64,15 +64,15 @@ class _StreamOrderedWork:
     event recorded there after the output was written), without the host waiting: what NCCL's ``work.wait()`` does,
     and what the engine's consumers rely on ([Note: streams, events and buffer lifetime] in zero/streams.py)."""
 
-    def __init__(self, work, device: torch.device) -> None:
-        self.work, self.device = work, device
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.event = torch.cuda.current_stream(device).record_event()
 
     @classmethod
     def of(cls, work, output: torch.Tensor):
         if work is None or not output.is_cuda:  # synchronous, or no streams to order
             return work
-        return cls(work, output.device)
+        return cls(output.device)  # the fake work itself holds nothing and its wait() does nothing
 
     def wait(self, timeout=None) -> bool:
         torch.cuda.current_stream(self.device).wait_event(self.event)
