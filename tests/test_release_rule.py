@@ -478,3 +478,43 @@ def test_a_units_gathered_shards_are_one_tensor_with_its_persistent_parameters_b
         assert all(one_tensor)
         assert cats == 0, cats  # in the 3 steps' forward and backward
         assert all(same_losses) and same_params  # bitwise: the same micro-batch on every rank, SGD, fp32
+
+
+def _whole_unit_prefetch_body():
+    torch.manual_seed(0)
+    # a unit gathers 512 elements; the prefetch bucket (900) holds one unit and half of the next
+    engine, reference = _sgd_engine_and_reference([_NormedBlock() for _ in range(4)],
+                                                  stage3_param_persistence_threshold=100,
+                                                  stage3_prefetch_bucket_size=900, stage3_max_reuse_distance=0,
+                                                  leaf_module={"classes": ["_NormedBlock"]})
+    coordinator = engine.coordinator
+    unit_of = {id(p): u.name for u in coordinator.units for p in u.params}
+    gathers = []
+    live = coordinator.gathered
+    issue = live.issue
+
+    def logged_issue(params, name):  # the units each gather covers
+        gathers.append(sorted({unit_of[id(p)] for p in params}))
+        return issue(params, name)
+
+    live.issue = logged_issue
+    x = torch.randn(2, 16, generator=_seeded(1))
+    counter = _CountCats()
+    same_losses, same_params = _train_beside_sgd(engine, reference, x, 2)  # the trace is recorded at step 0
+    steady = len(gathers)
+    more_losses, more_params = _train_beside_sgd(engine, reference, x, 1, watch=counter)
+    engine.destroy()
+    return gathers[steady:], counter.cats, same_losses + more_losses, same_params and more_params
+
+
+def test_a_prefetch_takes_whole_units():
+    """[Note: a unit is prefetched whole]: a prefetch bucket with room for one unit and half of the next gathers one
+    unit per collective. Before, it took the next unit and the first weight of the one after, which made 2 gathers
+    of that unit instead of 1 and a gather spanning two units (its input staged by a ``cat``)."""
+    for gathers, cats, same_losses, same_params in run_ranks(_whole_unit_prefetch_body, 2, timeout=TIMEOUT):
+        assert all(len(units) == 1 for units in gathers), gathers
+        # forward: blocks 0-3, and at block 3's fetch block 2 for the backward (block 3 is gathered then, so the
+        # look-ahead passes it); max_reuse_distance 0 releases block 3 after its forward: gathered again on demand
+        assert [units[0] for units in gathers] == ["0", "1", "2", "3", "2", "3", "1", "0"], str(gathers)
+        assert cats == 0, cats
+        assert all(same_losses) and same_params  # bitwise: the same micro-batch on every rank, SGD, fp32

@@ -209,8 +209,8 @@ class ZeroConfig(Section):
     prefetch_bucket_size: Annotated[ConfigInt, Auto("int(0.9*hidden*hidden) with a model, else 5e7")] = Field(
         50_000_000,
         ge=0,
-        description="Stage 3: elements fetched ahead of use. Larger hides more all-gather latency and holds more "
-        "gathered parameters at once.",
+        description="Stage 3: elements fetched ahead of use, a whole gather unit at a time (a unit larger than the "
+        "bucket is fetched in part). Larger hides more all-gather latency and holds more gathered parameters at once.",
     )
     param_persistence_threshold: Annotated[ConfigInt, Auto("10*hidden with a model, else 1e5")] = Field(
         100_000,

@@ -5,8 +5,8 @@ recomputation and backward alike): the *trace*. All ranks must record the same t
 one small exchange and a difference is an error naming the first differing module, not a hang later.
 
 From the next step on, every fetch looks ahead in the trace and issues asynchronous gathers for the parameters the
-next modules will need (up to ``prefetch_bucket_size`` elements; about one parameter ahead with the sequential
-strategy), never holding more than ``max_live_parameters`` gathered elements. A module's parameters are released
+next modules will need (up to ``prefetch_bucket_size`` elements, a whole unit at a time; about one parameter
+ahead with the sequential strategy), never holding more than ``max_live_parameters`` gathered elements. A module's parameters are released
 after it ran unless they are persistent (small), still used by another active module (shared weights, nested
 calls), used again before ``max_reuse_distance`` more elements are gathered (0: never kept), or shared by several
 modules and used again later in the same pass (see [Note: shared parameters stay within a pass]).
@@ -398,18 +398,39 @@ class ParamCoordinator:
 
     def _choose_prefetch(self, start: int, budget: int, in_flight: bool, chosen: list[ShardedParam]) -> int:
         """Append to ``chosen`` the not-yet-gathered parameters of the trace events from ``start`` on, in order of
-        first use, up to the first one over the live or prefetch budget (see ``_prefetch_after``); return the index
+        first use, up to the first unit over the live or prefetch budget (see ``_prefetch_after``); return the index
         of the event where it stopped (the new frontier; the number of events if it did not stop). One loop, no
-        generator or property per candidate: this runs at every fetch."""
+        generator or property per candidate: this runs at every fetch.
+
+        [Note: a unit is prefetched whole] The parameters a unit still needs are taken together or not at all: a
+        unit that does not fit in what is left of the budgets waits for a later fetch, which takes it in one gather
+        (one collective per unit, and no gather that spans two units and must stage its input). Only a unit larger
+        than the whole prefetch bucket is taken in part, as many of its parameters as fit, in order (DeepSpeed's
+        per-parameter rule), and a sequentially gathered parameter (``gather_sequential``) goes alone."""
         seen: set[int] = set()
         params_of = self.trace.params
         room = self.max_live - self.gathered.numel  # gathered elements that still fit under max_live_parameters
         size = 0
         for i in range(start, len(params_of)):
+            missing: list[ShardedParam] = []
+            numel = 0
+            sequential = False
             for p in params_of[i]:
-                if p.status is not ParamStatus.NOT_AVAILABLE or id(p) in seen:
+                if p.status is ParamStatus.NOT_AVAILABLE and id(p) not in seen:
+                    seen.add(id(p))
+                    missing.append(p)
+                    numel += p.padded_numel
+                    sequential = sequential or p.gather_sequential
+            if not missing:
+                continue
+            if not sequential:
+                if size + numel <= budget and size + numel <= room:
+                    chosen.extend(missing)
+                    size += numel
                     continue
-                seen.add(id(p))
+                if numel <= self.prefetch_numel:
+                    return i  # it fits an empty bucket: a later fetch takes it whole
+            for p in missing:  # larger than the bucket, or sequential: parameter by parameter
                 numel = p.padded_numel
                 if size + numel > room:
                     return i
