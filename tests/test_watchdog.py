@@ -205,6 +205,29 @@ def test_step_records_do_not_grow_with_the_number_of_steps(fingerprint):
             assert kept == [0] * 30, kept
 
 
+def _all_reduces_per_step_body(stage: int):
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=Branchy(same_shape=True), config=_config(stage, stall=None))
+    counts = []
+    for _ in range(3):
+        engine.comm.reset_stats()
+        loss = engine(torch.randn(2, 8), branch=0)
+        engine.backward(loss)
+        engine.step()
+        counts.append(engine.comm.stats()["all_reduce"]["calls"])
+    return counts
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_gradient_norms_all_reduce_carries_the_step_fingerprint(stage):
+    """[Note: step fingerprint]: over a flat world the ranks compare the step's CRC inside the gradient norm's
+    all-reduce, so a steady step makes one all-reduce (two before: the norm's and the fingerprint's own). Step 0 of
+    stage 3 adds the gradient presence count (the trace is recorded). A divergence the carried comparison catches:
+    test_branch_divergence_raises_on_every_rank_naming_both_modules (same-shaped)."""
+    for counts in run_ranks(_all_reduces_per_step_body, 2, stage, timeout=TIMEOUT):
+        assert counts[1:] == [1, 1], counts
+
+
 def _kill_body(where: str):
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -98,6 +98,12 @@ class ProgressLog:
             crc = zlib.crc32(f"{r.kind}|{r.dtype}|{r.numel}|{r.name}|{r.phase}|{r.step};".encode(), crc)
         return crc, records
 
+    def forget_step_record(self, name: str) -> None:
+        """Drop the last record of this step's fingerprint if it is the collective ``name`` (one that compares
+        steps, like the fingerprint's own all-reduce, and belongs to none)."""
+        if self.step_records and self.step_records[-1].name == name:
+            self.step_records.pop()
+
     def position(self) -> str:
         """Where this rank is, in words, for heartbeats and lost-rank messages."""
         last = self.last

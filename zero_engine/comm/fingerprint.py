@@ -1,14 +1,18 @@
 """The step fingerprint: ranks that ran different collectives in a step, paired up by shape, raise before the update.
 
 [Note: step fingerprint]
-At the accumulation boundary, before the optimizer touches anything, each rank's CRC of this step's records
-(kind, dtype, size, name, phase, step of each) is compared with one 2-element all-reduce (max of [crc, -crc]). Equal
-everywhere -> go on. Otherwise the ranks exchange the records (error path only) and raise RankDivergenceError
-naming the first difference, with parameters, masters and optimizer states untouched. This catches what the stall
-watchdog cannot see: same-shaped collectives that paired up across different modules (mixed data in the gathered
-weights and gradients, never applied). The comparison stays on the device until the optimizer reads it on the host
-together with the gradient norm, in the step's one synchronisation, before any update (StepFingerprint; see
-[Note: host syncs per step] in zero/optimizer.py).
+At the accumulation boundary, before the optimizer touches anything, each rank takes the CRC of this step's records
+(kind, dtype, size, name, phase, step of each); the ranks then compare it in a collective they run anyway, before
+any update. With ZeRO over a flat world the gradient norm's all-reduce (a sum, over every rank) carries it: the 32
+bits of the CRC as 32 more float64 elements, each summed to 0 or to the world size exactly when every rank has the
+same bit there (exact at any world size), so the comparison costs no collective of its own. Otherwise (stage 0,
+whose norm needs no all-reduce, or a mesh, whose norm is summed over the shard group only) it is one 2-element
+all-reduce of its own (max of [crc, -crc]) when the verdict is read. Equal everywhere -> go on. Otherwise the ranks
+exchange the records (error path only) and raise RankDivergenceError naming the first difference, with parameters,
+masters and optimizer states untouched. This catches what the stall watchdog cannot see: same-shaped collectives
+that paired up across different modules (mixed data in the gathered weights and gradients, never applied). The
+verdict stays on the device until the optimizer reads it on the host together with the gradient norm, in the step's
+one synchronisation (StepFingerprint; see [Note: host syncs per step] in zero/optimizer.py).
 """
 
 from __future__ import annotations
@@ -27,35 +31,67 @@ __all__ = ["StepFingerprint", "check_step_fingerprint"]
 def check_step_fingerprint(comm, device: Optional[torch.device] = None) -> None:
     """See [Note: step fingerprint]. Collective; call at the accumulation boundary before any update. ``device``:
     the parameters' device (where the engine's collectives run); the communicator's default when not given.
-    The engine splits this in two (``StepFingerprint.start``, then ``check`` with the value read in the step's one
-    host synchronisation: see [Note: host syncs per step] in zero/optimizer.py)."""
+    The engine splits this in three (``StepFingerprint.start``; ``carry`` by the gradient norm's all-reduce or its
+    own in ``agreement``; ``check`` with the value read in the step's one host synchronisation: see [Note: host
+    syncs per step] in zero/optimizer.py)."""
     fingerprint = StepFingerprint.start(comm, device)
-    fingerprint.check(fingerprint.agree is None or bool(fingerprint.agree))
+    agree = fingerprint.agreement()
+    fingerprint.check(agree is None or bool(agree))
 
 
 class StepFingerprint:
-    """This step's fingerprint all-reduce, issued; whether the ranks agree is a device tensor until ``check``."""
+    """This step's CRC, taken; whether the ranks agree is a device tensor once compared (``carry`` or
+    ``agreement``), read on the host by ``check``."""
 
-    def __init__(self, comm, agree: Optional[torch.Tensor], records: list):
+    def __init__(self, comm, crc: int, records: list, device: Optional[torch.device]):
         self.comm = comm
-        self.agree = agree  # 0-dim bool on the collectives' device; None: nothing to compare (one rank, meta)
+        self.crc = crc
         self.records = records
+        self.device = device
+        self.agree: Optional[torch.Tensor] = None  # 0-dim bool on the collectives' device once compared
+        self.compared = comm.world_size == 1  # one rank: nothing to compare
 
     @classmethod
     def start(cls, comm, device: Optional[torch.device] = None) -> "StepFingerprint":
-        """Issue the all-reduce (max of [crc, -crc]: equal everywhere iff max(crc) == -max(-crc)); no host sync."""
+        """Take this step's CRC (the records since the last one); no collective, no host sync."""
         crc, records = comm.progress.take_step_fingerprint()
-        if comm.world_size == 1:
-            return cls(comm, None, records)
-        device = device if device is not None else comm.exchange_device(None)
-        # Made on the host and copied without blocking: torch.tensor(..., device=cuda) waits for its own copy, a
-        # second host sync per step (seen on an H100 with set_sync_debug_mode). Pinned, so the copy is a real DMA
-        # and the caching host allocator keeps the block until the copy is done.
-        host = torch.tensor([crc, -crc], dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
-        both = host.to(device, non_blocking=True)
-        comm.all_reduce(both, op="max", name="step fingerprint")
-        comm.progress.take_step_fingerprint()  # the fingerprint's own all-reduce belongs to no step
-        return cls(comm, None if both.device.type == "meta" else both[0] == -both[1], records)
+        return cls(comm, crc, records, device)
+
+    def carry(self, values: torch.Tensor, comm) -> Optional[torch.Tensor]:
+        """Sum-all-reduce the 1-D float64 ``values`` over ``comm`` with this fingerprint's comparison in the same
+        collective, and return them summed; None (nothing issued) when it cannot ride on it: compared already, or
+        ``comm`` is not the fingerprint's (every rank's) communicator."""
+        if self.compared or comm is not self.comm:
+            return None
+        self.compared = True
+        bits = self._on_device([(self.crc >> i) & 1 for i in range(32)], torch.float64)
+        both = torch.cat([values, bits])
+        comm.all_reduce(both, op="sum", name="grad norm and step fingerprint")
+        if both.device.type != "meta":
+            sums = both[values.numel():]
+            self.agree = ((sums == 0) | (sums == comm.world_size)).all()
+        return both[:values.numel()]
+
+    def agreement(self) -> Optional[torch.Tensor]:
+        """Whether the ranks agree (0-dim bool on the device; None: nothing to compare). Compares now, with an
+        all-reduce of its own (max of [crc, -crc]: equal everywhere iff max(crc) == -max(-crc)), if no collective
+        carried the comparison."""
+        if not self.compared:
+            self.compared = True
+            both = self._on_device([self.crc, -self.crc], torch.int64)
+            self.comm.all_reduce(both, op="max", name="step fingerprint")
+            self.comm.progress.forget_step_record("step fingerprint")  # compares steps: belongs to none
+            if both.device.type != "meta":
+                self.agree = both[0] == -both[1]
+        return self.agree
+
+    def _on_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` on the collectives' device without a host sync: torch.tensor(..., device=cuda) waits for its
+        own copy, a second host sync per step (seen on an H100 with set_sync_debug_mode). Made pinned, so the copy
+        is a real DMA and the caching host allocator keeps the block until the copy is done."""
+        device = torch.device(self.device if self.device is not None else self.comm.exchange_device(None))
+        host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+        return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
     def check(self, agree: bool) -> None:
         """``agree``: ``self.agree`` as read on the host (the same on every rank). Collective when they disagree."""

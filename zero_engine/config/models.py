@@ -191,7 +191,8 @@ class ZeroEngineSection(Section):
     )
     step_fingerprint: ConfigBool = Field(
         True, description="At each accumulation boundary, before the optimizer, compare a hash of the step's "
-        "collectives across ranks (one 2-element all-reduce) and raise RankDivergenceError on a difference, with "
+        "collectives across ranks (inside the gradient norm's all-reduce with ZeRO over a flat world, else one "
+        "2-element all-reduce of its own) and raise RankDivergenceError on a difference, with "
         "parameters and optimizer states untouched. Catches same-shaped collectives that paired up across "
         "different modules (silently mixed data).",
     )

@@ -322,7 +322,12 @@ class ZeroOptimizer(_OptimizerWrapper):
         # over the group the gradient shards are partitioned on: under a hierarchical mesh the replicas hold the same
         # shards (averaged across them, grads.py), so the world would count each one replicate_size times; with tp
         # over the world, each value counted on one rank ([Note: the global gradient norm with tp])
-        (self.reducer.comm if counted is None else self.comm).all_reduce(sq, op="sum", name="grad norm")
+        comm = self.reducer.comm if counted is None else self.comm
+        summed = fingerprint.carry(sq.view(1), comm) if fingerprint is not None else None  # [Note: step fingerprint]
+        if summed is None:
+            comm.all_reduce(sq, op="sum", name="grad norm")
+        else:
+            sq = summed[0]
         value = read_step_values(sq, fingerprint)
         return math.sqrt(value) if math.isfinite(value) else float("inf")
 
@@ -408,9 +413,9 @@ class ZeroOptimizer(_OptimizerWrapper):
 def read_step_values(norm_value: torch.Tensor, fingerprint=None) -> float:
     """The step's one host synchronisation: ``norm_value`` (a 0-dim tensor) and, with a step fingerprint, whether
     the ranks agree, in one transfer; raises RankDivergenceError (before any update) when they do not."""
+    agree = fingerprint.agreement() if fingerprint is not None else None  # compared now if nothing carried it
     if norm_value.device.type == "meta":
         return 0.0  # shape-only run (fake process group): there are no values
-    agree = fingerprint.agree if fingerprint is not None else None
     if agree is None:
         return norm_value.item()
     value, agreed = torch.stack([norm_value.double(), agree.to(norm_value.device, torch.float64)]).tolist()
