@@ -5,11 +5,12 @@ recomputation and backward alike): the *trace*. All ranks must record the same t
 one small exchange and a difference is an error naming the first differing module, not a hang later.
 
 From the next step on, every fetch looks ahead in the trace and issues asynchronous gathers for the parameters the
-next modules will need (up to ``prefetch_bucket_size`` elements, a whole unit at a time; about one parameter
-ahead with the sequential strategy), never holding more than ``max_live_parameters`` gathered elements. A module's parameters are released
-after it ran unless they are persistent (small), still used by another active module (shared weights, nested
-calls), used again before ``max_reuse_distance`` more elements are gathered (0: never kept), or shared by several
-modules and used again later in the same pass (see [Note: shared parameters stay within a pass]).
+next modules will need (up to ``prefetch_bucket_size`` elements, a whole unit at a time; about one parameter ahead
+with the sequential strategy), never holding more than ``max_live_parameters`` gathered elements. A module's
+parameters are released after it ran unless they are persistent (small), still used by another active module
+(shared weights, nested calls), used again before ``max_reuse_distance`` more elements are gathered (0: never
+kept), or shared by several modules and used again later in the same pass (see [Note: shared parameters stay
+within a pass]).
 
 If a step runs a different order than the trace (data-dependent control flow, the same on every rank), the
 coordinator notices at the first differing fetch, stops prefetching for the rest of that step (on-demand gathers
