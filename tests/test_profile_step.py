@@ -34,6 +34,17 @@ def test_each_call_received_and_made_by_our_frames_takes_its_cost_off():
     assert abs(got - (1.5 - 15 * 0.01 - 5 * 0.02 - 20 * 0.03)) < 1e-12
 
 
+def test_the_models_python_is_not_counted_as_the_runtimes():
+    # the GPT every system trains lives in zero_engine/testing: its forward is the model's Python, DDP's run too
+    model = ("/repo/zero_engine/testing/models.py", 74, "forward")
+    assert profile_step._where(model) == "Python: the model (zero_engine.testing)"
+    assert profile_step._where(OURS) == "Python: zero_engine"
+    stats = {model: (4, 4, 0.6, 0.9, {THEIRS: (4, 4, 0.6, 0.9)}),
+             OURS: (10, 10, 1.0, 2.0, {THEIRS: (10, 10, 1.0, 2.0)})}
+    no_cost = dict.fromkeys(("callee_py", "caller_py", "callee_c", "caller_c"), 0.0)
+    assert profile_step._without_profiler_cost(stats, no_cost, "Python: zero_engine") == 1.0  # ours only
+
+
 def test_calibration_measures_a_cost_for_every_kind_of_event():
     cost = profile_step._calibrate("thread", n=2000)
     assert set(cost) == {"callee_py", "caller_py", "callee_c", "caller_c"}
