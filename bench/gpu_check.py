@@ -29,7 +29,9 @@ were taken before the Block units were added here: each module with parameters w
 
 Without CUDA the full run refuses (exit status 2, "no CUDA device"); ``--tiny`` runs every part at toy size on
 whatever device there is (CPU here: memory figures are then n/a), which is how tests/test_gpu_check.py checks the
-logic without a GPU. Timings: CUDA events around ``--steps`` steps after ``--warmup`` steps.
+logic without a GPU. Timings: CUDA events around ``--steps`` steps after ``--warmup`` steps. ``--profile DIR`` then
+runs ``--steps`` more steps of each part under torch.profiler and writes its op table to DIR/<part>.txt (a part's
+peak memory is then read after those steps too).
 """
 
 from __future__ import annotations
@@ -82,8 +84,38 @@ def peak_bytes():
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
+PROFILE: tuple[Path, str] | None = None  # (--profile's folder, the part running): see profile_steps
+
+
+def profile_steps(step, steps: int) -> None:
+    """With ``--profile DIR``: ``steps`` more calls of ``step()`` under torch.profiler, after the timed ones, and its
+    table of ops by self time (CUDA time on a GPU) per step appended to DIR/<part>.txt. Where a part's time goes,
+    e.g. which ops a compiled step spends more on than another runtime's."""
+    folder, part = PROFILE
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize()
+    by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{part}.txt", "a") as f:
+        f.write(f"# {part}: {steps} steps under torch.profiler, sorted by {by} (totals over the {steps} steps)\n")
+        f.write(prof.key_averages().table(sort_by=by, row_limit=45, max_name_column_width=70) + "\n")
+
+
 def time_steps(step, warmup: int, steps: int) -> float:
-    """Seconds per call of ``step()``, after ``warmup`` calls (CUDA events on a GPU, wall clock otherwise)."""
+    """Seconds per call of ``step()``, after ``warmup`` calls (CUDA events on a GPU, wall clock otherwise); with
+    ``--profile``, then ``steps`` more calls profiled (not timed)."""
+    seconds = _time_steps(step, warmup, steps)
+    if PROFILE is not None:
+        profile_steps(step, steps)
+    return seconds
+
+
+def _time_steps(step, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
     synchronize()
@@ -370,6 +402,8 @@ def run_part(name: str, args) -> dict:
            "--size", args.size]
     if args.tiny:
         cmd.append("--tiny")
+    if args.profile:
+        cmd += ["--profile", str(Path(args.profile).resolve())]
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.part_timeout)
@@ -444,9 +478,13 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--part-timeout", type=int, default=240)
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="also profile each part's steps (torch.profiler) after timing them: DIR/<part>.txt")
     parser.add_argument("--run-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_part:
+        global PROFILE
+        PROFILE = (Path(args.profile), args.run_part) if args.profile else None
         result = globals()[f"part_{args.run_part}"](args)
         print("RESULT " + json.dumps(result), flush=True)
         return 0

@@ -54,3 +54,14 @@ def test_a_failing_part_is_reported_not_hidden(tmp_path):
     out = tmp_path / "gpu_check"
     assert gpu_check.main(["--tiny", "--parts", "zero3", "--out", str(out), "--part-timeout", "1"]) == 1
     assert "timed out" in json.loads(out.with_suffix(".json").read_text())["results"]["zero3"]["error"]
+
+
+def test_profile_writes_each_parts_op_table(tmp_path):
+    # --profile: after the timed steps, as many more under torch.profiler; its op table in DIR/<part>.txt
+    out, folder = tmp_path / "gpu_check", tmp_path / "profiles"
+    assert gpu_check.main(["--tiny", "--parts", "zero3,fsdp2", "--out", str(out), "--warmup", "1", "--steps", "2",
+                           "--profile", str(folder)]) == 0
+    for part in ("zero3", "fsdp2"):
+        table = (folder / f"{part}.txt").read_text()
+        assert table.startswith(f"# {part}: 2 steps under torch.profiler")
+        assert "aten::" in table and "Self CPU" in table
