@@ -89,8 +89,8 @@ PROFILE: tuple[Path, str] | None = None  # (--profile's folder, the part running
 
 def profile_steps(step, steps: int) -> None:
     """With ``--profile DIR``: ``steps`` more calls of ``step()`` under torch.profiler, after the timed ones, and its
-    table of ops by self time (CUDA time on a GPU) per step appended to DIR/<part>.txt. Where a part's time goes,
-    e.g. which ops a compiled step spends more on than another runtime's."""
+    table of ops by self time (CUDA time on a GPU; totals over those steps) appended to DIR/<part>.txt. Where a
+    part's time goes, e.g. which ops a compiled step spends more on than another runtime's."""
     folder, part = PROFILE
     from torch.profiler import ProfilerActivity, profile
 

@@ -19,7 +19,8 @@ time without the profiler, the profiled step time, and the profiled time per ste
 - ``Python: <package>``: the Python frames' own time, by package (zero_engine's hooks, coordinator and reducer;
   torch.nn's module call machinery; torch.distributed's Python wrappers; autograd's engine entry). The GPT's own
   forward code lives in zero_engine/testing/models.py and is every system's: it has a row of its own, ``Python: the
-  model``, outside zero_engine's (which until 2026-11-27 23:30 UTC included it, about 1.1 ms a demo step).
+  model``, outside zero_engine's (docs/benchmarks.md's figures before "Again, with the model's own Python taken out"
+  include it in zero_engine's: about 1.1 ms of a demo step).
 
 cProfile adds a cost per Python call, so the split overstates Python time; the profiled step time beside the plain
 one says by how much. The row ``Python: zero_engine, profiler's cost removed`` estimates zero_engine's Python without
