@@ -218,12 +218,21 @@ def part_zero3(args, compiled: bool = False) -> dict:
 
     cfg, micro = model_config(args.tiny, args.size)
     zero_engine.init_distributed()
-    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=_zero3_config(micro, compiled, args.size))
+    overrides = json.loads(args.zero_optimization)
+    config = _zero3_config(micro, compiled, args.size, **overrides)
+    engine, *_ = zero_engine.initialize(model=_build_model(cfg), config=config)
     x, y = batch(cfg, micro, engine.device)
     reset_peak()
-    seconds = time_steps(_train_step(engine, None, x, y, engine=True), args.warmup, args.steps)
+    step = _train_step(engine, None, x, y, engine=True)
+    seconds = time_steps(step, args.warmup, args.steps)
     out = _result(cfg, seconds, micro * cfg.block_size)
     out["params"] = sum(sp.numel for sp in engine.sharded)
+    # one more steady step, its collectives counted (after the peak was read): how the units were gathered
+    engine.reset_comm_stats()
+    step()
+    out["collectives_per_step"] = {kind: stat["calls"] for kind, stat in engine.comm_stats().items() if stat["calls"]}
+    if overrides:
+        out["zero_optimization_overrides"] = overrides
     return out
 
 
@@ -404,6 +413,7 @@ def run_part(name: str, args) -> dict:
         cmd.append("--tiny")
     if args.profile:
         cmd += ["--profile", str(Path(args.profile).resolve())]
+    cmd += ["--zero-optimization", args.zero_optimization]
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.part_timeout)
@@ -480,6 +490,9 @@ def main(argv=None) -> int:
     parser.add_argument("--part-timeout", type=int, default=240)
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="also profile each part's steps (torch.profiler) after timing them: DIR/<part>.txt")
+    parser.add_argument("--zero-optimization", metavar="JSON", default="{}",
+                        help="keys merged into the zero3 parts' zero_optimization section, e.g. "
+                             "'{\"stage3_prefetch_bucket_size\": 60000000}'")
     parser.add_argument("--run-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_part:

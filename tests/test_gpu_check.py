@@ -65,3 +65,19 @@ def test_profile_writes_each_parts_op_table(tmp_path):
         table = (folder / f"{part}.txt").read_text()
         assert table.startswith(f"# {part}: 2 steps under torch.profiler")
         assert "aten::" in table and "Self CPU" in table
+
+
+def test_zero_optimization_overrides_reach_the_zero3_part(tmp_path):
+    # --zero-optimization: keys merged into the zero3 parts' config; each reports a steady step's collectives, so a
+    # prefetch bucket too small for any parameter (nothing prefetched: one gather per unit, when it runs) shows more
+    # all-gathers than a huge one (one gather for many units)
+    def all_gathers(bucket: int) -> int:
+        out = tmp_path / f"bucket{bucket}"
+        overrides = json.dumps({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0})
+        assert gpu_check.main(["--tiny", "--parts", "zero3", "--out", str(out), "--warmup", "2", "--steps", "1",
+                               "--zero-optimization", overrides]) == 0
+        result = json.loads(out.with_suffix(".json").read_text())["results"]["zero3"]
+        assert result["zero_optimization_overrides"] == json.loads(overrides)
+        return result["collectives_per_step"]["all_gather"]
+
+    assert all_gathers(1) > all_gathers(10**9) > 0
