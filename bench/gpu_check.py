@@ -495,6 +495,14 @@ def main(argv=None) -> int:
                              "'{\"stage3_prefetch_bucket_size\": 60000000}'")
     parser.add_argument("--run-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        overrides = json.loads(args.zero_optimization)
+    except json.JSONDecodeError as e:
+        parser.error(f"--zero-optimization: not JSON ({e}); pass an object, e.g. "
+                     "'{\"stage3_prefetch_bucket_size\": 60000000}'")
+    if not isinstance(overrides, dict):
+        parser.error("--zero-optimization: a JSON object of zero_optimization keys is needed, got "
+                     f"{args.zero_optimization}")
     if args.run_part:
         global PROFILE
         PROFILE = (Path(args.profile), args.run_part) if args.profile else None

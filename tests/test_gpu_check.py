@@ -81,3 +81,12 @@ def test_zero_optimization_overrides_reach_the_zero3_part(tmp_path):
         return result["collectives_per_step"]["all_gather"]
 
     assert all_gathers(1) > all_gathers(10**9) > 0
+
+
+@pytest.mark.parametrize("given", ["{stage3_prefetch_bucket_size: 1}", "[1, 2]"])
+def test_zero_optimization_that_is_not_a_json_object_is_refused_before_any_part_runs(given, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--tiny", "--parts", "zero3", "--out", str(tmp_path / "r"), "--zero-optimization", given])
+    assert exit_info.value.code == 2
+    assert "--zero-optimization" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
