@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -322,3 +323,28 @@ def test_the_compiled_modules_record_notices_a_compilation_without_walking_the_m
     model.blocks[0]._compiled_call_impl = None  # un-compiled
     assert record.differ(model) and len(walks) == 4
     record.close()
+
+
+def _copy_groups_body():
+    torch.manual_seed(0)
+    model_cfg = GPTConfig()
+    config = ds_config(3, optimizer="SGD", lr=0.05, reduce_bucket_size=10**6)  # one gradient bucket
+    engine, *_ = zero_engine.initialize(model=GPT(model_cfg), config=config)
+    engine.compile(backend="eager")
+    for x, y in make_batches(model_cfg, 2, dist.get_world_size() * 4):
+        train_global_batch(engine, x, y, 2, 2)
+    (bucket,) = engine.reducer.buckets
+    groups = sorted(sorted(p.fqn for p in group.params) for group in bucket.groups)
+    units = {unit.name: sorted(p.fqn for p in unit.params if p.param.requires_grad) for unit in engine.coordinator.units}
+    return groups, units
+
+
+def test_compiled_blocks_copy_their_gradients_in_as_one_unit():
+    """A compiled block is one unit of its subtree (compile.py), made after initialize; its gradients are copied into
+    the send buffer together too (one op per unit: [Note: one copy per unit] in grads.py), not one op per Linear and
+    LayerNorm as the units made at initialize would have it (on the 1.1B GPT of bench/gpu_check.py, 149 copies a step
+    where FSDP2 makes 21)."""
+    for groups, units in run_ranks(_copy_groups_body, 2, timeout=TIMEOUT):
+        assert sorted(units["blocks.0"]) == [g for g in groups if g[0].startswith("blocks.0.")][0]
+        blocks = [g for g in groups if g[0].startswith("blocks.")]
+        assert len(blocks) == 2, groups  # one per block (8 per block before)

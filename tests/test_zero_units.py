@@ -326,3 +326,27 @@ def test_reducer_copies_a_units_gradients_into_its_bucket_with_one_op():
     for sp in params:
         twice = 2 * grads[sp.fqn] if sp.fqn in ("model.2.bias", "model.2.weight") else None
         assert torch.equal(reducer.shard_grad(sp), expected_shard(sp, twice)), sp.fqn
+
+
+def test_reducer_regroup_copies_each_new_unit_with_one_op():
+    """The units made again (a module compiled after initialize becomes one unit of its subtree): ``regroup`` cuts the
+    copy groups by the new units, so the whole model's gradients go in with one op per new unit and bucket, with the
+    same values. Refused inside a pass, where a group holds gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 7), nn.Linear(7, 5), nn.Linear(5, 3))
+    params = sharded(model, 2, 1, "model")
+    reducer = GradReducer(list(reversed(params)), LoopbackComm(2, 1), 10**6, reduce_dtype=torch.float32,
+                          copy_groups=[params[0:2], params[2:4], params[4:6]])
+    grads = {sp.fqn: torch.randn(sp.shape) for sp in params}
+    reducer.add(params[0], grads[params[0].fqn])
+    with pytest.raises(RuntimeError, match="regroup inside a backward pass"):
+        reducer.regroup([params])
+    reducer.discard()
+    reducer.regroup([params])  # one unit of the whole model: one group in the one bucket
+    with SendWrites(reducer) as writes:
+        for sp in random.Random(0).sample(params, len(params)):
+            reducer.add(sp, grads[sp.fqn])
+        reducer.finish()
+    assert writes.names == ["_chunk_cat"], writes.names  # three with the old units
+    for sp in params:
+        assert torch.equal(reducer.shard_grad(sp), expected_shard(sp, grads[sp.fqn])), sp.fqn

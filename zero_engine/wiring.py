@@ -246,7 +246,8 @@ def build_gathering(engine, model: nn.Module) -> None:
     """The units of ``model`` (units.py), their coordinator and their hooks, on the engine. Called at initialize,
     and again by compile.py when modules were compiled since (a compiled module becomes one unit): the old hooks
     are removed and every gathered non-persistent parameter released first, and the next step records a new trace."""
-    if engine.coordinator is not None:
+    again = engine.coordinator is not None
+    if again:
         engine.coordinator.release_all()
         engine.hooks.remove()
         ParamCoordinator.live.discard(engine.coordinator)
@@ -255,6 +256,8 @@ def build_gathering(engine, model: nn.Module) -> None:
     for name, module, params in gather_units(model):
         module_params[module] = [by_param[id(p)] for p in params]
         module_names[module] = name or "<root>"
+    if again:  # the gradients of a new unit are copied in together, as at initialize (_partition)
+        engine.reducer.regroup(_owned_groups(module_params.values(), engine.sharded))
     engine.coordinator = ParamCoordinator(module_params, module_names, engine.refresh_gatherer, engine.comm,
                                           engine.config.zero_optimization,
                                           on_event=engine.record_timeline if engine.timeline else None,

@@ -206,6 +206,18 @@ class GradReducer:
                 if p is not None:
                     run.append(p)
 
+    def regroup(self, copy_groups: list[list[ShardedParam]]) -> None:
+        """The gather units were made again (compile.py: a module compiled since initialize is one unit of its whole
+        subtree): a unit's gradients go into the send buffer together again, one op per new unit and bucket
+        ([Note: one copy per unit]). Buckets, their order and every value stay as they were. Between backward
+        passes only, where no copy group holds a gradient."""
+        if self._next_launch or self._in_flight or any(g.arrived or g.copied for b in self.buckets
+                                                       for g in b.groups):
+            raise RuntimeError("GradReducer.regroup inside a backward pass (gradients held): the units are made "
+                               "again between steps only")
+        self._copy_groups = copy_groups
+        self._index_buckets()
+
     def _make_buckets(self, params: list[ShardedParam]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         current: list[ShardedParam] = []
