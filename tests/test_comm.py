@@ -416,6 +416,36 @@ def test_a_collective_issued_and_waited_is_a_handful_of_python_calls():
 
 # -- argument checks (shape-only, in this process) ----------------------------------------------------------------
 
+def _grouped_all_gather(debug: bool) -> dict:
+    comm = Communicator(debug=debug)
+    rank, world = comm.rank, comm.world_size
+    sizes = (5, 1, 7)  # shard sizes
+    inputs = [_rank_data(rank, n) for n in sizes]
+    outputs = [torch.empty(n * world) for n in sizes]
+    pending = comm.all_gather_grouped(outputs, inputs, async_op=True, name="grouped")
+    pending.wait()
+    expected = [torch.cat([_rank_data(r, n) for r in range(world)]) for n in sizes]
+    records = [r for r in comm.progress.recent if r.name == "grouped"]
+    sync = comm.all_gather_grouped([torch.empty(2 * world, dtype=torch.bfloat16)],
+                                   [_rank_data(rank, 2, torch.bfloat16)], name="one")
+    return {"equal": [torch.equal(o, e) for o, e in zip(outputs, expected)], "stats": comm.stats()["all_gather"],
+            "records": [(r.kind, r.dtype, r.numel) for r in records], "sync": sync.tensor.tolist(),
+            "groups": comm.groups_all_gathers}
+
+
+@pytest.mark.parametrize("world_size,debug", [(2, False), (3, True)])
+def test_a_grouped_all_gather_gathers_each_pair_as_one_collective(world_size, debug):
+    """[Note: large parameters gathered as one group] in gather.py: each pair gathered exactly, issued as one call
+    of the backend (torch's coalescing manager), counted and recorded as one all-gather of all the pairs'
+    elements; synchronous too. Only NCCL groups them for the engine; gloo runs the group all the same."""
+    for out in run_ranks(_grouped_all_gather, world_size, debug, timeout=60):
+        assert out["equal"] == [True, True, True]
+        assert out["stats"] == {"calls": 2, "bytes": (13 * 4 + 2 * 2) * world_size}
+        assert out["records"] == [("all_gather", "float32", 13)]
+        assert out["sync"] == [0.0, 1.0] + [v for r in range(1, world_size) for v in (10.0 * r, 10.0 * r + r + 1)]
+        assert out["groups"] is False  # gloo
+
+
 def test_wrong_sizes_and_ops_are_rejected_with_the_rank_and_the_fix():
     with fake_world(4, rank=2) as comm:
         with pytest.raises(ValueError, match=r"all_gather 'p' on rank 2 .*expected world_size x input = 4 x 3 = 12"):
@@ -449,6 +479,10 @@ def test_wrong_sizes_and_ops_are_rejected_with_the_rank_and_the_fix():
             comm.all_to_all_single(torch.empty(8, dtype=torch.float16), torch.empty(8))
         with pytest.raises(ValueError, match=r"broadcast.*contiguous"):
             comm.broadcast(torch.empty(4, 4).t(), src=0)
+        with pytest.raises(ValueError, match=r"all_gather 'g' on rank 2: 2 outputs for 1 inputs"):
+            comm.all_gather_grouped([torch.empty(4), torch.empty(4)], [torch.empty(1)], name="g")
+        with pytest.raises(ValueError, match=r"all_gather 'g' on rank 2 .*an output has 10 elements; expected"):
+            comm.all_gather_grouped([torch.empty(4), torch.empty(10)], [torch.empty(1), torch.empty(3)], name="g")
         assert all(counts["calls"] == 0 for counts in comm.stats().values()), "rejected calls are not counted"
 
 

@@ -649,3 +649,34 @@ def test_global_grad_norm_is_one_multi_tensor_norm_over_every_bucket():
         assert buckets > 4, buckets
         assert calls == {"_foreach_norm": 1, "vector_norm": 0}, calls  # not five ops per bucket
         assert abs(norm - expected) / expected < 1e-5, (norm, expected)  # clip_grad_norm_'s norm, full batch
+
+
+# ---- large parameters gathered as one group ([Note: large parameters gathered as one group] in gather.py) -------
+def _grouped_gather_body(group_large: bool):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_embd=512, n_head=8, vocab_size=64)  # attn.qkv 786k and mlp.fc 1.05M elements: gathered direct
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=ds_config(
+        3, gas=1, stage3_prefetch_bucket_size=4 * 10**6, stage3_param_persistence_threshold=10**4,
+        leaf_module={"classes": ["Block"]}))
+    engine.coordinator.gatherer.group_large = group_large  # gloo: the engine would not group (Communicator)
+    losses = []
+    for x, y in make_batches(cfg, 3, 2 * dist.get_world_size()):
+        engine.reset_comm_stats()
+        mine = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+        loss = engine(x[mine], y[mine])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, full_params(engine), engine.comm_stats()["all_gather"]
+
+
+def test_large_parameters_gathered_as_one_group_train_bitwise_as_gathered_one_by_one():
+    """Where the backend groups collectives (NCCL), the large parameters of a gather go out as one group: one
+    all-gather of a Block's matrices instead of one each, bitwise the same training (gloo runs the group here)."""
+    separate = run_ranks(_grouped_gather_body, 2, False, timeout=TIMEOUT)
+    grouped = run_ranks(_grouped_gather_body, 2, True, timeout=TIMEOUT)
+    for (losses, params, gathers), (g_losses, g_params, g_gathers) in zip(separate, grouped):
+        assert losses == g_losses
+        assert all(torch.equal(params[n], g_params[n]) for n in params)
+        assert g_gathers["bytes"] == gathers["bytes"]
+        assert (gathers["calls"], g_gathers["calls"]) == (18, 10)  # a step: 2 blocks x (qkv, fc) grouped, fwd + bwd

@@ -103,8 +103,17 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
                  engine.stage, engine.comm.world_size, engine.mesh.describe(), sum(1 for _ in model.parameters()),
                  sum(p.numel() for p in model.parameters()) if engine.stage == 0 else
                  sum(sp.numel for sp in engine.sharded),
-                 getattr(getattr(engine.coordinator, "gatherer", None), "name", "none (params whole)"))
+                 _gather_strategy(getattr(engine.coordinator, "gatherer", None)))
     engine.placement.log_once(engine.comm.rank)
+
+
+def _gather_strategy(gatherer) -> str:
+    """How parameters are gathered, for the log line of initialize (decided once: gather.py)."""
+    if gatherer is None:
+        return "none (params whole)"
+    if getattr(gatherer, "group_large", False):
+        return f"{gatherer.name} (large parameters of a gather as one group)"
+    return gatherer.name
 
 
 def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[ShardedParam]]:

@@ -173,6 +173,15 @@ class CollectiveIssuer:
         chunks = list(output.view(-1).chunk(self.world_size))
         return dist.all_gather(chunks, input.reshape(-1), group=self.group, async_op=True), None
 
+    def all_gather_grouped(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Issued:
+        """Each ``inputs[i]`` gathered into ``outputs[i]``, issued as one call of the backend (torch's coalescing
+        manager: on NCCL one group, one launch); see [Note: large parameters gathered as one group] in gather.py."""
+        with dist.distributed_c10d._coalescing_manager(group=self.group, async_ops=True) as grouped:
+            for output, input in zip(outputs, inputs):
+                _all_gather_single(output, input, group=self.group)
+        work, = grouped.works  # the backend's one work for the group
+        return work, None
+
     def reduce_scatter_plan(self, input: torch.Tensor, input_is_scratch: bool) -> str:
         """The collective a ``reduce_scatter`` of ``input`` runs, which the communicator records for the watchdog:
         "all_to_all" on gloo for CPU tensors up to ``ALL_TO_ALL_REDUCE_MAX_BYTES`` ([Note: gloo's reduce-scatter as

@@ -194,8 +194,8 @@ class Communicator:
             self.watchdog.agree(record)
         return record
 
-    def _issue(self, kind: str, record_kind: str, name: str, input: torch.Tensor, nbytes: int, issue, args: tuple,
-               result: torch.Tensor, async_op: bool) -> Pending:
+    def _issue(self, kind: str, record_kind: str, name: str, dtype: torch.dtype, numel: int, nbytes: int, issue,
+               args: tuple, result: torch.Tensor, async_op: bool) -> Pending:
         """Issue one tensor collective whose arguments were checked: its progress record (and agreement, when one
         was asked for), ``issue(*args)`` (a CollectiveIssuer method: always asynchronous) inside its profiler range,
         ``nbytes`` counted under ``kind``, and its handle. A synchronous call is waited here, so that synchronous
@@ -204,8 +204,7 @@ class Communicator:
         # _record's steps written out, not called: this runs for every collective of every step.
         if self._closed:
             raise self._closed_error(record_kind, name)
-        record = self.progress.record(record_kind, _DTYPE_NAMES.get(input.dtype) or _dtype_name(input.dtype),
-                                      input.numel(), name)
+        record = self.progress.record(record_kind, _DTYPE_NAMES.get(dtype) or _dtype_name(dtype), numel, name)
         if self._agree_next[0]:
             self._agree_next[0] = False
             self.watchdog.agree(record)
@@ -303,8 +302,38 @@ class Communicator:
                           f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
-        return self._issue(kind, kind, name, input, output.numel() * output.element_size(), self._issuer.all_gather,
-                           (output, input), output, async_op)
+        return self._issue(kind, kind, name, input.dtype, input.numel(), output.numel() * output.element_size(),
+                           self._issuer.all_gather, (output, input), output, async_op)
+
+    @property
+    def groups_all_gathers(self) -> bool:
+        """Whether ``all_gather_grouped`` saves something here: on NCCL a group of all-gathers is one launch; gloo
+        runs the group as its collectives one by one (and slower than separate ones, bench/gather_probe.py)."""
+        return self.backend == "nccl"
+
+    def all_gather_grouped(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool = False,
+                           name: str = "") -> Pending:
+        """``all_gather_into_tensor`` of each pair, issued as one call of the backend (one group on NCCL): one
+        collective as the counters, the progress records and the debug check see it, of all the pairs' elements.
+        ``tensor`` of the result is ``outputs[0]``; wait before reading any of them."""
+        kind = "all_gather"
+        if len(outputs) != len(inputs) or not outputs:
+            raise ValueError(f"all_gather {name!r} on rank {self.rank}: {len(outputs)} outputs for {len(inputs)} "
+                             "inputs; expected as many of each, at least one")
+        numel = nbytes = 0
+        for output, input in zip(outputs, inputs):
+            if not (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
+                    and input.is_contiguous() and output.numel() == input.numel() * self.world_size):
+                self._check_pair(kind, name, output, input)
+                self._require(False, kind, name,
+                              f"an output has {output.numel()} elements; expected world_size x input = "
+                              f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
+            numel += input.numel()
+            nbytes += output.numel() * output.element_size()
+        if self.debug:
+            self._check_consistency(kind, inputs[0], numel, numel * self.world_size, name=name)
+        return self._issue(kind, kind, name, inputs[0].dtype, numel, nbytes, self._issuer.all_gather_grouped,
+                           (outputs, inputs), outputs[0], async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
                               async_op: bool = False, name: str = "", input_is_scratch: bool = False) -> Pending:
@@ -331,7 +360,7 @@ class Communicator:
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name)
         plan = self._issuer.reduce_scatter_plan(input, input_is_scratch)
-        return self._issue(kind, plan, name, input, input.numel() * input.element_size(),
+        return self._issue(kind, plan, name, input.dtype, input.numel(), input.numel() * input.element_size(),
                            self._issuer.reduce_scatter, (output, input, op, plan), output, async_op)
 
     def reduce_scatter_workspace(self, input: torch.Tensor) -> int:
@@ -355,8 +384,8 @@ class Communicator:
                           f"elements, a multiple of world_size {self.world_size}")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
-        return self._issue(kind, kind, name, input, input.numel() * input.element_size(), self._issuer.all_to_all,
-                           (output, input), output, async_op)
+        return self._issue(kind, kind, name, input.dtype, input.numel(), input.numel() * input.element_size(),
+                           self._issuer.all_to_all, (output, input), output, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, name: str = "") -> Pending:
         """Reduce ``tensor`` in place across ranks with ``op`` ("sum", "avg", "max" or "min"). Counts its bytes."""
@@ -369,8 +398,8 @@ class Communicator:
             self._require_float_for_avg(kind, name, op, tensor)
         if self.debug:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
-        return self._issue(kind, kind, name, tensor, tensor.numel() * tensor.element_size(), self._issuer.all_reduce,
-                           (tensor, op), tensor, async_op)
+        return self._issue(kind, kind, name, tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(),
+                           self._issuer.all_reduce, (tensor, op), tensor, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, name: str = "") -> Pending:
         """Copy ``tensor`` from rank ``src`` (a rank of this communicator's group) to every rank. Counts its bytes."""
@@ -381,8 +410,8 @@ class Communicator:
             self._require(False, kind, name, "tensor must be contiguous")
         if self.debug:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
-        return self._issue(kind, kind, name, tensor, tensor.numel() * tensor.element_size(), self._issuer.broadcast,
-                           (tensor, src), tensor, async_op)
+        return self._issue(kind, kind, name, tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(),
+                           self._issuer.broadcast, (tensor, src), tensor, async_op)
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, indexed by rank. For small metadata (e.g. order checks), not tensors."""

@@ -5,7 +5,8 @@ AVAILABLE. Both write the result into each parameter's own ``full`` storage (see
 saved views see the gathered values.
 
 - ``CoalescedGather`` (default): a parameter of at least ``DIRECT_GATHER_NUMEL`` elements is gathered by its own
-  collective straight into its storage (no copy); the small ones of a request are coalesced into one collective per
+  collective straight into its storage (no copy; on NCCL the large ones of a request in one group: [Note: large
+  parameters gathered as one group]); the small ones of a request are coalesced into one collective per
   ``bucket_numel`` elements through a staging buffer and copied out (see [Note: flat shard storage]). The engine's
   coordinator asks for whole prefetch buckets at a time; transient cost beyond the parameters themselves: the small
   parameters' staging buffer.
@@ -99,25 +100,56 @@ def _gather_direct(comm, work: GatherWork, p: ShardedParam, name: str, streams=N
     _all_gather(comm, streams, work, p.alloc_full(), p.shard, name or p.fqn)
 
 
+def _gather_direct_grouped(comm, work: GatherWork, params: list[ShardedParam], name: str, streams=None) -> None:
+    """Each of ``params`` gathered straight into its storage, as ``_gather_direct``, in one call of the backend: see
+    [Note: large parameters gathered as one group]."""
+    outputs = [p.alloc_full() for p in params]
+    inputs = [p.shard for p in params]
+    work.keep_alive.extend(inputs)
+    if streams is None or streams.all_gather is None:
+        work.pending.append(comm.all_gather_grouped(outputs, inputs, async_op=True, name=name))
+        return
+    work.pending.append(streams.collective_on(
+        streams.all_gather, lambda: comm.all_gather_grouped(outputs, inputs, async_op=True, name=name)))
+
+
 class CoalescedGather:
+    """[Note: large parameters gathered as one group]
+    A parameter of at least ``DIRECT_GATHER_NUMEL`` elements is all-gathered straight into its own storage (no
+    staging, no copy-out: [Note: flat shard storage] in partition.py), one collective each. Where the backend runs a
+    group of collectives as one call (NCCL: ``Communicator.groups_all_gathers``), the large parameters of one request
+    (a unit, or a prefetch of several) go out as one group instead: one launch, as FSDP2's one all-gather per group,
+    still without its copy-out. Bench/gpu_check.py's compiled 1.1B step issued 127 all-gathers a step, one per weight
+    matrix, where FSDP2 issues 21. On gloo a group is its collectives run one by one, and measured slower than
+    separate ones (4 x 600k fp32 elements, world 2: 16-20 ms against 13-14), so there they stay separate.
+    ``group_large`` overrides the backend's answer (tests run the grouped path on gloo)."""
+
     name = "coalesced"
 
-    def __init__(self, comm, bucket_numel: int, accounting=None, streams=None):
+    def __init__(self, comm, bucket_numel: int, accounting=None, streams=None, group_large: bool | None = None):
         self.comm = comm
         self.bucket_numel = max(1, int(bucket_numel))
         self.accounting = accounting
         self.streams = streams  # CommStreams on CUDA (None: issue on the current stream)
+        self.group_large = getattr(comm, "groups_all_gathers", False) if group_large is None else group_large
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
         work = GatherWork(params=list(params), pending=[], accounting=self.accounting)
         foreach_to_inflight(params, refresh)
-        small = []
+        small, large = [], []
         for p in params:
             work.numel += p.padded_numel
-            if p.padded_numel >= DIRECT_GATHER_NUMEL:
-                _gather_direct(self.comm, work, p, name, self.streams)
-            else:
+            if p.padded_numel < DIRECT_GATHER_NUMEL:
                 small.append(p)
+            elif self.group_large:
+                large.append(p)
+            else:
+                _gather_direct(self.comm, work, p, name, self.streams)
+        if len(large) == 1:
+            _gather_direct(self.comm, work, large[0], name, self.streams)
+        elif large:  # one dtype per group: a collective's records carry one
+            for run in _runs(large, sum(p.padded_numel for p in large)):
+                _gather_direct_grouped(self.comm, work, run, name, self.streams)
         staged = 0  # bytes of the staging buffers
         for run in _runs(small, self.bucket_numel):
             if len(run) == 1:  # alone, it needs no staging either
