@@ -404,6 +404,30 @@ class GradReducer:
                 views.append(shards[offset: offset + p.shard_numel])
         return views
 
+    def shard_grad_runs(self, params: list[ShardedParam]) -> list[tuple[torch.Tensor, list[int]]]:
+        """The gradient shards of ``params`` as runs: (a view of one bucket's shards, the positions in ``params`` of
+        the parameters it holds, back to back in that order); parameters of a bucket without shards are in none.
+        What an update that converts gradients (the optimizer's fp32 copy) does once per run instead of once per
+        parameter: a sub-group's parameters lie in few buckets, in reverse (buckets follow backward's order)."""
+        slots = []
+        for i, p in enumerate(params):
+            bucket = self._copy_slot[id(p)][0]
+            if bucket.shard_grads is not None:
+                slots.append((bucket.index, bucket.offsets[id(p)], i, bucket))
+        slots.sort(key=lambda slot: slot[:2])
+        runs: list[tuple[torch.Tensor, list[int]]] = []
+        bucket, start, end, members = None, 0, 0, []
+        for _, offset, i, owner in slots:
+            if owner is not bucket or offset != end:  # a gap, or another bucket: the run so far is done
+                if members:
+                    runs.append((bucket.shard_grads[start:end], members))
+                bucket, start, end, members = owner, offset, offset, []
+            members.append(i)
+            end += params[i].shard_numel
+        if members:
+            runs.append((bucket.shard_grads[start:end], members))
+        return runs
+
     def alloc_shard_grads(self, bucket: _Bucket) -> torch.Tensor:
         """This window's gradient shards of ``bucket`` (uninitialised: the first reduction overwrites them)."""
         if bucket.shard_grads is None:
