@@ -97,6 +97,23 @@ def test_engine_parity_on_cuda_world2_one_gpu_gloo(precision, tmp_path):
     assert result["loss_rel_err"] < loss_tol and result["param_rel_err"] < param_tol, result
 
 
+@needs_cuda
+def test_large_parameters_gathered_as_one_nccl_group_train_bitwise_as_one_by_one(tmp_path):
+    """On NCCL the engine gathers a request's large parameters as one group ([Note: large parameters gathered as one
+    group] in zero/gather.py): bitwise the same training as one all-gather each, with fewer all-gathers a step."""
+    out = tmp_path / "grouped.json"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+           str(ROOT / "tests" / "cuda_grouped_gather_worker.py"), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["engine_groups_on_nccl"] is True and result["backend"] == "nccl"
+    assert result["losses"][0] == result["losses"][1] and result["params_equal"], result
+    grouped, separate = result["gathers"]
+    assert grouped < separate, result
+
+
 def _save16_body(save_dir):
     import torch.distributed as dist
 
