@@ -309,7 +309,7 @@ class Communicator:
     def groups_all_gathers(self) -> bool:
         """Whether ``all_gather_grouped`` saves something here: on NCCL a group of all-gathers is one launch; gloo
         runs the group as its collectives one by one (and slower than separate ones, bench/gather_probe.py)."""
-        return self.backend == "nccl"
+        return "nccl" in self.backend.lower()  # as CollectiveIssuer reads it (a "cpu:gloo,cuda:nccl" group too)
 
     def all_gather_grouped(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool = False,
                            name: str = "") -> Pending:

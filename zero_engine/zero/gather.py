@@ -119,9 +119,10 @@ class CoalescedGather:
     staging, no copy-out: [Note: flat shard storage] in partition.py), one collective each. Where the backend runs a
     group of collectives as one call (NCCL: ``Communicator.groups_all_gathers``), the large parameters of one request
     (a unit, or a prefetch of several) go out as one group instead: one launch, as FSDP2's one all-gather per group,
-    still without its copy-out. Bench/gpu_check.py's compiled 1.1B step issued 127 all-gathers a step, one per weight
-    matrix, where FSDP2 issues 21. On gloo a group is its collectives run one by one, and measured slower than
-    separate ones (4 x 600k fp32 elements, world 2: 16-20 ms against 13-14), so there they stay separate.
+    still without its copy-out. The compiled 1.1B step of bench/gpu_check.py issued 127 all-gathers a step, one per
+    weight matrix, where FSDP2 issues 21. On gloo a group is its collectives run one by one, and measured slower than
+    separate ones from 512k elements up (bench/gather_probe.py, world 2, 4 parameters of 1M elements: 13.3 ms against
+    10.2), so there they stay separate.
     ``group_large`` overrides the backend's answer (tests run the grouped path on gloo)."""
 
     name = "coalesced"
