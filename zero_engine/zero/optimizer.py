@@ -290,7 +290,10 @@ class ZeroOptimizer(_OptimizerWrapper):
         """Each parameter's gradient shard in fp32, times ``coef`` (None where it has none): converted and scaled once
         per run of adjacent shards (``GradReducer.shard_grad_runs``), two kernels a run instead of two a parameter,
         then split into views, one per master. The same values as converting each alone; a 16-bit shard is left as
-        it was (the conversion is a new tensor), an fp32 one is scaled in place (the step consumes it)."""
+        it was (the conversion is a new tensor), an fp32 one is scaled in place (the step consumes it). A view starts
+        where its shard does in the run: FusedAdam's kernel takes its vector path where all its tensors are 16-byte
+        aligned (shard sizes a multiple of 4, as hidden sizes give) and its element path otherwise, with equal
+        results."""
         grads: list[torch.Tensor | None] = [None] * len(group)
         for run, members in self.reducer.shard_grad_runs(group):
             if run.dtype != torch.float32:
