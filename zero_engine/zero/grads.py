@@ -74,72 +74,13 @@ from __future__ import annotations
 
 import torch
 
+from .grad_buckets import CopyGroup, GradBucket
 from .partition import ShardedParam
 from .tensor_parallel import local_grad
 
 __all__ = ["GradReducer"]
 
 MAX_IN_FLIGHT = 2
-
-
-class _Bucket:
-    def __init__(self, params: list[ShardedParam], index: int, comm):
-        self.params = list(params)
-        self.index = index
-        self.name = f"grads bucket {index}"  # its reduce-scatter's name (built once, not per collective)
-        # the group its gradients are reduce-scattered over, and the factor after that average: the reducer's and 1,
-        # or an MoE expert's edp group (its parameters' ShardedParam.group; see [Note: buckets of one group])
-        group = self.params[0].group
-        self.comm = comm if group is None else group.comm
-        self.scale = 1.0 if group is None else group.grad_scale
-        self.world = self.comm.world_size
-        self.offsets: dict[int, int] = {}  # id(p) -> offset of its shard in the [per_rank] gradient shards
-        offset = 0
-        for p in self.params:
-            self.offsets[id(p)] = offset
-            offset += p.shard_numel
-        self.per_rank = offset
-        self.send: torch.Tensor | None = None  # [world * per_rank], see [Note: gradient buffers]
-        self.arrived = 0  # its parameters whose gradient arrived this pass
-        self.pending = None  # comm Pending of the launched reduce-scatter
-        self.recv: torch.Tensor | None = None
-        self.workspace = 0  # bytes its launched reduce-scatter holds beside send and recv (comm's workspace)
-        self.shard_grads: torch.Tensor | None = None  # [per_rank]: this rank's accumulated gradient shards
-        self.has_grads = False  # shard_grads holds data from an earlier micro-step (accumulate, do not overwrite)
-        self.unaveraged = False  # shard_grads not yet averaged across replicas ([Note: gradients across replicas])
-        self.irregular = 0  # parameters of this bucket reduced on their own at the end of this pass
-        self.groups: list[_CopyGroup] = []  # its copy groups, in order (GradReducer.__init__)
-
-    def slot(self, p: ShardedParam) -> torch.Tensor:
-        """Where ``p``'s padded gradient goes in the send buffer: a [world, shard_numel] view (its column)."""
-        column = self.offsets[id(p)]
-        return self.send.view(self.world, self.per_rank)[:, column: column + p.shard_numel]
-
-
-class _CopyGroup:
-    """Consecutive parameters of one bucket and one gather unit, whose gradients go into the send buffer together:
-    see [Note: one copy per unit]."""
-
-    __slots__ = ("bucket", "params", "column", "columns", "grads", "arrived", "copied", "summed", "chunks")
-
-    def __init__(self, bucket: _Bucket, params: list[ShardedParam]):
-        self.bucket = bucket
-        self.params = params
-        self.column = bucket.offsets[id(params[0])]  # its first column in the [world, per_rank] send buffer
-        self.columns = sum(p.shard_numel for p in params)
-        self.grads: list[torch.Tensor | None] = [None] * len(params)  # held until the group is complete
-        # gradients held this pass; a parameter reduced on its own ([Note: a gradient on some ranks only]) never
-        # arrives here, so its group is copied at launch (_flush)
-        self.arrived = 0
-        self.copied = False  # its gradients are in the send buffer (or adopted as it: _adopt)
-        self.summed = False  # one of them is a sum of two, in the reduction dtype (the others may not be)
-        # _chunk_cat cuts a flat gradient into rows of ceil(numel / world), the shard layout for any numel >= 1
-        self.chunks = all(p.numel >= 1 for p in params)
-
-    def reset(self) -> None:
-        self.grads = [None] * len(self.params)
-        self.arrived = 0
-        self.copied = self.summed = False
 
 
 class GradReducer:
@@ -182,7 +123,7 @@ class GradReducer:
         self._irregular: set[int] = set()  # see [Note: a gradient on some ranks only] in presence.py
         self._held: dict[int, torch.Tensor] = {}  # their gradients on this rank, until the end of the pass
         self._next_launch = 0
-        self._in_flight: list[_Bucket] = []
+        self._in_flight: list[GradBucket] = []
         self.grad_bytes = 0  # gradient shards that exist now
         self.backward_end = backward_end  # the end-of-backward flush a pass's first gradient hook queues (hooks.py)
 
@@ -193,14 +134,14 @@ class GradReducer:
         self.params = [p for b in self.buckets for p in b.params]
         copy_groups = self._copy_groups
         group_of = {id(p): i for i, group in enumerate(copy_groups or ()) for p in group}
-        self._copy_slot: dict[int, tuple[_Bucket, _CopyGroup, int]] = {}
+        self._copy_slot: dict[int, tuple[GradBucket, CopyGroup, int]] = {}
         for bucket in self.buckets:
             bucket.groups = []
             run: list[ShardedParam] = []
             for p in bucket.params + [None]:
                 if run and (p is None or group_of.get(id(p), -1) != group_of.get(id(run[0]), -1)
                             or (copy_groups is not None and id(p) not in group_of)):
-                    bucket.groups.append(_CopyGroup(bucket, run))
+                    bucket.groups.append(CopyGroup(bucket, run))
                     self._copy_slot.update((id(q), (bucket, bucket.groups[-1], i)) for i, q in enumerate(run))
                     run = []
                 if p is not None:
@@ -218,22 +159,22 @@ class GradReducer:
         self._copy_groups = copy_groups
         self._index_buckets()
 
-    def _make_buckets(self, params: list[ShardedParam]) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
+    def _make_buckets(self, params: list[ShardedParam]) -> list[GradBucket]:
+        buckets: list[GradBucket] = []
         current: list[ShardedParam] = []
         size = 0
         for p in params:  # [Note: buckets of one group]
             if current and (size + p.padded_numel > self.bucket_numel or p.group is not current[0].group):
-                buckets.append(_Bucket(current, len(buckets), self.comm))
+                buckets.append(GradBucket(current, len(buckets), self.comm))
                 current, size = [], 0
             current.append(p)
             size += p.padded_numel
         if current:
-            buckets.append(_Bucket(current, len(buckets), self.comm))
+            buckets.append(GradBucket(current, len(buckets), self.comm))
         return buckets
 
     # ---- traced regions (traced.py) -----------------------------------------------------------------------------
-    def reduce_in_graph(self, groups: list[list[ShardedParam]]) -> list[_Bucket]:
+    def reduce_in_graph(self, groups: list[list[ShardedParam]]) -> list[GradBucket]:
         """The parameters of ``groups`` get their gradients reduced inside compiled graphs (a traced region's flat
         shards: zero/traced.py): each group becomes a bucket of its own that ``add_reduced`` fills, and is no longer
         reduce-scattered here; the other parameters are bucketed again as before, without them. Call outside an
@@ -246,14 +187,14 @@ class GradReducer:
         taken = {id(p) for group in groups for p in group} | {id(p) for b in earlier for p in b.params}
         self._reduced_here = self._make_buckets([p for p in self.params if id(p) not in taken])
         groups = [g for g in groups if g]
-        traced = [_Bucket(g, len(self._reduced_here) + len(earlier) + i, self.comm) for i, g in enumerate(groups)]
+        traced = [GradBucket(g, len(self._reduced_here) + len(earlier) + i, self.comm) for i, g in enumerate(groups)]
         for i, bucket in enumerate(earlier):
             bucket.index = len(self._reduced_here) + i
         self.buckets = self._reduced_here + earlier + traced
         self._index_buckets()
         return traced
 
-    def add_reduced(self, bucket: _Bucket, grad: torch.Tensor, starts: list[int]) -> None:
+    def add_reduced(self, bucket: GradBucket, grad: torch.Tensor, starts: list[int]) -> None:
         """A traced region's gradient shards, reduced over the shard group by its graph: ``grad`` is the gradient of
         its flat shard, where ``bucket.params[i]``'s shard starts at ``starts[i]``. Accumulated into the window's
         gradient shards as a reduce-scatter's result is (``_complete``)."""
@@ -428,7 +369,7 @@ class GradReducer:
             runs.append((bucket.shard_grads[start:end], members))
         return runs
 
-    def alloc_shard_grads(self, bucket: _Bucket) -> torch.Tensor:
+    def alloc_shard_grads(self, bucket: GradBucket) -> torch.Tensor:
         """This window's gradient shards of ``bucket`` (uninitialised: the first reduction overwrites them)."""
         if bucket.shard_grads is None:
             device = self.grad_device or bucket.params[0].compute_device
@@ -446,7 +387,7 @@ class GradReducer:
             bucket.has_grads = bucket.unaveraged = False
 
     # ---- internals ---------------------------------------------------------------------------------------------
-    def _copy_group(self, group: _CopyGroup) -> None:
+    def _copy_group(self, group: CopyGroup) -> None:
         """All of the group's gradients into its columns of the send buffer, one op: [Note: one copy per unit]."""
         bucket = group.bucket
         if bucket.send is None:
@@ -458,7 +399,7 @@ class GradReducer:
         group.grads = [None] * len(group.params)  # the full gradients are freed here
         group.copied = True
 
-    def _copy_one(self, bucket: _Bucket, p: ShardedParam, grad: torch.Tensor, write: str = "copy_") -> None:
+    def _copy_one(self, bucket: GradBucket, p: ShardedParam, grad: torch.Tensor, write: str = "copy_") -> None:
         """One gradient into its column (``write``: "copy_", or "add_" for a second gradient); the rare path of
         [Note: one copy per unit]."""
         dst = bucket.slot(p)
@@ -472,7 +413,7 @@ class GradReducer:
             dst[full_rows, rem:].zero_()
             dst[full_rows + 1:].zero_()
 
-    def _flush(self, bucket: _Bucket) -> None:
+    def _flush(self, bucket: GradBucket) -> None:
         """At launch: the groups not copied yet go in one parameter at a time; a parameter without a gradient this
         pass contributes zeros."""
         for group in bucket.groups:
@@ -486,7 +427,7 @@ class GradReducer:
             group.grads = [None] * len(group.params)
             group.copied = True
 
-    def _adopt(self, bucket: _Bucket, p: ShardedParam, grad: torch.Tensor) -> bool:
+    def _adopt(self, bucket: GradBucket, p: ShardedParam, grad: torch.Tensor) -> bool:
         """A parameter alone in its bucket (one larger than reduce_bucket_size: a big embedding) with no padding:
         its gradient, as autograd made it, already is the send buffer. Reducing from it saves a copy and a buffer
         of its full size at the end of backward, where the peak is (see [Note: gradient buffers]). The engine drops
@@ -500,7 +441,7 @@ class GradReducer:
         bucket.groups[0].copied = True
         return True
 
-    def _alloc_send(self, bucket: _Bucket) -> None:
+    def _alloc_send(self, bucket: GradBucket) -> None:
         bucket.send = torch.empty(bucket.per_rank * bucket.world, dtype=self.reduce_dtype,
                                   device=bucket.params[0].compute_device)
         self._track("comm_buffers", bucket.send.numel() * bucket.send.element_size())
@@ -512,7 +453,7 @@ class GradReducer:
                 return
             self._launch(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: GradBucket) -> None:
         if bucket.send is None:  # no gradient at all in this bucket: it still takes part in the collective
             self._alloc_send(bucket)
         self._flush(bucket)  # the groups not copied as they completed
@@ -533,7 +474,7 @@ class GradReducer:
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete(self._in_flight.pop(0))
 
-    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, bucket: _Bucket):
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, bucket: GradBucket):
         """One reduce-scatter, from the reduce-scatter stream on CUDA. Both buffers were allocated and filled on the
         compute stream and stay referenced by the bucket until ``_complete`` has waited (see [Note: streams, events
         and buffer lifetime] in streams.py)."""
@@ -546,7 +487,7 @@ class GradReducer:
                                                      name=bucket.name, input_is_scratch=True)
         return issue() if self.streams is None else self.streams.collective_on(self.streams.reduce_scatter, issue)
 
-    def _complete(self, bucket: _Bucket) -> None:
+    def _complete(self, bucket: GradBucket) -> None:
         if bucket.pending is None:
             return
         bucket.pending.wait()
@@ -582,7 +523,7 @@ class GradReducer:
             if bucket.unaveraged:
                 self._average_bucket(bucket)
 
-    def _average_bucket(self, bucket: _Bucket) -> None:
+    def _average_bucket(self, bucket: GradBucket) -> None:
         shard = bucket.shard_grads
         if shard.dtype == self.reduce_dtype:
             self._average_across_replicas(shard, f"grads bucket {bucket.index}")
