@@ -7,7 +7,7 @@
 # before DEADLINE s; results are tarred into $OUT/res.tgz after every stage.
 #   run: DEADLINE=540 bash bench/results/gpu_issue22_run7/run.sh   (carry .whl and .gpu_before; timeout 580)
 #   prepare, here in the repository root (both are ignored by git, so a new checkout has neither):
-#     WITH_DEEPSPEED=1 ../shared/gpu/wheels.sh
+#     ../shared/gpu/wheels.sh                 (no DeepSpeed part here: WITH_DEEPSPEED=1 is not needed)
 #     mkdir -p .gpu_before && git archive 53e5db1 | tar -x -C .gpu_before && echo /.gpu_before/ >> .git/info/exclude
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 TORCH_EXTENSIONS_DIR=/tmp/ext
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
