@@ -50,9 +50,8 @@ def split(lines, rate: float, steps: int, ranks: int) -> tuple[Counter, Counter]
         frames = stack.split(";")
         if not any(_IN_STEP.search(frame) for frame in frames):
             continue
-        innermost = next((m for m in map(_PY_FRAME.match, reversed(frames)) if m), None)
-        if innermost is None:
-            continue
+        # the step's own frame is a Python frame: there is always one
+        innermost = next(m for m in map(_PY_FRAME.match, reversed(frames)) if m)
         where = _bucket(innermost["file"])
         buckets[where] += int(count)
         if where == "zero_engine":
