@@ -12,6 +12,11 @@ one JSON line, ms per step, with the path of the ``zero_engine`` that ran. ``--t
 ``zero_engine`` with this script, to compare trees (a tree from before the gradient hook became ``GradReducer.add``
 wraps ``ZeroEngine.on_grad_ready`` instead). PYTHONPATH cannot do it: the bench workers put this repository first
 on ``sys.path``.
+
+``--parts`` also wraps the parts inside the entry points (the gradient copy-in and the reduce-scatter launches of the
+reducer, the optimizer's Adam kernel call, its per-parameter bookkeeping, the gradient norm) and gives every label its
+own time: a wrapped call inside another is taken out of the outer one, so "gradient hook" is then the hook's own
+Python and what it calls unwrapped, and the labels still add up to the entry points' total.
 """
 
 from __future__ import annotations
@@ -32,19 +37,24 @@ from _common import SIZES, load_gpt_module  # noqa: E402
 from _worker import build_runner, import_system, init_process_group  # noqa: E402
 
 
-def _timed(totals: dict[str, float], depth: list[int], cls, name: str, label: str) -> None:
+def _timed(totals: dict[str, float], inner: list[float], cls, name: str, label: str, own: bool = False) -> None:
+    """Wrap ``cls.name`` to add its thread CPU time to ``totals[label]``. ``inner``: one slot per wrapped call in
+    progress, where a call adds its time to its caller's slot. A call inside another wrapped one counts in the outer
+    one, unless ``own``: then each label gets its own time, less that of the wrapped calls it made."""
     original = cls.__dict__[name]
 
     def timed(*args, **kwargs):
-        if depth[0]:  # inside another entry point: counted there
+        if inner and not own:  # inside another entry point: counted there
             return original(*args, **kwargs)
-        depth[0] += 1
+        inner.append(0.0)
         start = time.thread_time()
         try:
             return original(*args, **kwargs)
         finally:
-            totals[label] += time.thread_time() - start
-            depth[0] -= 1
+            took = time.thread_time() - start
+            totals[label] += took - inner.pop()
+            if inner:
+                inner[-1] += took
     setattr(cls, name, timed)
 
 
@@ -54,6 +64,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tree", help="a checkout whose zero_engine to time (default: this one)")
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the parts inside the entry points, each label its own time")
     args = parser.parse_args()
     if args.tree:  # imported first, so that import_system finds it in sys.modules and does not load this repo's
         sys.path.insert(0, os.path.abspath(args.tree))
@@ -64,15 +76,31 @@ def main() -> None:
     import zero_engine.zero.hooks as hooks
 
     totals: dict[str, float] = collections.defaultdict(float)
-    depth = [0]
+    inner: list[float] = []
+    own = args.parts
+
+    def timed(cls, name: str, label: str) -> None:
+        _timed(totals, inner, cls, name, label, own)
+
     for name in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_enter_model", "_leave_model"):
-        _timed(totals, depth, hooks.ModuleHooks, name, "module hooks")
-    _timed(totals, depth, hooks.BackwardEndCallback, "_run", "end of backward")
+        timed(hooks.ModuleHooks, name, "module hooks")
+    timed(hooks.BackwardEndCallback, "_run", "end of backward")
     if "on_grad_ready" in engine_module.ZeroEngine.__dict__:
-        _timed(totals, depth, engine_module.ZeroEngine, "on_grad_ready", "gradient hook")
+        timed(engine_module.ZeroEngine, "on_grad_ready", "gradient hook")
     else:
-        _timed(totals, depth, grads.GradReducer, "add", "gradient hook")
-    _timed(totals, depth, engine_module.ZeroEngine, "step", "step()")
+        timed(grads.GradReducer, "add", "gradient hook")
+    timed(engine_module.ZeroEngine, "step", "step()")
+    if own:
+        import zero_engine.ops.adam_base as adam_base
+        import zero_engine.ops.cpu_adam as cpu_adam
+        import zero_engine.zero.optimizer as zero_optimizer
+
+        timed(grads.GradReducer, "_copy_group", "gradient copy-in (_copy_group)")
+        timed(grads.GradReducer, "_launch_ready", "reduce-scatter launches (_launch_ready)")
+        timed(zero_optimizer.ZeroOptimizer, "_global_grad_norm", "gradient norm")
+        timed(zero_optimizer.ZeroOptimizer, "_update_sub_group", "optimizer: shard views, masters' grads, refresh")
+        timed(adam_base.OpAdamBase, "step", "optimizer: checks, states, step counts")
+        timed(cpu_adam.CPUAdam, "_update_batch", "optimizer: the Adam kernel call")
 
     rank, world = init_process_group("zero3")
     gpt = load_gpt_module()

@@ -78,6 +78,19 @@ def test_engine_cpu_times_every_entry_point_of_a_step(tmp_path):
     assert result["all entry points"] < result["main thread, whole step (median)"] * 1.5, result
 
 
+def test_engine_cpu_parts_give_each_label_its_own_time():
+    # --parts: the parts inside the entry points timed too, each label less the wrapped calls it made, so the
+    # gradient hook's own time is a fraction of what the copy-ins and launches it calls take
+    result = _bench_at_world_2("engine_cpu.py", "--steps", "2", "--warmup", "1", "--parts")
+    parts = ("gradient copy-in (_copy_group)", "reduce-scatter launches (_launch_ready)", "gradient norm",
+             "optimizer: shard views, masters' grads, refresh", "optimizer: checks, states, step counts",
+             "optimizer: the Adam kernel call")
+    for label in ("module hooks", "gradient hook", "end of backward", "step()", *parts):
+        assert result[label] > 0, result
+    assert result["gradient hook"] < result["reduce-scatter launches (_launch_ready)"], result
+    assert result["all entry points"] < result["main thread, whole step (median)"] * 1.5, result
+
+
 def test_op_counter_counts_the_ops_a_step_dispatches_and_no_views():
     import torch
 
