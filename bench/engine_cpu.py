@@ -14,9 +14,11 @@ wraps ``ZeroEngine.on_grad_ready`` instead). PYTHONPATH cannot do it: the bench 
 on ``sys.path``.
 
 ``--parts`` also wraps the parts inside the entry points (the gradient copy-in and the reduce-scatter launches of the
-reducer, the optimizer's Adam kernel call, its per-parameter bookkeeping, the gradient norm) and gives every label its
-own time: a wrapped call inside another is taken out of the outer one, so "gradient hook" is then the hook's own
-Python and what it calls unwrapped, and the labels still add up to the entry points' total.
+reducer, the optimizer's Adam kernel call, its per-parameter bookkeeping, the gradient norm; inside the module hooks,
+the coordinator's fetch and release, the gathers' issue and wait, a unit's reshard; every collective's issue) and
+gives every label its own time: a wrapped call inside another is taken out of the outer one, so "gradient hook" is
+then the hook's own Python and what it calls unwrapped, "module hooks" the hooks' own (their arguments walked, the
+autograd function and the gradient hook they install), and the labels still add up to the entry points' total.
 """
 
 from __future__ import annotations
@@ -101,6 +103,19 @@ def main() -> None:
         timed(zero_optimizer.ZeroOptimizer, "_update_sub_group", "optimizer: shard views, masters' grads, refresh")
         timed(adam_base.OpAdamBase, "step", "optimizer: checks, states, step counts")
         timed(cpu_adam.CPUAdam, "_update_batch", "optimizer: the Adam kernel call")
+        # inside the module hooks (and, for the collectives' issue, inside the reducer and the norm too)
+        import zero_engine.comm._communicator as communicator
+        import zero_engine.zero.coordinator as coordinator
+        import zero_engine.zero.gather as gather
+        import zero_engine.zero.unit as unit
+
+        timed(communicator.Communicator, "_issue", "collectives: the issue (record, backend call)")
+        timed(gather.CoalescedGather, "issue", "gather: the issue's Python (runs, staging)")
+        timed(gather.GatherWork, "wait", "gather: the wait and copy-out")
+        timed(coordinator.ParamCoordinator, "_prefetch_after", "coordinator: choosing the prefetch")
+        timed(unit.ParamUnit, "reshard", "unit: reshard (the release rule, the release)")
+        timed(coordinator.ParamCoordinator, "fetch", "coordinator: the rest of a fetch")
+        timed(coordinator.ParamCoordinator, "release", "coordinator: the rest of a release (trace lookups)")
 
     rank, world = init_process_group("zero3")
     gpt = load_gpt_module()
