@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import os
 import sys
@@ -37,6 +38,28 @@ import torch.distributed as dist  # noqa: E402
 
 from _common import SIZES, load_gpt_module  # noqa: E402
 from _worker import build_runner, import_system, init_process_group  # noqa: E402
+
+
+# --parts: (module, class, method, label) of each part inside the entry points. The collectives' issue is also called
+# by the reducer and the norm, and taken out of their labels too.
+PARTS = [
+    ("zero_engine.zero.grads", "GradReducer", "_copy_group", "gradient copy-in (_copy_group)"),
+    ("zero_engine.zero.grads", "GradReducer", "_launch_ready", "reduce-scatter launches (_launch_ready)"),
+    ("zero_engine.zero.optimizer", "ZeroOptimizer", "_global_grad_norm", "gradient norm"),
+    ("zero_engine.zero.optimizer", "ZeroOptimizer", "_update_sub_group",
+     "optimizer: shard views, masters' grads, refresh"),
+    ("zero_engine.ops.adam_base", "OpAdamBase", "step", "optimizer: checks, states, step counts"),
+    ("zero_engine.ops.cpu_adam", "CPUAdam", "_update_batch", "optimizer: the Adam kernel call"),
+    # inside the module hooks
+    ("zero_engine.comm._communicator", "Communicator", "_issue", "collectives: the issue (record, backend call)"),
+    ("zero_engine.zero.gather", "CoalescedGather", "issue", "gather: the issue's Python (runs, staging)"),
+    ("zero_engine.zero.gather", "GatherWork", "wait", "gather: the wait and copy-out"),
+    ("zero_engine.zero.coordinator", "ParamCoordinator", "_prefetch_after", "coordinator: choosing the prefetch"),
+    ("zero_engine.zero.unit", "ParamUnit", "reshard", "unit: reshard (the release rule, the release)"),
+    ("zero_engine.zero.coordinator", "ParamCoordinator", "fetch", "coordinator: the rest of a fetch"),
+    ("zero_engine.zero.coordinator", "ParamCoordinator", "release",
+     "coordinator: the rest of a release (trace lookups)"),
+]
 
 
 def _timed(totals: dict[str, float], inner: list[float], cls, name: str, label: str, own: bool = False) -> None:
@@ -93,29 +116,8 @@ def main() -> None:
         timed(grads.GradReducer, "add", "gradient hook")
     timed(engine_module.ZeroEngine, "step", "step()")
     if own:
-        import zero_engine.ops.adam_base as adam_base
-        import zero_engine.ops.cpu_adam as cpu_adam
-        import zero_engine.zero.optimizer as zero_optimizer
-
-        timed(grads.GradReducer, "_copy_group", "gradient copy-in (_copy_group)")
-        timed(grads.GradReducer, "_launch_ready", "reduce-scatter launches (_launch_ready)")
-        timed(zero_optimizer.ZeroOptimizer, "_global_grad_norm", "gradient norm")
-        timed(zero_optimizer.ZeroOptimizer, "_update_sub_group", "optimizer: shard views, masters' grads, refresh")
-        timed(adam_base.OpAdamBase, "step", "optimizer: checks, states, step counts")
-        timed(cpu_adam.CPUAdam, "_update_batch", "optimizer: the Adam kernel call")
-        # inside the module hooks (and, for the collectives' issue, inside the reducer and the norm too)
-        import zero_engine.comm._communicator as communicator
-        import zero_engine.zero.coordinator as coordinator
-        import zero_engine.zero.gather as gather
-        import zero_engine.zero.unit as unit
-
-        timed(communicator.Communicator, "_issue", "collectives: the issue (record, backend call)")
-        timed(gather.CoalescedGather, "issue", "gather: the issue's Python (runs, staging)")
-        timed(gather.GatherWork, "wait", "gather: the wait and copy-out")
-        timed(coordinator.ParamCoordinator, "_prefetch_after", "coordinator: choosing the prefetch")
-        timed(unit.ParamUnit, "reshard", "unit: reshard (the release rule, the release)")
-        timed(coordinator.ParamCoordinator, "fetch", "coordinator: the rest of a fetch")
-        timed(coordinator.ParamCoordinator, "release", "coordinator: the rest of a release (trace lookups)")
+        for module, cls, name, label in PARTS:
+            timed(getattr(importlib.import_module(module), cls), name, label)
 
     rank, world = init_process_group("zero3")
     gpt = load_gpt_module()
