@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Next GPU run (prepared 2026-11-28, not yet run), one device command: what this session's two changes do to the
+# The fifth GPU run (prepared 2026-11-28, ran 06:33 UTC on an H100; outputs in out/, figures in docs/benchmarks.md
+# "Fifth GPU run"), one device command: what this session's two changes do to the
 # compiled 1.1B step. main = this tree; before = 53e5db1 (main before them), in .gpu_before (git archive 53e5db1).
 #   - compiled blocks now copy their gradients in a block at a time (67f60cb; was one copy per Linear: 149 a step);
 #   - on NCCL the large parameters of a gather go out as one group (2af8cbe; was one all-gather each: 127 a step).
@@ -21,7 +22,8 @@ main() { PYTHONPATH=$PWD:/tmp/site timeout "$1" python3 bench/gpu_check.py --par
 old() { (cd .gpu_before && PYTHONPATH=$PWD:/tmp/site timeout "$1" python3 bench/gpu_check.py --part-timeout "$2" \
          "${@:3}" > /dev/null 2>&1); }
 PT="python3 -m pytest -q -rs -p no:cacheprovider --durations 6"
-# 1. make gpu-check's CUDA tests (the grouped NCCL gather's bitwise check among them), in two concurrent halves
+# 1. make gpu-check's CUDA tests in two concurrent halves (the grouped NCCL gather's bitwise check runs in the second:
+#    its name has neither "parity" nor "grouped")
 el tests
 ( PYTHONPATH=$PWD:/tmp/site timeout 170 $PT --timeout 100 tests/test_cuda.py -k "parity or grouped" \
     > $R/pytest_parity.log 2>&1; echo "rc $?" >> $R/pytest_parity.log ) &
