@@ -513,8 +513,9 @@ def test_a_prefetch_takes_whole_units():
     of that unit instead of 1 and a gather spanning two units (its input staged by a ``cat``)."""
     for gathers, cats, same_losses, same_params in run_ranks(_whole_unit_prefetch_body, 2, timeout=TIMEOUT):
         assert all(len(units) == 1 for units in gathers), gathers
-        # forward: blocks 0-3, and at block 3's fetch block 2 for the backward (block 3 is gathered then, so the
-        # look-ahead passes it); max_reuse_distance 0 releases block 3 after its forward: gathered again on demand
-        assert [units[0] for units in gathers] == ["0", "1", "2", "3", "2", "3", "1", "0"], str(gathers)
+        # forward: blocks 0-3; max_reuse_distance 0 releases block 3 after its forward, and the backward begins with
+        # it: gathered again on demand, then block 2 prefetched. Block 3's look-ahead stops at its own backward
+        # ([Note: a released parameter is prefetched in order]); before, it gathered block 2 there, out of order.
+        assert [units[0] for units in gathers] == ["0", "1", "2", "3", "3", "2", "1", "0"], str(gathers)
         assert cats == 0, cats
         assert all(same_losses) and same_params  # bitwise: the same micro-batch on every rank, SGD, fp32

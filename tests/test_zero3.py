@@ -679,4 +679,7 @@ def test_large_parameters_gathered_as_one_group_train_bitwise_as_gathered_one_by
         assert losses == g_losses
         assert all(torch.equal(params[n], g_params[n]) for n in params)
         assert g_gathers["bytes"] == gathers["bytes"]
-        assert (gathers["calls"], g_gathers["calls"]) == (18, 10)  # a step: 2 blocks x (qkv, fc) grouped, fwd + bwd
+        # a step: 2 blocks x (qkv, fc) grouped, fwd + bwd; the backward's first block is prefetched with the
+        # position embedding in one gather, not gathered on demand after it ([Note: a released parameter is
+        # prefetched in order]): one call fewer than before
+        assert (gathers["calls"], g_gathers["calls"]) == (17, 9)

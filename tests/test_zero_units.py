@@ -185,6 +185,34 @@ def test_coordinator_keeps_a_parameter_reused_soon():
     coordinator.end_step(adopt_trace=False)
 
 
+def test_coordinator_prefetches_a_block_released_at_the_turn_before_the_blocks_after_it():
+    """[Note: a released parameter is prefetched in order], on the demo's shape: four blocks, then a head that needs no
+    gather (its parameters persistent here; the demo's is the tied embedding, kept within the pass), then the
+    backward. The last block's forward looks past its own backward (the block is gathered then), but its release
+    frees it: the look-ahead stops there, and the head's forward prefetches it. Before, that look-ahead gathered the
+    block before it for the backward, whose gather in flight took the prefetch budget, and the backward began with
+    an on-demand gather of the last block."""
+    per_layer = 16 * 16 + 16
+    coordinator, layers, _ = build_coordinator(n_layers=5, prefetch_bucket_size=per_layer * 3 // 2)
+    for sp in coordinator.module_params[layers[4]]:
+        sp.is_persistent = True  # gathered at its first fetch, never released
+    order = [(layer, "forward") for layer in layers] + [(layer, "backward") for layer in layers[::-1]]
+    issued = []
+    issue = coordinator.gathered.issue
+    coordinator.gathered.issue = lambda params, name: issued.append(
+        (name, sorted({int(sp.fqn.split(".")[1]) for sp in params}))) or issue(params, name)
+    for step in range(2):
+        issued.clear()
+        coordinator.begin_step()
+        for layer, phase in order:
+            coordinator.fetch(layer, phase)
+            coordinator.release(layer)
+        coordinator.end_step()
+    assert [layer for _, gathered in issued for layer in gathered] == [0, 1, 2, 3, 3, 2, 1, 0], issued
+    assert [name for name, _ in issued if not name.startswith("prefetch")] == ["layers.0"], issued  # no other
+    assert issued[4] == ("prefetch after layers.4", [3]), issued  # the head's forward prefetches the last block
+
+
 def test_coordinator_raises_when_ranks_record_different_module_orders():
     comm = LoopbackComm(2, other_traces=[["layers.1:forward"]])
     coordinator, layers, _ = build_coordinator(comm=comm)

@@ -59,6 +59,9 @@ class _Trace:
     shared: set[int] = field(default_factory=set)  # id(ShardedParam) of parameters used by several modules
     # (fetched_at, after) -> (the unit's parameters then, their NextUses, id(p) -> next event): see next_uses
     _next_uses: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    # per event: the latest earlier event after which the release rule frees one of its parameters (-1: none); see
+    # released_before. None until the first following step needs it, and again when a unit's parameters change.
+    release_before: list[int] | None = None
 
     def __post_init__(self):
         self.params = [unit.params for unit in self.units]
@@ -106,6 +109,26 @@ class _Trace:
             uses.append(self.use_at(p, nxt, after))
         self._next_uses[key] = (list(params), uses, nexts)
         return uses, nexts
+
+    def released_before(self, max_reuse_distance: int) -> list[int]:
+        """For each event, the latest earlier event after which the release rule (with the trace) frees one of the
+        event's parameters, to be gathered again for it; -1 if none is. See [Note: a released parameter is
+        prefetched in order]."""
+        if self.release_before is None:
+            latest = []
+            for i, params in enumerate(self.params):
+                last = -1
+                for p in params:
+                    uses = self.uses.get(id(p), ())  # a parameter that joined its unit later is not in the table
+                    k = bisect.bisect_left(uses, i) - 1
+                    if k < 0 or p.is_persistent or uses[k] <= last:
+                        continue
+                    distance, again_in_pass = self.use_at(p, i, uses[k])
+                    if not again_in_pass and distance >= max_reuse_distance:
+                        last = uses[k]
+                latest.append(last)
+            self.release_before = latest
+        return self.release_before
 
     def next_use(self, p: ShardedParam, fetched_at: int, after: int) -> NextUse:
         """When ``p``, used by event ``fetched_at``, is used next after event ``after`` (>= ``fetched_at``)."""
@@ -305,6 +328,8 @@ class ParamCoordinator:
         log.info("rank %d: %s is used in the forward of %s, which does not own it: gathered with %s from now on",
                  self.comm.rank, p.fqn, unit.name, unit.name)
         self._frontier = (-1, 0)  # the trace's events of this unit have one more parameter to gather
+        if self.trace is not None:
+            self.trace.release_before = None
         if gather_now:
             self._gather_now(p, f"{unit.name} reads {p.fqn}")
             p.active_users += 1  # one more user of the running unit: its reshard ends it
@@ -314,6 +339,8 @@ class ParamCoordinator:
         unit = self._unit_of.get(module)
         if p is not None and unit is not None:
             unit.remove_external(p)
+            if self.trace is not None:
+                self.trace.release_before = None
 
     def hold_for_step(self, p: ShardedParam) -> None:
         """Keep ``p`` gathered (gather it if needed) until the end of the step: held by one more user, until end_step
@@ -391,17 +418,30 @@ class ParamCoordinator:
         epoch = releases()  # _choose_prefetch releases nothing
         if self._frontier[0] == epoch:
             start = max(start, self._frontier[1])
-        stop = self._choose_prefetch(start, budget, bool(in_flight), chosen)
+        stop = self._choose_prefetch(index, start, budget, bool(in_flight), chosen)
         self._frontier = (epoch, stop)
         if chosen:
             self.prefetch_count += len(chosen)
             self.gathered.issue(chosen, self.trace.units[index].prefetch_name)
 
-    def _choose_prefetch(self, start: int, budget: int, in_flight: bool, chosen: list[ShardedParam]) -> int:
+    def _choose_prefetch(self, now: int, start: int, budget: int, in_flight: bool,
+                         chosen: list[ShardedParam]) -> int:
         """Append to ``chosen`` the not-yet-gathered parameters of the trace events from ``start`` on, in order of
-        first use, up to the first unit over the live or prefetch budget (see ``_prefetch_after``); return the index
-        of the event where it stopped (the new frontier; the number of events if it did not stop). One loop, no
-        generator or property per candidate: this runs at every fetch.
+        first use, up to the first unit over the live or prefetch budget (see ``_prefetch_after``) or the first
+        event whose parameters a release still to come frees (see below; ``now``: the event being fetched); return
+        the index of the event where it stopped (the new frontier; the number of events if it did not stop). One
+        loop, no generator or property per candidate: this runs at every fetch.
+
+        [Note: a released parameter is prefetched in order] A parameter in use now (or in a gather ahead) may be
+        released after that use and needed again later: then it is gathered at this look-ahead, but not for that
+        later event. Walking past it as gathered would prefetch the units after it first and leave it to an
+        on-demand gather when its event comes. At the turn from forward to backward that was the last block: its
+        forward's look-ahead passed its backward (the block was gathered then) and gathered the block before it,
+        then its release freed it, and the backward began with an on-demand gather of it, the prefetch budget
+        taken by the block already gathered. So the look-ahead stops at the first event that uses a parameter the
+        release rule frees after an earlier use that has not ended yet (``_Trace.released_before``); the first
+        look-ahead after that release takes it, in order. (A parameter some other condition of the rule keeps, a
+        user's hold, only ends the look-ahead early: the next one, with nothing released, passes it.)
 
         [Note: a unit is prefetched whole] The parameters a unit still needs are taken together or not at all: a
         unit that does not fit in what is left of the budgets waits for a later fetch, which takes it in one gather
@@ -410,9 +450,12 @@ class ParamCoordinator:
         per-parameter rule), and a sequentially gathered parameter (``gather_sequential``) goes alone."""
         seen: set[int] = set()
         params_of = self.trace.params
+        released_before = self.trace.released_before(self.max_reuse_distance)
         room = self.max_live - self.gathered.numel  # gathered elements that still fit under max_live_parameters
         size = 0
         for i in range(start, len(params_of)):
+            if released_before[i] >= now:  # a release still to come frees one of its parameters: see the Note
+                return i
             missing: list[ShardedParam] = []
             numel = 0
             sequential = False
