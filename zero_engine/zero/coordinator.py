@@ -34,7 +34,7 @@ from ..errors import RankDivergenceError
 from . import external
 from .._profiling import profile_range
 from .partition import ParamStatus, ShardedParam
-from .unit import LiveParams, NextUse, ParamUnit, release_if_unused, release_unused, releases
+from .unit import LiveParams, NextUse, ParamUnit, release_if_unused, release_unused, releases, reused_soon
 
 log = logging.getLogger("zero_engine.coordinator")
 
@@ -123,8 +123,7 @@ class _Trace:
                     k = bisect.bisect_left(uses, i) - 1
                     if k < 0 or p.is_persistent or uses[k] <= last:
                         continue
-                    distance, again_in_pass = self.use_at(p, i, uses[k])
-                    if not again_in_pass and distance >= max_reuse_distance:
+                    if not reused_soon(self.use_at(p, i, uses[k]), max_reuse_distance):
                         last = uses[k]
                 latest.append(last)
             self.release_before = latest

@@ -48,7 +48,7 @@ from .gather import GatherWork
 from .partition import ParamStatus, ShardedParam, foreach_release
 
 __all__ = ["LiveParams", "NextUse", "ParamUnit", "releasable", "release_if_unused", "release_unused",
-           "releases"]
+           "releases", "reused_soon"]
 
 
 class NextUse(NamedTuple):
@@ -69,13 +69,18 @@ def releasable(params, next_uses: list[NextUse] | None = None, max_reuse_distanc
             continue
         if keep_frozen and not p.param.requires_grad:
             continue
-        if next_uses is not None:
-            distance, again_in_pass = next_uses[i]
-            if again_in_pass or (distance is not None and distance < max_reuse_distance):
-                kept.append(p)
-                continue
+        if next_uses is not None and reused_soon(next_uses[i], max_reuse_distance):
+            kept.append(p)
+            continue
         free.append(p)
     return free, kept
+
+
+def reused_soon(use: NextUse, max_reuse_distance: int) -> bool:
+    """The trace's part of the release rule: a parameter whose next use is ``use`` is kept gathered (the
+    coordinator's look-ahead asks it too: [Note: a released parameter is prefetched in order])."""
+    distance, again_in_pass = use
+    return again_in_pass or (distance is not None and distance < max_reuse_distance)
 
 
 _releases = 0  # parameters released through the release rule so far (this process): see releases()
