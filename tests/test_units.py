@@ -287,3 +287,44 @@ def test_mixtral_moe_blocks_are_leaves_by_default_and_train():
     for units, loss_err in run_ranks(_mixtral_body, 2, timeout=TIMEOUT):
         assert len(units) == 2 and all(u.startswith("model.layers.") for u in units), units
         assert loss_err < 1e-5, loss_err
+
+
+def _pytree_walks_body():
+    """One training step of the GPT with leaf blocks, counting the hooks' pytree walks and multi-gradient hooks."""
+    from zero_engine.zero import hooks
+
+    rank = dist.get_rank()
+    cfg = GPTConfig(n_layer=2)
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=ds_config(3, gas=1, leaf_module={"classes": ["Block"]}))
+    counts = {"tree_flatten": 0, "register_multi_grad_hook": 0}
+
+    def counted(name):
+        original = getattr(hooks, name)
+
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+        return original, wrapper
+
+    originals = {}
+    for name in counts:
+        originals[name], wrapper = counted(name)
+        setattr(hooks, name, wrapper)
+    try:
+        for x, y in make_batches(cfg, 2, 4):
+            loss = engine(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2])
+            engine.backward(loss)
+            engine.step()
+    finally:
+        for name, original in originals.items():
+            setattr(hooks, name, original)
+        engine.destroy()
+    return counts
+
+
+def test_units_called_with_tensors_walk_no_pytree():
+    """[Note: the hooks' common case]: every unit of the GPT is called with tensors only and returns one tensor, so
+    its hooks neither flatten arguments or outputs nor register multi-gradient hooks."""
+    for counts in run_ranks(_pytree_walks_body, 2, timeout=TIMEOUT):
+        assert counts == {"tree_flatten": 0, "register_multi_grad_hook": 0}, counts
