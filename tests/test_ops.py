@@ -237,6 +237,24 @@ def test_a_step_reads_its_step_counts_in_one_call(monkeypatch):
     assert reads == [] and {int(optimizer.state[p]["step"]) for p in params} == {2}
 
 
+def test_the_step_counts_stepped_together_are_views_of_one_buffer():
+    # [Note: the step counts are views of one buffer]: one add_ a step instead of an op per parameter (0.34 ms a step
+    # for the demo's 52 on CPU); each count is still a float32 scalar tensor a user can edit or replace
+    params = [make_param(5, seed).requires_grad_(True) for seed in range(6)]
+    optimizer = CPUAdam(params, lr=LR)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    optimizer.step()
+    steps = [optimizer.state[p]["step"] for p in params]
+    assert len({step.untyped_storage().data_ptr() for step in steps}) == 1
+    assert all(step.dtype == torch.float32 and step.dim() == 0 for step in steps)
+    steps[1].fill_(7)  # an edit in place is the count
+    optimizer.state[params[2]]["step"] = torch.tensor(3.0)  # a tensor put in its place (a loaded checkpoint) too
+    optimizer.step()
+    assert [int(optimizer.state[p]["step"]) for p in params] == [3, 8, 4, 3, 3, 3]
+
+
 def test_a_step_count_saved_as_a_plain_number_goes_on():
     # a checkpoint of an older torch stored the step as a number; it becomes a float32 tensor, one step further
     params = [make_param(7, seed).requires_grad_(True) for seed in range(2)]
