@@ -11,8 +11,10 @@ more, and a kernel that does nothing misses by ~0.5.
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
+import pickle
 import logging
 import os
 import re
@@ -394,6 +396,31 @@ def test_state_dict_round_trip_resumes_bitwise():
         resumed.grad = grad
         restored.step()
     assert torch.equal(resumed.detach(), uninterrupted)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_steps_on_as_the_original(how):
+    # torch's optimizers can be copied and pickled; ours kept the op and the kernel's settings outside the pickled
+    # state, so a copy raised AttributeError at its first step
+    params = [make_param(size, seed).requires_grad_(True) for seed, size in enumerate([7, 4097])]
+    optimizer = CPUAdam(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer.num_threads = 1
+    for step in range(3):
+        for param in params:
+            param.grad = torch.full_like(param, 0.1 * (step + 1))
+        optimizer.step()
+    copied = copy.deepcopy(optimizer) if how == "deepcopy" else pickle.loads(pickle.dumps(optimizer))
+    assert copied.num_threads == 1
+    copies = copied.param_groups[0]["params"]
+    for mine, theirs in zip(params, copies):
+        mine.grad = torch.full_like(mine, -0.2)
+        theirs.grad = torch.full_like(theirs, -0.2)
+    optimizer.step()
+    copied.step()
+    for mine, theirs in zip(params, copies):
+        assert torch.equal(mine.detach(), theirs.detach())
+    assert [int(copied.state[p]["step"]) for p in copies] == [4, 4]
+    assert [int(optimizer.state[p]["step"]) for p in params] == [4, 4]
 
 
 @pytest.mark.parametrize("direction", ["ours_to_torch", "torch_to_ours"])

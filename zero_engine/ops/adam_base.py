@@ -69,7 +69,11 @@ class OpAdamBase(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_step_buffers", {})  # unpickled: made again at the next step
+        # unpickled or copied (torch's __getstate__ keeps the state and the groups only): the op and the step
+        # counts' buffers are made again (load_op is cached per process)
+        if "_op" not in self.__dict__:
+            self._op = load_op(self.op_name)
+        self.__dict__.setdefault("_step_buffers", {})
         for group in self.param_groups:
             # A state dict saved by torch.optim.Adam / AdamW names the mode decoupled_weight_decay.
             group.setdefault("amsgrad", False)

@@ -48,6 +48,16 @@ class CPUAdam(OpAdamBase):
 
     accepts_grad_scale = True  # step(grad_scale=...) scales the gradients inside the kernel
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "num_threads": self.num_threads}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # A copy writes no low-precision copies: those are its caller's buffers, bound to the original's parameters.
+        self.__dict__.setdefault("_low_precision_copies", {})
+        self.__dict__.setdefault("num_threads", None)
+        self._grad_scale = 1.0
+
     def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
         """One Adam step; every gradient is first multiplied by ``grad_scale`` in fp32 inside the kernel, exactly
         as ``grad.float() * grad_scale`` (the ZeRO optimizer's unscale and clipping coefficient), so a 16-bit
