@@ -33,8 +33,7 @@ _READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 @contextlib.contextmanager
 def _counting_host_reads(calls: list[str], host_resident: set[int] = frozenset()):
     """Wrap the tensor reads and the synchronize calls; each call appends its caller (file:line) to ``calls``.
-    Reads of the tensors in ``host_resident`` (ids), and of stacks of them, are not counted: they are on the host
-    with an accelerator too."""
+    Reads of the tensors in ``host_resident`` (ids) are not counted: they are on the host with an accelerator too."""
     originals = []
 
     def wrap(owner, name):
@@ -50,16 +49,6 @@ def _counting_host_reads(calls: list[str], host_resident: set[int] = frozenset()
 
     for name in _READS:
         wrap(torch.Tensor, name)
-    if host_resident:  # a stack of host tensors is on the host too (the optimizer reads its step counts that way)
-        stack = torch.stack
-
-        def stacked(tensors, *args, **kwargs):
-            out = stack(tensors, *args, **kwargs)
-            if all(id(t) in host_resident for t in tensors):
-                host_resident.add(id(out))
-            return out
-        originals.append((torch, "stack", stack))
-        torch.stack = stacked
     wrap(torch.cuda, "synchronize")
     wrap(torch.cuda.Stream, "synchronize")
     wrap(torch.cuda.Event, "synchronize")
@@ -93,8 +82,10 @@ def _count_body(dtype: str):
             loss = engine(idx, targets)
             engine.backward(loss)
         # The optimizer's step counters: host tensors even with an accelerator (as torch's Adam keeps them unless
-        # capturable), so reading them waits for nothing.
-        counters = {id(state["step"]) for state in engine.optimizer.state.values() if "step" in state}
+        # capturable), so reading them waits for nothing; the optimizer reads them through the buffer they are views
+        # of ([Note: the step counts are views of one buffer] in ops/adam_base.py).
+        steps = [state["step"] for state in engine.optimizer.state.values() if "step" in state]
+        counters = {id(step) for step in steps} | {id(step._base) for step in steps if step._base is not None}
         with _counting_host_reads(calls_step, counters):
             engine.step()
         counted[i] = (calls_fb, calls_step)
