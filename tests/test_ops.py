@@ -196,15 +196,22 @@ def test_params_that_skip_steps_keep_their_own_step_count():
 
 
 
+def _stepped_once(count: int, size: int = 5) -> tuple[list[torch.Tensor], CPUAdam]:
+    """``count`` parameters of ``size`` elements with gradients of ones, and a CPUAdam that has stepped them once
+    (the states are made on the first step)."""
+    params = [make_param(size, seed).requires_grad_(True) for seed in range(count)]
+    optimizer = CPUAdam(params, lr=LR)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    return params, optimizer
+
+
 def _python_calls_of_a_step(count: int) -> tuple[int, int]:
     """(zero_engine.ops Python calls, kernel calls) of one CPUAdam step over ``count`` parameters of one group."""
     import sys
 
-    params = [make_param(5, seed).requires_grad_(True) for seed in range(count)]
-    optimizer = CPUAdam(params, lr=LR)
-    for param in params:
-        param.grad = torch.ones_like(param)
-    optimizer.step()  # the states are made on the first step
+    _, optimizer = _stepped_once(count)
     kernel_calls, python_calls = [], []
     optimizer._update_batch = lambda *args, update=optimizer._update_batch: (kernel_calls.append(1), update(*args))
 
@@ -228,11 +235,7 @@ def test_a_step_makes_no_python_call_per_parameter():
 
 def test_a_step_reads_its_step_counts_in_one_call(monkeypatch):
     # one tolist() over the group's counters, not an item() per parameter (52 a step on the demo)
-    params = [make_param(5, seed).requires_grad_(True) for seed in range(40)]
-    optimizer = CPUAdam(params, lr=LR)
-    for param in params:
-        param.grad = torch.ones_like(param)
-    optimizer.step()
+    params, optimizer = _stepped_once(40)
     reads = []
     monkeypatch.setattr(torch.Tensor, "item", lambda self, item=torch.Tensor.item: (reads.append(1), item(self))[1])
     optimizer.step()
@@ -242,11 +245,7 @@ def test_a_step_reads_its_step_counts_in_one_call(monkeypatch):
 def test_the_step_counts_stepped_together_are_views_of_one_buffer():
     # [Note: the step counts are views of one buffer]: one add_ a step instead of an op per parameter (0.34 ms a step
     # for the demo's 52 on CPU); each count is still a float32 scalar tensor a user can edit or replace
-    params = [make_param(5, seed).requires_grad_(True) for seed in range(6)]
-    optimizer = CPUAdam(params, lr=LR)
-    for param in params:
-        param.grad = torch.ones_like(param)
-    optimizer.step()
+    params, optimizer = _stepped_once(6)
     optimizer.step()
     steps = [optimizer.state[p]["step"] for p in params]
     assert len({step.untyped_storage().data_ptr() for step in steps}) == 1
@@ -259,11 +258,7 @@ def test_the_step_counts_stepped_together_are_views_of_one_buffer():
 
 def test_a_step_count_saved_as_a_plain_number_goes_on():
     # a checkpoint of an older torch stored the step as a number; it becomes a float32 tensor, one step further
-    params = [make_param(7, seed).requires_grad_(True) for seed in range(2)]
-    optimizer = CPUAdam(params, lr=LR)
-    for param in params:
-        param.grad = torch.ones_like(param)
-    optimizer.step()
+    params, optimizer = _stepped_once(2, 7)
     optimizer.state[params[0]]["step"] = 5
     optimizer.step()
     steps = [optimizer.state[param]["step"] for param in params]
