@@ -15,6 +15,14 @@ import torch
 from .builder import load_op
 
 
+def _still_views(states: list[dict[str, Any]], views: tuple[torch.Tensor, ...]) -> bool:
+    """Each state's ``step`` is still the view of the step buffer made for it (see ``OpAdamBase._count_steps``)."""
+    for state, view in zip(states, views):  # a loop, not all(<generator>): no Python call per parameter
+        if state["step"] is not view:
+            return False
+    return True
+
+
 class BatchedTensors:
     """Tensors of one kernel call: the parameters of one group that share a step count (and a key). Gradients are
     made contiguous as they go in."""
@@ -127,23 +135,16 @@ class OpAdamBase(torch.optim.Optimizer):
         capturable optimizer's device tensor) makes a new buffer from the current counts, exactly (float32 to
         float and back)."""
         key = tuple(map(id, states))
-        found = self._step_buffers.get(key)
-        if found is not None:
-            steps, views = found
-            for state, view in zip(states, views):  # a loop, not all(<generator>): no Python call per parameter
-                if state["step"] is not view:
-                    break
-            else:
-                steps.add_(1)  # float32 + 1, as ``counter += 1``
-                return [int(step) for step in steps.tolist()]
-        steps = torch.tensor([float(state["step"]) for state in states], dtype=torch.float32)
-        views = steps.unbind()
-        for state, view in zip(states, views):
-            state["step"] = view
-        if len(self._step_buffers) >= 64:  # the states stepped together changed often (sub-groups): start over
-            self._step_buffers.clear()
-        self._step_buffers[key] = (steps, views)
-        steps.add_(1)
+        steps, views = self._step_buffers.get(key, (None, ()))
+        if steps is None or not _still_views(states, views):
+            steps = torch.tensor([float(state["step"]) for state in states], dtype=torch.float32)
+            views = steps.unbind()
+            for state, view in zip(states, views):
+                state["step"] = view
+            if len(self._step_buffers) >= 64:  # the states stepped together changed often (sub-groups): start over
+                self._step_buffers.clear()
+            self._step_buffers[key] = (steps, views)
+        steps.add_(1)  # float32 + 1, as ``counter += 1``
         return [int(step) for step in steps.tolist()]
 
     @torch.no_grad()
