@@ -114,6 +114,73 @@ def test_large_parameters_gathered_as_one_nccl_group_train_bitwise_as_one_by_one
     assert grouped < separate, result
 
 
+def _fused_adam_grads_body(in_kernel: bool):
+    """bf16 ZeRO-3 on CUDA, clipped (the kernel's scale is not 1): what FusedAdam is handed as gradients, how far
+    each ``engine.step()`` raises the allocator's peak above where it started, and the training."""
+    import torch.distributed as dist
+
+    import zero_engine
+    from zero_engine.ops import FusedAdam
+    from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=256)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "gradient_clipping": 0.1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+    opt = engine.optimizer
+    assert isinstance(opt.optimizer, FusedAdam), type(opt.optimizer)
+    if not in_kernel:  # the fp32-copy path, as before FusedAdam took grad_scale
+        opt.grads_in_kernel = False
+        for master in opt.masters.values():
+            master.grad_dtype = torch.float32
+    seen = []
+    kernel_step = opt.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        for sp in engine.sharded:
+            grad = opt.masters[id(sp.param)].grad
+            if grad is not None:
+                seen.append((grad.dtype, grad.data_ptr() == opt.reducer.shard_grad(sp).data_ptr(),
+                             kwargs.get("grad_scale", 1.0) < 1))
+        return kernel_step(*args, **kwargs)
+
+    opt.optimizer.step = recording_step
+    losses, rises = [], []
+    for x, y in make_batches(cfg, 3, 2):
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.step()
+        rises.append(torch.cuda.max_memory_allocated() - before)
+        losses.append(loss.item())
+    params = {sp.fqn: sp.shard.cpu() for sp in engine.sharded}
+    shard_elements = sum(sp.shard_numel for sp in engine.sharded)
+    engine.destroy()
+    dist.barrier()
+    return losses, params, set(seen), max(rises), shard_elements
+
+
+@needs_cuda
+def test_fused_adam_takes_bf16_gradient_shards_without_an_fp32_copy():
+    """FusedAdam scales the 16-bit gradient shards in its kernel, as CPUAdam does: they go in as they are, the
+    step allocates no fp32 copy of them (4 bytes a shard element; measured by the CUDA allocator), and training is
+    bitwise what converting them first gave."""
+    from zero_engine.testing import run_ranks
+
+    losses, params, seen, rise, elements = run_ranks(_fused_adam_grads_body, 1, True, timeout=120)[0]
+    ref_losses, ref_params, ref_seen, ref_rise, _ = run_ranks(_fused_adam_grads_body, 1, False, timeout=120)[0]
+    assert seen == {(torch.bfloat16, True, True)}, seen  # the reducer's bf16 shards themselves, clipped
+    assert ref_seen == {(torch.float32, False, False)}, ref_seen  # scaled copies before
+    assert losses == ref_losses
+    assert all(torch.equal(params[name], ref_params[name]) for name in ref_params)
+    assert ref_rise >= 4 * elements, (ref_rise, elements)  # the fp32 copy the step made before
+    assert rise < elements, (rise, elements)  # now: no copy (the norm's few bytes)
+
+
 def _save16_body(save_dir):
     import torch.distributed as dist
 

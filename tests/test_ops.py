@@ -152,19 +152,23 @@ def test_fp16_grads_match_torch():
     torch.testing.assert_close(ours, run_torch(param, grads, adamw_mode=True), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
-def test_grad_scale_in_the_kernel_equals_scaling_an_fp32_copy(grad_dtype, adamw_mode):
+def test_grad_scale_in_the_kernel_equals_scaling_an_fp32_copy(grad_dtype, adamw_mode, device):
     """step(grad_scale=c) on 16-bit gradients is bitwise what ZeRO did before: grad.float() * c as an fp32
-    gradient (the vector body and the tail, 4097 + 5 elements; c not a power of two, so it rounds)."""
-    size = 4097 + 5
-    param = make_param(size)
+    gradient (c not a power of two, so it rounds). CPUAdam on the CPU (its vector body and tail: 4097 + 5
+    elements), FusedAdam on CUDA (a 64 Ki chunk on its vector path, a 6-element chunk on its element path)."""
+    size = 4097 + 5 if device == "cpu" else (1 << 16) + 6
+    param = make_param(size).to(device)
     scales = [0.37, 1.0, 3.1e-3]
-    grads = make_grads(size, 3, grad_dtype)
+    grads = [grad.to(device) for grad in make_grads(size, 3, grad_dtype)]
     in_kernel = param.clone().requires_grad_(True)
     copied = param.clone().requires_grad_(True)
-    opt_kernel = CPUAdam([in_kernel], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=adamw_mode)
-    opt_copied = CPUAdam([copied], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=adamw_mode)
+    optimizer = CPUAdam if device == "cpu" else FusedAdam
+    opt_kernel = optimizer([in_kernel], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=adamw_mode)
+    opt_copied = optimizer([copied], lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=adamw_mode)
     for grad, scale in zip(grads, scales):
         set_grad(in_kernel, grad)
         opt_kernel.step(grad_scale=scale)

@@ -74,6 +74,9 @@ class OpAdamBase(torch.optim.Optimizer):
         # the step counts of the states stepped together: {ids of the states: (buffer, its views)}; see
         # [Note: the step counts are views of one buffer]
         self._step_buffers: dict[tuple[int, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self._grad_scale = 1.0  # for the step in progress (see step)
+
+    accepts_grad_scale = True  # step(grad_scale=...) scales the gradients inside the kernel
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -82,6 +85,7 @@ class OpAdamBase(torch.optim.Optimizer):
         if "_op" not in self.__dict__:
             self._op = load_op(self.op_name)
         self.__dict__.setdefault("_step_buffers", {})
+        self._grad_scale = 1.0
         for group in self.param_groups:
             # A state dict saved by torch.optim.Adam / AdamW names the mode decoupled_weight_decay.
             group.setdefault("amsgrad", False)
@@ -147,9 +151,19 @@ class OpAdamBase(torch.optim.Optimizer):
         steps.add_(1)  # float32 + 1, as ``counter += 1``
         return [int(step) for step in steps.tolist()]
 
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float = 1.0) -> Any:
+        """One Adam step of every parameter that has a gradient; each gradient is first multiplied by ``grad_scale``
+        in fp32 inside the kernel, exactly as ``grad.float() * grad_scale`` (the ZeRO optimizer's unscale and
+        clipping coefficient), so a 16-bit gradient needs no fp32 copy."""
+        self._grad_scale = float(grad_scale)
+        try:
+            return self._step_groups(closure)
+        finally:
+            self._grad_scale = 1.0
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Adam step of every parameter that has a gradient.
+    def _step_groups(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adam step of every parameter that has a gradient, scaled by ``self._grad_scale``.
 
         [Note: the step's Python per group]
         The kernels take lists; so does everything before them: the checks, the states, the step counts and the

@@ -44,9 +44,6 @@ class CPUAdam(OpAdamBase):
         self._low_precision_copies: dict[torch.Tensor, torch.Tensor] = {}
         # Threads of the kernel; None: torch.get_num_threads(). Set from offload_optimizer.cpuadam_cores_perc.
         self.num_threads: int | None = None
-        self._grad_scale = 1.0  # for the step in progress (see step)
-
-    accepts_grad_scale = True  # step(grad_scale=...) scales the gradients inside the kernel
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "num_threads": self.num_threads}
@@ -56,17 +53,6 @@ class CPUAdam(OpAdamBase):
         # A copy writes no low-precision copies: those are its caller's buffers, bound to the original's parameters.
         self.__dict__.setdefault("_low_precision_copies", {})
         self.__dict__.setdefault("num_threads", None)
-        self._grad_scale = 1.0
-
-    def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
-        """One Adam step; every gradient is first multiplied by ``grad_scale`` in fp32 inside the kernel, exactly
-        as ``grad.float() * grad_scale`` (the ZeRO optimizer's unscale and clipping coefficient), so a 16-bit
-        gradient needs no fp32 copy."""
-        self._grad_scale = float(grad_scale)
-        try:
-            return super().step(closure)
-        finally:
-            self._grad_scale = 1.0
 
     @property
     def kernel_info(self) -> str:

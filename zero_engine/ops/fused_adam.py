@@ -2,8 +2,9 @@
 
 Parameters may be fp32, fp16 or bf16; the moments are kept in the parameter's dtype, as
 torch.optim.AdamW keeps them, and the arithmetic is fp32. Gradients may differ in dtype from their
-parameter (set ``p.grad_dtype``). Tensors are grouped by (device, param dtype, grad dtype, step) into
-kernel calls.
+parameter (set ``p.grad_dtype``) and are scaled in fp32 as the kernel reads them (``step(grad_scale=...)``),
+so the ZeRO optimizer hands its 16-bit gradient shards over as they are, as it does to CPUAdam. Tensors are
+grouped by (device, param dtype, grad dtype, step) into kernel calls.
 """
 
 from __future__ import annotations
@@ -43,4 +44,4 @@ class FusedAdam(OpAdamBase):
         beta1, beta2 = group["betas"]
         self._op.adam_step(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, step, float(group["lr"]),
                            float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                           bool(group["adamw_mode"]), bool(group["bias_correction"]))
+                           bool(group["adamw_mode"]), bool(group["bias_correction"]), self._grad_scale)

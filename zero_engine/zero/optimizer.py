@@ -208,7 +208,8 @@ class ZeroOptimizer(_OptimizerWrapper):
             self.optimizer.num_threads = _cpu_adam_threads(offload.cpuadam_cores_perc)
         # CPUAdam writes the updated 16-bit compute shard in the same pass as the fp32 master (one memory pass).
         self.fused_shard_copy = hasattr(self.optimizer, "set_low_precision_copy")
-        # CPUAdam also scales 16-bit gradients in its kernel: the shards go in as they are, with no fp32 copy
+        # CPUAdam and FusedAdam scale 16-bit gradients in their kernels: the shards go in as they are, with no fp32
+        # copy
         # (the master takes a gradient of its compute dtype: grad_dtype).
         self.grads_in_kernel = getattr(self.optimizer, "accepts_grad_scale", False)
         if self.grads_in_kernel:
@@ -234,9 +235,10 @@ class ZeroOptimizer(_OptimizerWrapper):
         [Note: sub-groups] In 16-bit training the gradient shards are 16-bit; the optimizer needs fp32. Converting
         them all at once would cost 4 bytes per parameter more for the length of the step, so the update runs
         over sub-groups of at most ``sub_group_size`` elements: only one sub-group's fp32 gradients exist at a
-        time. A torch optimizer skips parameters whose grad is None, which is what makes this work. CPUAdam needs
-        no fp32 gradients at all: it takes the 16-bit shards as they are and applies ``coef`` (unscaling, clipping)
-        in fp32 inside its kernel, bitwise what ``grad.float() * coef`` gives (``grads_in_kernel``).
+        time. A torch optimizer skips parameters whose grad is None, which is what makes this work. Our kernels
+        (CPUAdam, FusedAdam) need no fp32 gradients at all: each takes the 16-bit shards as they are and applies
+        ``coef`` (unscaling, clipping) in fp32 as it reads them, bitwise what ``grad.float() * coef`` gives
+        (``grads_in_kernel``).
         """
         with profile_range("zero3::optimizer_step"):
             scaled_norm = self._global_grad_norm(fingerprint)
@@ -259,7 +261,7 @@ class ZeroOptimizer(_OptimizerWrapper):
             return StepResult(norm, overflow)
 
     def _update_sub_group(self, group: list[ShardedParam], coef: float) -> None:
-        if self.grads_in_kernel:  # CPUAdam: the gradient shards as they are, scaled by coef in the kernel
+        if self.grads_in_kernel:  # CPUAdam, FusedAdam: the gradient shards as they are, scaled by coef in the kernel
             for sp, grad in zip(group, self.reducer.shard_grads(group)):
                 self.masters[id(sp.param)].grad = grad
             self.optimizer.step(grad_scale=coef)
@@ -290,10 +292,8 @@ class ZeroOptimizer(_OptimizerWrapper):
         """Each parameter's gradient shard in fp32, times ``coef`` (None where it has none): converted and scaled once
         per run of adjacent shards (``GradReducer.shard_grad_runs``), two kernels a run instead of two a parameter,
         then split into views, one per master. The same values as converting each alone; a 16-bit shard is left as
-        it was (the conversion is a new tensor), an fp32 one is scaled in place (the step consumes it). A view starts
-        where its shard does in the run: FusedAdam's kernel takes its vector path where all its tensors are 16-byte
-        aligned (shard sizes a multiple of 4, as hidden sizes give) and its element path otherwise, with equal
-        results."""
+        it was (the conversion is a new tensor), an fp32 one is scaled in place (the step consumes it). For an
+        optimizer that scales no gradient itself (a torch optimizer; our kernels take the shards as they are)."""
         grads: list[torch.Tensor | None] = [None] * len(group)
         for run, members in self.reducer.shard_grad_runs(group):
             if run.dtype != torch.float32:

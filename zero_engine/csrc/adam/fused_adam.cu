@@ -1,7 +1,8 @@
 // CUDA multi-tensor Adam / AdamW: one launch per ~36 tensors or 320 chunks, whichever fills first.
 //
 // Params and both moments share one dtype (fp32, fp16 or bf16, as torch.optim.AdamW keeps them);
-// grads may be any of the three; the arithmetic is fp32 and follows torch's operation order exactly
+// grads may be any of the three, each multiplied by grad_scale in fp32 as it is read; the arithmetic is fp32 and
+// follows torch's operation order exactly
 // (the CPU kernel trades one division for a multiply, see includes/cpu_adam_kernel.h; a GPU is bound
 // by memory, not by its dividers). Torch-free, so `nvcc -c` compiles it on a machine with neither a GPU
 // nor a CUDA build of torch; adam/fused_adam_binding.cpp connects it to torch.
@@ -54,9 +55,12 @@ __device__ __forceinline__ bool is_pack_aligned(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % sizeof(Pack<T>) == 0;
 }
 
-// IEEE division and square root (nvcc's defaults without --use_fast_math), as on the CPU.
+// IEEE division and square root (nvcc's defaults without --use_fast_math), as on the CPU. The gradient is
+// scaled first and rounded alone (__fmul_rn: never contracted into an FMA with what follows), so the update is
+// bitwise what an fp32 copy of it multiplied by grad_scale gives: a 16-bit gradient needs no such copy.
 __device__ __forceinline__ void adam_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,
                                             const FusedAdamArgs& args) {
+  grad = __fmul_rn(grad, args.grad_scale);
   if (args.adamw_mode) {
     param *= args.decay_factor;
   } else {

@@ -48,7 +48,7 @@ void check_like(const at::Tensor& tensor, const at::Tensor& param, const char* w
 // (the Python side groups them so).
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
-               bool bias_correction) {
+               bool bias_correction, double grad_scale) {
   const size_t count = params.size();
   TORCH_CHECK(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count,
               "fused_adam: tensor lists differ in length (params ", count, ", grads ", grads.size(), ", exp_avgs ",
@@ -96,6 +96,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   args.step_size = static_cast<float>(lr / bias_correction1);
   args.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   args.adamw_mode = adamw_mode ? 1 : 0;
+  args.grad_scale = static_cast<float>(grad_scale);  // as torch's mul_ by a Python float on an fp32 tensor
 
   const c10::cuda::CUDAGuard device_guard(device);
   const int error = fused_adam_launch(param_dtype, grad_dtype, static_cast<int64_t>(count), param_ptrs.data(),
@@ -110,6 +111,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
 ZE_TORCH_LIBRARY(ZE_OP_NAMESPACE, m) {
   m.def(
       "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, int step, "
-      "float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, bool bias_correction) -> ()",
+      "float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, bool bias_correction, "
+      "float grad_scale) -> ()",
       &zero_engine::adam_step);
 }

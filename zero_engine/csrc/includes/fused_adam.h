@@ -19,6 +19,7 @@ struct FusedAdamArgs {
   float step_size;              // lr / (1 - beta1^t), or lr without bias correction
   float bias_correction2_sqrt;  // sqrt(1 - beta2^t), or 1 without bias correction
   int adamw_mode;               // 1: decoupled weight decay (AdamW), 0: L2 added to the gradient (Adam)
+  float grad_scale;             // each gradient is first multiplied by it in fp32 (ZeRO's unscale and clip)
 };
 
 // One Adam step over `num_tensors` tensors on the current device. Every list holds one device
