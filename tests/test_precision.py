@@ -381,6 +381,46 @@ def test_model_states_measured_on_the_storages_are_16_bytes_per_shard_element(le
         assert counted <= 16 * shard_elements * 1.02  # the engine's own count does not see the leak
 
 
+def _step_allocations_body():
+    """bf16 stage 3 on the CPU, gradient buckets of 2M elements a rank (8 of the norm's pieces): the largest single
+    allocation of a steady ``engine.step()`` as torch.profiler sees the CPU allocator, and the step's gradient norm
+    against an fp64 norm of the same gradient shards."""
+    from zero_engine.zero.optimizer import NORM_PIECE_NUMEL
+
+    torch.manual_seed(0)
+    cfg = config(3, "bf16", gas=1)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 4_000_000
+    model = GPT(GPTConfig(n_layer=2, n_embd=512, n_head=8, vocab_size=256, block_size=8))
+    engine, *_ = zero_engine.initialize(model=model, config=cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    largest = exact = 0.0
+    buckets = []
+    for step, (x, y) in enumerate(make_batches(model.cfg, 2, 2 * world)):
+        engine.backward(engine(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2]))
+        if step == 0:  # the first step makes the Adam states: allocations of their own
+            engine.step()
+            continue
+        buckets = [b.per_rank for b in engine.optimizer.reducer.buckets]
+        squares = sum(float((b.shard_grads.double() ** 2).sum()) for b in engine.optimizer.reducer.buckets)
+        exact = torch.tensor(squares, dtype=torch.float64)
+        dist.all_reduce(exact)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            engine.step()
+        largest = max(e.cpu_memory_usage for e in prof.events() if e.name.startswith("aten::empty"))
+    engine.destroy()
+    return largest, NORM_PIECE_NUMEL, max(buckets), engine.get_global_grad_norm(), math.sqrt(float(exact))
+
+
+def test_the_step_makes_no_fp32_copy_of_a_gradient_bucket_on_the_cpu():
+    """The step's gradient norm on host gradient shards (CPU training; the host shards of optimizer offload) allocates
+    one of its pieces' fp32 copies at a time, never an fp32 copy of a whole bucket (4 bytes an element of it:
+    [Note: the gradient norm on the host] in zero/optimizer.py), and stays within 1e-5 of an fp64 norm."""
+    for largest, piece, bucket, norm, exact in run_ranks(_step_allocations_body, 2, timeout=TIMEOUT):
+        assert bucket >= 4 * piece, (bucket, piece)  # the buckets are several pieces long
+        assert 0 < largest <= 4 * piece, (largest, piece, bucket)  # one piece's fp32 copy at most
+        assert abs(norm - exact) <= 1e-5 * exact, (norm, exact)
+
+
 def _measured_cuda_body():
     engine, shard_elements = _stage3_bf16_engine()
     model = engine.module
