@@ -209,8 +209,7 @@ class ZeroOptimizer(_OptimizerWrapper):
         # CPUAdam writes the updated 16-bit compute shard in the same pass as the fp32 master (one memory pass).
         self.fused_shard_copy = hasattr(self.optimizer, "set_low_precision_copy")
         # CPUAdam and FusedAdam scale 16-bit gradients in their kernels: the shards go in as they are, with no fp32
-        # copy
-        # (the master takes a gradient of its compute dtype: grad_dtype).
+        # copy (the master takes a gradient of its compute dtype: grad_dtype).
         self.grads_in_kernel = getattr(self.optimizer, "accepts_grad_scale", False)
         if self.grads_in_kernel:
             for sp in self.sharded:
@@ -292,8 +291,8 @@ class ZeroOptimizer(_OptimizerWrapper):
         """Each parameter's gradient shard in fp32, times ``coef`` (None where it has none): converted and scaled once
         per run of adjacent shards (``GradReducer.shard_grad_runs``), two kernels a run instead of two a parameter,
         then split into views, one per master. The same values as converting each alone; a 16-bit shard is left as
-        it was (the conversion is a new tensor), an fp32 one is scaled in place (the step consumes it). For an
-        optimizer that scales no gradient itself (a torch optimizer; our kernels take the shards as they are)."""
+        it was (the conversion is a new tensor), an fp32 one is scaled in place (the step consumes it). Used for an
+        optimizer that does not scale gradients itself (torch's; our kernels take the shards as they are)."""
         grads: list[torch.Tensor | None] = [None] * len(group)
         for run, members in self.reducer.shard_grad_runs(group):
             if run.dtype != torch.float32:
