@@ -5,7 +5,8 @@
 #   1. make gpu-check's CUDA tests, the two new ones among them (test_ops.py ...grad_scale...[cuda-*] and
 #      test_cuda.py::test_fused_adam_takes_bf16_gradient_shards_without_an_fp32_copy);
 #   2. the 1.1B eager step at world 1 (bf16, FusedAdam), main and before alternated: the step should lose the
-#      bf16 -> fp32 copies and the mul_ (about 7 ms in the fourth run's profile) and nothing else.
+#      bf16 -> fp32 copies and the mul_ (about 7 ms in the fourth run's profile) and nothing else;
+#   3. TORCH_CUDA_SANITIZER=1 on the parity worker at world 2 (gloo, one GPU).
 #   run: DEADLINE=540 bash bench/results/gpu_issue22_run8/run.sh   (carry .whl and .gpu_before; timeout 580)
 #   prepare, here in the repository root (both are ignored by git, so a new checkout has neither):
 #     ../shared/gpu/wheels.sh
@@ -36,5 +37,11 @@ el 1b-main-1; fits 80 1b && main 80 70 --parts zero3 --out $R/main_1b_1; save
 el 1b-old-1;  fits 80 1b && old 80 70 --parts zero3 --out $R/old_1b_1; save
 el 1b-old-2;  fits 80 1b && old 80 70 --parts zero3 --out $R/old_1b_2; save
 el 1b-main-2; fits 80 1b && main 80 70 --parts zero3 --out $R/main_1b_2; save
+# 3. the sanitizer on a world-2 run (owed since the fifth run: the turn's prefetch order, a475205)
+el csan
+fits 40 csan && { PYTHONPATH=$PWD:/tmp/site TORCH_CUDA_SANITIZER=1 OMP_NUM_THREADS=1 timeout 40 python3 -m \
+  torch.distributed.run --standalone --nproc_per_node 2 tests/cuda_parity_worker.py gloo bf16 $R/csan.json \
+  > $R/csan.log 2>&1; echo "csan rc $?" >> $R/csan.log; }
 el done; save
 grep -h "zero3 |" $R/*_1b_*.md
+tail -3 $R/csan.log
