@@ -1,6 +1,6 @@
 """What the offload tests share (test_offload_optimizer.py, test_offload_param.py): the model, the training loop,
 reading the parameters, the checkpoint round trip, the bitwise comparison, and the accelerator's code path on the
-CPU."""
+CPU; and what the optimizer kernels are handed as gradients (also test_cuda.py's FusedAdam check)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,27 @@ def accelerator_code_path():
         yield
     finally:
         Placement.has_separate_host = own
+
+
+def record_kernel_grads(engine, in_kernel: bool) -> list[tuple[torch.dtype, bool, bool]]:
+    """A list that each call of the ZeRO optimizer's kernel appends to: per parameter with a gradient, (its dtype,
+    whether it is the reducer's gradient shard itself, whether the kernel was given a scale below 1).
+    ``in_kernel=False`` forces the path from before the kernels took 16-bit gradients: fp32 copies, scaled first."""
+    opt = engine.optimizer
+    if not in_kernel:
+        opt.grads_in_kernel = False
+        for master in opt.masters.values():
+            master.grad_dtype = torch.float32
+    seen = []
+    kernel_step = opt.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        for sp in engine.sharded:
+            grad = opt.masters[id(sp.param)].grad
+            if grad is not None:
+                shard = opt.reducer.shard_grad(sp)
+                seen.append((grad.dtype, grad.data_ptr() == shard.data_ptr(), kwargs.get("grad_scale", 1.0) < 1))
+        return kernel_step(*args, **kwargs)
+
+    opt.optimizer.step = recording_step
+    return seen

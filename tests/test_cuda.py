@@ -119,6 +119,8 @@ def _fused_adam_grads_body(in_kernel: bool):
     each ``engine.step()`` raises the allocator's peak above where it started, and the training."""
     import torch.distributed as dist
 
+    from offload_common import record_kernel_grads
+
     import zero_engine
     from zero_engine.ops import FusedAdam
     from zero_engine.testing.models import GPT, GPTConfig, make_batches
@@ -129,24 +131,8 @@ def _fused_adam_grads_body(in_kernel: bool):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
-    opt = engine.optimizer
-    assert isinstance(opt.optimizer, FusedAdam), type(opt.optimizer)
-    if not in_kernel:  # the fp32-copy path, as before FusedAdam took grad_scale
-        opt.grads_in_kernel = False
-        for master in opt.masters.values():
-            master.grad_dtype = torch.float32
-    seen = []
-    kernel_step = opt.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        for sp in engine.sharded:
-            grad = opt.masters[id(sp.param)].grad
-            if grad is not None:
-                seen.append((grad.dtype, grad.data_ptr() == opt.reducer.shard_grad(sp).data_ptr(),
-                             kwargs.get("grad_scale", 1.0) < 1))
-        return kernel_step(*args, **kwargs)
-
-    opt.optimizer.step = recording_step
+    assert isinstance(engine.optimizer.optimizer, FusedAdam), type(engine.optimizer.optimizer)
+    seen = record_kernel_grads(engine, in_kernel)  # in_kernel False: the fp32-copy path, as before grad_scale
     losses, rises = [], []
     for x, y in make_batches(cfg, 3, 2):
         loss = engine(x.to(engine.device), y.to(engine.device))

@@ -21,7 +21,7 @@ from zero_engine.testing import run_ranks
 from zero_engine.testing.models import GPT, make_batches
 
 from offload_common import (MODEL, accelerator_code_path, assert_same, checkpoint_body, gathered_params,
-                            run_steps)
+                            record_kernel_grads, run_steps)
 
 TIMEOUT = 60
 
@@ -112,23 +112,7 @@ def _grads_in_kernel_body(in_kernel: bool):
     cfg = config(3, "cpu", bf16=True)
     cfg["gradient_clipping"] = 0.1  # clipped: the kernel's scale is not 1
     engine, *_ = zero_engine.initialize(model=GPT(MODEL), config=cfg)
-    opt = engine.optimizer
-    if not in_kernel:  # the fp32-copy path this replaced, for the bitwise comparison
-        opt.grads_in_kernel = False
-        for master in opt.masters.values():
-            master.grad_dtype = torch.float32
-    seen = []
-    kernel_step = opt.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        for sp in engine.sharded:
-            grad = opt.masters[id(sp.param)].grad
-            if grad is not None:
-                shard = opt.reducer.shard_grad(sp)
-                seen.append((grad.dtype, grad.data_ptr() == shard.data_ptr(), kwargs.get("grad_scale", 1.0) < 1))
-        return kernel_step(*args, **kwargs)
-
-    opt.optimizer.step = recording_step
+    seen = record_kernel_grads(engine, in_kernel)  # in_kernel False: the fp32-copy path, for the bitwise comparison
     losses = run_steps(engine, make_batches(MODEL, 3, world * 4))
     params = gathered_params(engine)
     engine.destroy()
