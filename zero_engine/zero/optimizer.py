@@ -403,8 +403,9 @@ class ZeroOptimizer(_OptimizerWrapper):
 # training, and the host shards of optimizer offload), the slowest part of the norm, and a relative error that grows
 # with the length (4.6e-4 in the squared norm of 11.6M bf16 values, against an fp64 sum). So host gradient shards are
 # normed in pieces of NORM_PIECE_NUMEL elements (views; each piece's copy is freed before the next is made) and the
-# squares of the pieces' norms summed in fp64 in order: a 1 MiB transient, about 5 times faster on this machine's
-# CPU, and a relative error near 1e-5 (docs/benchmarks.md). A bucket of at most one piece is normed as before, bitwise.
+# squares of the pieces' norms summed in fp64 in order: a 1 MiB transient, about 3 times faster for bf16 on this
+# machine's CPU, and a relative error near 1e-5 (docs/benchmarks.md). A bucket of at most one piece is normed as
+# before, bitwise.
 # On CUDA the kernel reads 16-bit values as they are and reduces by a tree: whole buckets, in one launch.
 NORM_PIECE_NUMEL = 1 << 18
 
