@@ -92,6 +92,27 @@ def test_pool_is_reused_and_recreated_after_a_rank_dies():
     assert set(third).isdisjoint(first), "a failed call's pool is killed and a fresh one started"
 
 
+def _parent() -> tuple[int, str, bool]:
+    """This rank's parent process: its pid, its command line, and whether it has torch's library mapped."""
+    parent = os.getppid()
+    with open(f"/proc/{parent}/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\0", b" ").decode()
+    with open(f"/proc/{parent}/maps") as f:
+        has_torch = "libtorch_cpu" in f.read()
+    return parent, cmdline, has_torch
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc (Linux)")
+def test_ranks_are_forked_from_a_server_that_imported_torch_once():
+    """[Note: ranks forked from a preloaded server]: the ranks are children of multiprocessing's fork server, not of
+    this process, and that server has torch loaded, so a rank does not import it again."""
+    parents = run_ranks(_parent, 3, timeout=60)
+    assert len({pid for pid, _, _ in parents}) == 1 and parents[0][0] != os.getpid()
+    _, cmdline, has_torch = parents[0]
+    assert "forkserver" in cmdline, cmdline
+    assert has_torch
+
+
 def _exit_abruptly_on_rank_one() -> None:
     if dist.get_rank() == 1:
         os._exit(3)

@@ -26,6 +26,21 @@ logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 180.0  # importing torch on a loaded 2-core machine, four ranks at once
 _STACK_DUMP_WAIT_S = 2.0
+# Imported once by the fork server, before any rank forks from it: see [Note: ranks forked from a preloaded server].
+_PRELOAD = ["zero_engine.testing._worker", "torch", "torch._dynamo", "zero_engine"]
+
+
+def _rank_context():
+    """[Note: ranks forked from a preloaded server]
+    A rank is a fresh process: no gloo group, no module state or thread left by an earlier test. Spawned, each one
+    imported torch, and then zero_engine and torch._dynamo (which any torch optimizer imports), about 4 s of CPU per
+    rank, paid again by every pool replaced after a failure. The fork server imports them once; each rank is then a
+    fork of that server, which has run no tensor op and holds no thread of ours (torch resets its thread pools in a
+    forked child, as a DataLoader's workers rely on). Still a fresh process per rank, started in a fraction of a
+    second."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
 
 
 class RankPool:
@@ -33,7 +48,7 @@ class RankPool:
         self.world_size = world_size
         self.directory = tempfile.mkdtemp(prefix=f"zero_engine_ranks{world_size}_")
         self.calls = 0
-        context = multiprocessing.get_context("spawn")
+        context = _rank_context()
         self.processes = []
         self.connections = []
         self.stack_paths = []

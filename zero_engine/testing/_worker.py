@@ -1,7 +1,8 @@
 """The loop each simulated rank runs: receive a pickled call, run it, send back the result or the traceback.
 
-This module is the spawn target, so it is imported fresh in every rank process; keep its imports light and let
-torch be imported once, here, before the rank reports ready.
+This module is the rank processes' target. They are forked from a server that imported it, torch, torch._dynamo and
+zero_engine once (see [Note: ranks forked from a preloaded server] in _pool.py); keep its own imports light, so that
+it stays cheap to import where that server cannot preload.
 """
 
 from __future__ import annotations
