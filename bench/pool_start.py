@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         run_ranks(os.getpid, args.world, timeout=300)
         seconds.append(round(time.perf_counter() - start, 2))
-        pool.discard_pool(args.world, pool._pools.get(args.world))
+        pool.discard_pool(args.world, pool.get_pool(args.world))
     print(f"{args.start}, {args.world} ranks: seconds to the first reply, pool by pool: {seconds}")
     return 0
 

@@ -1,8 +1,9 @@
 """A pool of rank processes for one world size, kept alive across run_ranks calls.
 
 [Note: why a pool, and when it is thrown away]
-Starting a rank costs about two seconds (importing torch), more than most simulated-rank tests take to run, so each
-world size keeps its processes, and their gloo process group, alive across calls in the same Python process. A
+Starting a rank means a process and a gloo process group (and, for the first pool, the fork server's imports: see
+[Note: ranks forked from a preloaded server]), more than most simulated-rank tests take to run, so each world size
+keeps its processes, and their gloo process group, alive across calls in the same Python process. A
 call that fails or times out may leave a rank stuck inside a collective or holding unfinished async work that would
 poison the next call's collectives; so after any failure the pool is killed outright and the next call starts a
 fresh one. Pools are shut down when the interpreter exits.
@@ -24,7 +25,7 @@ from zero_engine.testing._worker import READY, STACK_DUMP_SIGNAL, worker_main
 
 logger = logging.getLogger(__name__)
 
-_START_TIMEOUT_S = 180.0  # importing torch on a loaded 2-core machine, four ranks at once
+_START_TIMEOUT_S = 180.0  # the fork server's first start imports torch, on a loaded 2-core machine
 _STACK_DUMP_WAIT_S = 2.0
 # Imported once by the fork server, before any rank forks from it: see [Note: ranks forked from a preloaded server].
 _PRELOAD = ["zero_engine.testing._worker", "torch", "torch._dynamo", "zero_engine"]

@@ -1,8 +1,8 @@
 """The loop each simulated rank runs: receive a pickled call, run it, send back the result or the traceback.
 
 This module is the rank processes' target. They are forked from a server that imported it, torch, torch._dynamo and
-zero_engine once (see [Note: ranks forked from a preloaded server] in _pool.py); keep its own imports light, so that
-it stays cheap to import where that server cannot preload.
+zero_engine once (see [Note: ranks forked from a preloaded server] in _pool.py); it is the first thing the server
+imports, so keep its own imports light.
 """
 
 from __future__ import annotations
