@@ -1,12 +1,11 @@
 """A pool of rank processes for one world size, kept alive across run_ranks calls.
 
 [Note: why a pool, and when it is thrown away]
-Starting a rank means a process and a gloo process group (and, for the first pool, the fork server's imports: see
-[Note: ranks forked from a preloaded server]), more than most simulated-rank tests take to run, so each world size
-keeps its processes, and their gloo process group, alive across calls in the same Python process. A
-call that fails or times out may leave a rank stuck inside a collective or holding unfinished async work that would
-poison the next call's collectives; so after any failure the pool is killed outright and the next call starts a
-fresh one. Pools are shut down when the interpreter exits.
+Starting a rank means a new process and a new gloo process group (and, for the first pool, the fork server's imports:
+see [Note: ranks forked from a preloaded server]), so each world size keeps its processes, and their gloo process
+group, alive across calls in the same Python process. A call that fails or times out may leave a rank stuck inside
+a collective or holding unfinished async work that would poison the next call's collectives; so after any failure
+the pool is killed outright and the next call starts a fresh one. Pools are shut down when the interpreter exits.
 """
 
 from __future__ import annotations
