@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Fewer threads per simulated rank: several ranks share this machine's cores.
 export OMP_NUM_THREADS ?= 1
+# Test processes (pytest-xdist). Two fill two cores: the slowest tests spend much of their time waiting on the
+# processes they start (torchrun, a fresh venv) and on their ranks' collectives. See README "Tests".
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test bench clean gpu-check
 
@@ -22,7 +25,7 @@ demo: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/train_gpt.py --config examples/configs/zero3.json
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 bench: $(STAMP)
 	$(PY) bench/compare.py
