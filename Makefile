@@ -6,8 +6,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Fewer threads per simulated rank: several ranks share this machine's cores.
 export OMP_NUM_THREADS ?= 1
-# Test processes (pytest-xdist). One left most of two cores idle: the slowest tests spend much of their time waiting
-# on the processes they start (torchrun, a fresh venv) and on their ranks' collectives. See README "Tests".
+# Test processes (pytest-xdist). With one, pytest and the processes it waits for used about half a core of two: the
+# slowest tests spend much of their time waiting on the processes they start (torchrun, a fresh venv) and on their
+# ranks' collectives. See README "Tests".
 TEST_WORKERS ?= 2
 
 .PHONY: install demo test bench clean gpu-check
