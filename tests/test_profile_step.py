@@ -111,3 +111,17 @@ def test_comm_floor_replays_each_systems_collectives_of_a_step():
         assert 0 < result[f"{system}_busy"] <= 1.5, result
     assert result["comm_floor_ratio"] == pytest.approx(
         1 + (result["zero3_comm_cpu_ms"] - result["ddp_comm_cpu_ms"]) / result["ddp_step_cpu_ms"], abs=2e-3)
+
+
+def test_cpu_split_divides_a_steps_cpu_between_the_main_thread_and_the_others():
+    # bench/cpu_split.py at world 2, a few zero3 steps: the process's CPU holds the main thread's, and gloo's threads
+    # (the collectives) spend CPU of their own; --waits: the engine's waits by collective, within the step
+    result = _bench_at_world_2("cpu_split.py", "--system", "zero3", "--steps", "3", "--warmup", "1", "--waits")
+    assert result["system"] == "zero3" and result["world"] == 2, result
+    assert 0 < result["main_thread_cpu_ms"] <= result["process_cpu_ms"], result
+    assert result["other_threads_cpu_ms"] > 0, result
+    assert result["step_ms"] > 0 and result["minor_faults"] >= 0, result
+    waits = result["waits_ms"]
+    assert "all_reduce: grad norm and step fingerprint" in waits, waits
+    assert any(name.startswith("all_gather: ") for name in waits), waits
+    assert 0 < sum(waits.values()) < result["step_ms"], result
