@@ -225,6 +225,19 @@ def build_runner(system: str, model, size, world: int, dtype: str = "fp32"):
     raise ValueError(f"--system {system!r}: unknown; use reference or one of {', '.join(SYSTEMS)}")
 
 
+def probe_runner(system: str, size, steps: int, rank: int, world: int):
+    """The runner and this rank's slices of ``steps`` global batches that the one-rank probes time
+    (profile_step.py, engine_cpu.py, cpu_split.py): the GPT of ``size`` from seed 0, its data from seed 1."""
+    gpt = load_gpt_module()
+    cfg = gpt.GPTConfig(**size.gpt)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    micro = size.global_batch // world
+    batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
+               for x, y in gpt.make_batches(cfg, steps, size.global_batch, seed=1)]
+    return build_runner(system, model, size, world), batches
+
+
 def import_system(system: str) -> None:
     """Import what the system needs before the RSS floor is read, so the floor includes every library's import."""
     spec = SYSTEMS.get(system)

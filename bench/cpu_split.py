@@ -27,11 +27,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _common import SIZES, load_gpt_module  # noqa: E402
-from _worker import build_runner, import_system, init_process_group  # noqa: E402
+from _common import SIZES  # noqa: E402
+from _worker import import_system, init_process_group, probe_runner  # noqa: E402
 
 
 class _WaitTimes:
@@ -77,16 +76,7 @@ def main() -> None:
     import_system(args.system)
     waits = _time_waits() if args.waits else None
     rank, world = init_process_group(args.system)
-    size = SIZES[args.size]
-    gpt = load_gpt_module()
-    cfg = gpt.GPTConfig(**size.gpt)
-    torch.manual_seed(0)
-    model = gpt.GPT(cfg)
-    micro = size.global_batch // world
-    batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
-               for x, y in gpt.make_batches(cfg, args.warmup + args.steps, size.global_batch, seed=1)]
-    runner = build_runner(args.system, model, size, world)
-    del model
+    runner, batches = probe_runner(args.system, SIZES[args.size], args.warmup + args.steps, rank, world)
 
     samples: dict[str, list[float]] = {"wall": [], "process": [], "main thread": [], "minor faults": []}
     for i, (x, y) in enumerate(batches):

@@ -33,11 +33,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _common import SIZES, load_gpt_module  # noqa: E402
-from _worker import build_runner, import_system, init_process_group  # noqa: E402
+from _common import SIZES  # noqa: E402
+from _worker import import_system, init_process_group, probe_runner  # noqa: E402
 
 
 # --parts: (module, class, method, label) of each part inside the entry points. The collectives' issue is also called
@@ -120,15 +119,7 @@ def main() -> None:
             timed(getattr(importlib.import_module(module), cls), name, label)
 
     rank, world = init_process_group("zero3")
-    gpt = load_gpt_module()
-    size = SIZES[args.size]
-    cfg = gpt.GPTConfig(**size.gpt)
-    torch.manual_seed(0)
-    model = gpt.GPT(cfg)
-    micro = size.global_batch // world
-    batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
-               for x, y in gpt.make_batches(cfg, args.warmup + args.steps, size.global_batch, seed=1)]
-    runner = build_runner("zero3", model, size, world)
+    runner, batches = probe_runner("zero3", SIZES[args.size], args.warmup + args.steps, rank, world)
     whole = []
     for i, (x, y) in enumerate(batches):
         if i == args.warmup:

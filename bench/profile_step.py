@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import SIZES, load_gpt_module  # noqa: E402
+from _common import SIZES  # noqa: E402
 
 
 def _where(func: tuple) -> str:
@@ -141,22 +141,13 @@ def _without_profiler_cost(stats: dict, cost: dict[str, float], bucket: str) -> 
 
 def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: int, clock: str = "wall",
            ops: bool = False) -> None:
-    import torch
     import torch.distributed as dist
 
-    from _worker import build_runner, import_system, init_process_group
+    from _worker import import_system, init_process_group, probe_runner
 
-    size = SIZES[size_name]
     import_system(system)
     rank, world = init_process_group(system)
-    gpt = load_gpt_module()
-    cfg = gpt.GPTConfig(**size.gpt)
-    torch.manual_seed(0)
-    model = gpt.GPT(cfg)
-    micro = size.global_batch // world
-    batches = [(x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
-               for x, y in gpt.make_batches(cfg, warmup + 2 * steps + ops, size.global_batch, seed=1)]
-    runner = build_runner(system, model, size, world)
+    runner, batches = probe_runner(system, SIZES[size_name], warmup + 2 * steps + ops, rank, world)
     plain, profiled = [], []
     # "thread": the main thread's CPU time (time.thread_time), which other processes' load on a shared machine does
     # not inflate; waits then cost nothing, so the split shows the CPU each part spends, Python's above all.
