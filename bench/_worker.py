@@ -18,6 +18,7 @@ a Python with DeepSpeed but without zero_engine can run the DeepSpeed configurat
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -114,7 +115,20 @@ class TorchRunner:
         return {}
 
     def close(self) -> None:
-        pass
+        """Before destroy_process_group(): drop DDP (its Reducer) and FSDP2's state, which hold the process group.
+
+        [Note: the group's last holder] Whatever holds the process group last destroys it, and the group's
+        destructor joins gloo's worker threads. After destroy_process_group() has dropped torch's reference, DDP's C++
+        Reducer is that holder, so the DDP module's garbage collection joins those threads with the GIL held. A
+        worker thread still destroying its last finished work (a decref of the tensors' Python objects needs the
+        GIL) then waits for the GIL forever, and the rank hangs at exit. bench/comm_floor.py did that twice in about
+        120 runs here, once in CI (py-spy: the main thread in ~ProcessGroupGloo under the Reducer's dealloc, a gloo
+        thread in gil_scoped_acquire). Dropped here, while torch's registry still holds the group, the Reducer is not
+        the last holder: destroy_process_group() destroys the group there and then, as zero_engine's own shutdown
+        has it do ([Note: clean shutdown] in zero_engine/comm/watchdog.py), and no gloo thread is left
+        (tests/test_profile_step.py)."""
+        self.wrapped = self.model = self.optimizer = None
+        gc.collect()  # whatever of them a reference cycle still keeps goes now, not at interpreter exit
 
 
 def _clip_dtensor_grads(params, max_norm: float) -> None:

@@ -163,7 +163,8 @@ def main() -> None:
     result["step_cpu_ratio"] = round(result["zero3_step_cpu_ms"] / result["ddp_step_cpu_ms"], 3)
     if rank == 0:
         print(json.dumps({"world": world, "size": args.size, "cores": cores, **result}))
-    runners["zero3"].close()
+    for runner in runners.values():  # DDP's too: see [Note: the group's last holder] in _worker.py
+        runner.close()
     dist.destroy_process_group()
 
 

@@ -105,8 +105,7 @@ def main() -> None:
                           "other_threads_cpu_ms": round(others * 1e3, 1),
                           "minor_faults": int(medians["minor faults"]),
                           **({"waits_ms": waits.per_step(args.steps)} if waits is not None else {})}))
-    if hasattr(runner, "close"):
-        runner.close()
+    runner.close()  # before destroy_process_group(): see [Note: the group's last holder] in _worker.py
     dist.destroy_process_group()
 
 

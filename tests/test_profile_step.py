@@ -2,6 +2,7 @@
 cProfile table, and the calibration it takes its costs from."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -125,3 +126,37 @@ def test_cpu_split_divides_a_steps_cpu_between_the_main_thread_and_the_others():
     assert "all_reduce: grad norm and step fingerprint" in waits, waits
     assert any(name.startswith("all_gather: ") for name in waits), waits
     assert 0 < sum(waits.values()) < result["step_ms"], result
+
+
+def _gloo_threads_after_ddp_runner_closed_body():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from _common import SIZES, load_gpt_module
+    from _worker import build_runner
+
+    gpt = load_gpt_module()
+    size = SIZES["demo"]
+    torch.manual_seed(0)
+    runner = build_runner("ddp", gpt.GPT(gpt.GPTConfig(**size.gpt)), size, 2)
+    x, y = next(iter(gpt.make_batches(gpt.GPTConfig(**size.gpt), 1, 2, seed=1)))
+    runner.step(x, y)
+    runner.close()
+    dist.destroy_process_group()
+    # the group's C++ threads, which only the group's destruction ends (Linux names them in /proc)
+    return sorted(name for name in (open(f"/proc/self/task/{task}/comm").read().strip()
+                                    for task in os.listdir("/proc/self/task")) if "gloo" in name)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
+def test_a_closed_ddp_runner_leaves_destroy_process_group_the_groups_last_holder():
+    """bench/_worker.py's DDP runner, closed, holds the process group no more: destroy_process_group() then destroys
+    it, and no gloo thread is left for DDP's Reducer to join with the GIL held at exit ([Note: the group's last
+    holder]; a bench/comm_floor.py rank hung there). Fresh ranks: no group left by an earlier test."""
+    from zero_engine.testing import run_ranks
+    from zero_engine.testing._pool import discard_pool, get_pool
+
+    discard_pool(2, get_pool(2))
+    assert run_ranks(_gloo_threads_after_ddp_runner_closed_body, 2, timeout=120) == [[], []]
