@@ -9,7 +9,6 @@ compute). On a GPU, cuBLAS picks different kernels for a micro-batch than for th
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,8 @@ import pytest
 import torch
 
 from zero_engine.zero.streams import CommStreams, to_device, to_host
+
+from session_run import run_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run `make gpu-check` on a GPU)")
@@ -73,7 +74,7 @@ def _run_parity(nproc: int, backend: str, precision: str, tmp_path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(ROOT / "tests" / "cuda_parity_worker.py"), backend, precision, str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_in_session(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
 
@@ -105,7 +106,7 @@ def test_large_parameters_gathered_as_one_nccl_group_train_bitwise_as_one_by_one
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
            str(ROOT / "tests" / "cuda_grouped_gather_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_in_session(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
     assert result["engine_groups_on_nccl"] is True and result["backend"] == "nccl"

@@ -24,7 +24,6 @@ import json
 import os
 import runpy
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -32,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from zero_engine.testing import run_ranks
+
+from session_run import run_in_session
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "ds_tutorial.py")
 TIMEOUT = 120
@@ -142,7 +143,7 @@ def test_same_script_under_deepspeed_itself_gives_the_same_results(tmp_path):
     config.write_text(json.dumps(ds_config(3)))
     args = ["--deepspeed", "--deepspeed_config", str(config), "--samples", str(SAMPLES), "--seed", str(SEED)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    done = subprocess.run([_deepspeed_python(), "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+    done = run_in_session([_deepspeed_python(), "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
                            "--master_port", str(_free_port()), str(script), *args, "--output",
                            str(tmp_path / "deepspeed.pt")], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from zero_engine.config import load_config
+
+from session_run import run_in_session
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.json"))
@@ -32,7 +33,7 @@ def test_nvme_example_trains_with_its_states_on_disk_and_leaves_no_files(tmp_pat
         config["zero_optimization"][section]["nvme_path"] = str(nvme)
     (tmp_path / "config.json").write_text(json.dumps(config))
     losses = tmp_path / "losses.json"
-    done = subprocess.run(
+    done = run_in_session(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "examples/train_gpt.py", "--config", str(tmp_path / "config.json"), "--steps", "4", "--n-layer", "2",
          "--n-embd", "64", "--losses", str(losses)],

@@ -18,7 +18,6 @@ import json
 from functools import partial
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -31,6 +30,8 @@ pytest.importorskip("safetensors")
 import zero_engine  # noqa: E402
 from zero_engine.testing import run_ranks  # noqa: E402
 from zero_engine.zero.partition import sharded_param_of  # noqa: E402
+
+from session_run import run_in_session  # noqa: E402
 
 TIMEOUT = 180
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,9 +372,9 @@ def test_save_pretrained_fp32_at_stage0_bf16_writes_the_fp32_masters(tmp_path):
 def test_finetune_example_runs_with_torchrun(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     model_dir, out = str(tmp_path / "tiny"), str(tmp_path / "out")
-    subprocess.run([sys.executable, "examples/finetune_hf.py", "--make-tiny", model_dir], cwd=REPO, env=env,
+    run_in_session([sys.executable, "examples/finetune_hf.py", "--make-tiny", model_dir], cwd=REPO, env=env,
                    check=True, timeout=120)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    run = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           "examples/finetune_hf.py", "--model", model_dir, "--config",
                           "examples/configs/hf_finetune.json", "--output", out, "--steps", "6",
                           "--checkpoint-every", "3"], cwd=REPO, env=env, capture_output=True, text=True,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
+
+from session_run import run_in_session
 
 transformers = pytest.importorskip("transformers", reason="zero_engine.hf.ZeroTrainer needs transformers")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
@@ -23,7 +24,7 @@ WORKER = os.path.join(REPO, "tests", "hf_trainer_worker.py")
 
 
 def _torchrun(suites: str, tmp_path, timeout: int = 240, **env) -> str:
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    run = run_in_session([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           WORKER, suites, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                          env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **env))
     return run.returncode, run.stdout + run.stderr
@@ -161,5 +162,5 @@ def test_hf_extra_pins_the_tested_transformers_range():
 
 def test_importing_zero_engine_hf_does_not_import_transformers():
     code = "import sys, zero_engine.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
+    run_in_session([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
                    env=dict(os.environ, PYTHONPATH=REPO))

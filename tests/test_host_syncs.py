@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -24,6 +23,8 @@ import torch.distributed as dist
 import zero_engine
 from zero_engine.testing import cuda_syncs, fake_world, run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+from session_run import run_in_session
 
 TIMEOUT = 120
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +134,7 @@ def test_cuda_forward_backward_do_not_synchronize(dtype):
     # coordinator run as at any size; the presence walk and the fingerprint need 2 ranks.
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__, dtype]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run_in_session(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0 and "OK" in proc.stdout, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
 
 

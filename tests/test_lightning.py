@@ -16,7 +16,6 @@ scenario runs there; the tests below read what rank 0 saved. Tolerances, and why
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+from session_run import run_in_session
 
 pytest.importorskip("lightning", reason="Lightning is not installed (zero_engine[lightning] extra)")
 
@@ -37,17 +38,13 @@ def launch(args, cwd, timeout):
            if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("PL_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # rank 1 joins this session: killed with it on a timeout
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{args[0]} did not finish in {timeout} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    return output
+    try:  # rank 1 is in the script's session: killed with it
+        done = run_in_session([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as timed_out:
+        pytest.fail(f"{args[0]} did not finish in {timeout} s:\n{(timed_out.output or '')[-4000:]}")
+    assert done.returncode == 0, done.stdout[-6000:]
+    return done.stdout
 
 
 @pytest.fixture(scope="module")

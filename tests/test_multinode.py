@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from session_run import run_in_session
+
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.14.{}"
 PORT = 29417
@@ -85,7 +87,7 @@ def _demo_config(tmp_path) -> list:
 def test_two_nodes_over_veth_match_one_host(two_hosts, tmp_path):
     demo = [*DEMO_ARGS, *_demo_config(tmp_path)]
     one_host = tmp_path / "one_host.json"
-    done = subprocess.run(_torchrun("--standalone", "--nproc_per_node", "2", *demo, "--losses", str(one_host)),
+    done = run_in_session(_torchrun("--standalone", "--nproc_per_node", "2", *demo, "--losses", str(one_host)),
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, f"one-host run: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from session_run import run_in_session
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 spec = importlib.util.spec_from_file_location("profile_step", ROOT / "bench" / "profile_step.py")
@@ -60,12 +62,11 @@ def _bench_at_world_2(script: str, *args: str) -> dict:
     """Run bench/<script> under torchrun at world 2 and return the JSON line rank 0 prints."""
     import json
     import os
-    import subprocess
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "bench" / script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_in_session(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 

@@ -29,6 +29,8 @@ from zero_engine.testing import RankError, kill_this_rank, run_ranks
 from zero_engine.testing._pool import discard_pool, get_pool
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
+from session_run import run_in_session
+
 STALL_S = 2.0
 DETECT_WITHIN_S = 60.0
 TIMEOUT = 150  # pool start-up (importing torch on a loaded machine) + detection
@@ -376,7 +378,7 @@ def test_make_demo_command_exits_cleanly():
     runs = int(os.environ.get("ZERO_ENGINE_DEMO_RUNS", "0"))
     extra = () if runs else ("--steps", "4", "--n-layer", "2", "--n-embd", "64")
     for i in range(max(runs, 1)):
-        done = subprocess.run(demo_command(*extra), cwd=REPO, capture_output=True, text=True, timeout=600,
+        done = run_in_session(demo_command(*extra), cwd=REPO, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, f"run {i + 1}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert "terminate called" not in done.stderr, done.stderr[-3000:]

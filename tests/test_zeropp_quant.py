@@ -24,7 +24,6 @@ import copy
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +38,8 @@ from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.testing.shards import whole_from_shards
 from zero_engine.zero.quantize import BLOCK, dequantize, payload_bytes, quantize
+
+from session_run import run_in_session
 
 TIMEOUT = 120
 WORLD = 4
@@ -228,7 +229,7 @@ def test_nontrainable_weights_key_is_refused_clearly():
 def _demo_final_loss(tmp_path, config: dict, name: str) -> float:
     (tmp_path / f"{name}.json").write_text(json.dumps(config))
     losses = tmp_path / f"{name}_losses.json"
-    done = subprocess.run(
+    done = run_in_session(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
          "examples/train_gpt.py", "--config", str(tmp_path / f"{name}.json"), "--steps", "20", "--n-layer", "2",
          "--n-embd", "64", "--block-size", "16", "--losses", str(losses)],
