@@ -2,12 +2,12 @@
 cProfile table, and the calibration it takes its costs from."""
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from gloo_threads import gloo_threads, needs_thread_names
 from session_run import run_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,8 +130,6 @@ def test_cpu_split_divides_a_steps_cpu_between_the_main_thread_and_the_others():
 
 
 def _gloo_threads_after_ddp_runner_closed_body():
-    import os
-
     import torch
     import torch.distributed as dist
 
@@ -140,18 +138,17 @@ def _gloo_threads_after_ddp_runner_closed_body():
 
     gpt = load_gpt_module()
     size = SIZES["demo"]
+    cfg = gpt.GPTConfig(**size.gpt)
     torch.manual_seed(0)
-    runner = build_runner("ddp", gpt.GPT(gpt.GPTConfig(**size.gpt)), size, 2)
-    x, y = next(iter(gpt.make_batches(gpt.GPTConfig(**size.gpt), 1, 2, seed=1)))
+    runner = build_runner("ddp", gpt.GPT(cfg), size, 2)
+    x, y = next(iter(gpt.make_batches(cfg, 1, 2, seed=1)))
     runner.step(x, y)
     runner.close()
     dist.destroy_process_group()
-    # the group's C++ threads, which only the group's destruction ends (Linux names them in /proc)
-    return sorted(name for name in (open(f"/proc/self/task/{task}/comm").read().strip()
-                                    for task in os.listdir("/proc/self/task")) if "gloo" in name)
+    return gloo_threads()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
+@needs_thread_names
 def test_a_closed_ddp_runner_leaves_destroy_process_group_the_groups_last_holder():
     """bench/_worker.py's DDP runner, closed, holds the process group no more: destroy_process_group() then destroys
     it, and no gloo thread is left for DDP's Reducer to join with the GIL held at exit ([Note: the group's last

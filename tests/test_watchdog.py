@@ -29,6 +29,7 @@ from zero_engine.testing import RankError, kill_this_rank, run_ranks
 from zero_engine.testing._pool import discard_pool, get_pool
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
+from gloo_threads import gloo_threads, needs_thread_names
 from session_run import run_in_session
 
 STALL_S = 2.0
@@ -349,12 +350,10 @@ def _gloo_threads_after_destroy_body():
     engine.step()
     engine.destroy()
     dist.destroy_process_group()
-    # the group's C++ threads, which only the group's destruction ends (Linux names them in /proc)
-    return sorted(name for name in (open(f"/proc/self/task/{task}/comm").read().strip()
-                                    for task in os.listdir("/proc/self/task")) if "gloo" in name)
+    return gloo_threads()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc (Linux)")
+@needs_thread_names
 def test_destroy_process_group_after_destroy_ends_the_groups_threads():
     """engine.destroy() then destroy_process_group() leaves no gloo thread: nothing (the engine, nor torch's
     torch.distributed.nn defaults, which the engine's optimizer imports) still holds the group. A live gloo thread at
