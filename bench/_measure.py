@@ -157,16 +157,33 @@ def _inside(ranges: dict, event: dict) -> bool:
     return any(lo <= start < hi for lo, hi in ranges.get(event.get("tid"), ()))
 
 
+def _split_sizes(args: dict, index: int) -> list[int]:
+    """An all-to-all's split sizes (argument ``index``) as the trace's "Concrete Inputs" spell them ("[0, 6]"); []
+    when equal (not given)."""
+    concrete = args.get("Concrete Inputs", [])
+    text = concrete[index] if len(concrete) > index else ""
+    return [int(n) for n in text.strip("[]").split(",") if n.strip()] if text.startswith("[") else []
+
+
+# zero_engine's collectives as its communicator names their profiler ranges ("zero3::<kind> <name>"), which on gloo
+# may run as another collective (comm/_backend.py's Notes)
+_RANGED_KINDS = ("all_gather", "reduce_scatter")
+
+
 def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str, dict[str, int]]:
     """{"all_gather": {"calls", "bytes"}, ...} from a chrome trace; see [Note: counting communication ...]. On gloo
-    zero_engine runs a reduce-scatter as an all-to-all or an all-reduce in place (comm/_backend.py's Notes): a
-    collective inside its "zero3::reduce_scatter ..." range is counted as the reduce-scatter it is (input bytes)."""
+    zero_engine runs an all-gather as an all-to-all, and a reduce-scatter as an all-to-all or an all-reduce in place
+    (comm/_backend.py's Notes): a collective inside its "zero3::all_gather ..." or "zero3::reduce_scatter ..." range
+    is counted as the collective it is (an all-gather's output bytes, a reduce-scatter's input bytes). At world 2
+    those all-to-alls send nothing to the rank itself (split sizes [0, n] or [n, 0]): the logical size is then n
+    times the number of ranks."""
     counts: dict[str, dict[str, int]] = {}
-    reduce_scatter_ranges: dict = {}
+    ranges: dict[str, dict] = {kind: {} for kind in _RANGED_KINDS}
     for e in trace.get("traceEvents", []):
-        if e.get("name", "").split(" ", 1)[0] == "zero3::reduce_scatter":  # "zero3::reduce_scatter <its name>"
+        kind = e.get("name", "").split(" ", 1)[0].removeprefix("zero3::")  # "zero3::all_gather <its name>"
+        if kind in ranges:
             start = e.get("ts", 0)
-            reduce_scatter_ranges.setdefault(e.get("tid"), []).append((start, start + e.get("dur", 0)))
+            ranges[kind].setdefault(e.get("tid"), []).append((start, start + e.get("dur", 0)))
     events = sorted((e for e in trace.get("traceEvents", []) if e.get("name", "").startswith("c10d::")),
                     key=lambda e: (e.get("tid"), e.get("ts", 0)))
     open_until: dict = {}  # tid -> end of the last counted op: a c10d op nested inside another is not a new one
@@ -178,22 +195,27 @@ def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str,
         op = _kind(name)
         if op is None:
             continue
-        kind = "reduce_scatter" if _inside(reduce_scatter_ranges, event) else op
+        kind = next((k for k in _RANGED_KINDS if _inside(ranges[k], event)), op)
         args = event.get("args", {})
         dims = args.get("Input Dims", [])
         types = args.get("Input type", [])
         # all-gather is counted by its output (arg 0), reduce-scatter and all-to-all by their input (arg 1), the
-        # rest by arg 0 (an all-reduce's tensor: a reduce-scatter's input when it runs one).
+        # rest by arg 0 (an all-reduce's tensor: a reduce-scatter's input when it runs one). An all-to-all that
+        # runs an all-gather has the gathered size as its input (the shard repeated) or, at world 2, the shard.
         index = 1 if op in ("reduce_scatter", "all_to_all") else 0
         if len(dims) <= index:
             continue
         arg_type = types[index] if len(types) > index else ""
         # Tensor lists carry no dtype in the trace: count them at the run's element size.
         element_bytes = _ELEMENT_BYTES.get(arg_type, default_element_bytes)
+        numel = _numel(dims[index], is_list=arg_type.endswith("List"))
+        splits = _split_sizes(args, 4) if op == "all_to_all" and kind != op else []
+        if splits:  # world 2's: this rank's chunk was not sent
+            numel = max(splits) * len(splits)
         open_until[event.get("tid")] = end
         entry = counts.setdefault(kind, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
-        entry["bytes"] += _numel(dims[index], is_list=arg_type.endswith("List")) * element_bytes
+        entry["bytes"] += numel * element_bytes
     return counts
 
 

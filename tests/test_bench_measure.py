@@ -72,3 +72,22 @@ def test_an_all_to_all_outside_a_reduce_scatter_range_is_its_own_kind():
     elsewhere = dict(ranged, tid=2)  # another thread's range does not hold this op
     assert collectives_from_trace({"traceEvents": [elsewhere, alltoall]}, 4) == {
         "all_to_all": {"calls": 1, "bytes": 32}}
+
+
+def test_an_all_to_all_inside_an_all_gather_range_is_that_all_gather_by_its_gathered_size():
+    """On gloo the engine's all-gathers are all-to-alls ([Note: gloo's all-gather as an all-to-all]): above world 2
+    of the shard repeated (the input is the gathered size), at world 2 of the shard alone, with split sizes; the
+    world-2 reduce-scatter sends half its input the same way."""
+    ranged = {"name": "zero3::all_gather blocks.0", "tid": 1, "ts": 40, "dur": 20}
+    repeated = {"name": "c10d::alltoall_base_", "tid": 1, "ts": 50, "dur": 5,
+                "args": {"Input Dims": [[12], [12], [], []], "Input type": ["float", "float", "", ""],
+                         "Concrete Inputs": ["", "", "", "[]", "[]"]}}
+    assert collectives_from_trace({"traceEvents": [ranged, repeated]}, 4) == {"all_gather": {"calls": 1, "bytes": 48}}
+    world_2 = dict(repeated, args={"Input Dims": [[6], [6], [], []], "Input type": ["float", "float", "", ""],
+                                   "Concrete Inputs": ["", "", "", "[6, 0]", "[6, 0]"]})
+    assert collectives_from_trace({"traceEvents": [ranged, world_2]}, 4) == {"all_gather": {"calls": 1, "bytes": 48}}
+    reduced = dict(ranged, name="zero3::reduce_scatter grads bucket 0")
+    assert collectives_from_trace({"traceEvents": [reduced, world_2]}, 4) == {
+        "reduce_scatter": {"calls": 1, "bytes": 48}}
+    # qgZ's own all-to-all, in no such range, keeps its split sizes' meaning: its input
+    assert collectives_from_trace({"traceEvents": [world_2]}, 4) == {"all_to_all": {"calls": 1, "bytes": 24}}

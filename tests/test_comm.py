@@ -229,8 +229,43 @@ def test_a_reduce_scatter_on_gloo_is_an_all_to_all_and_a_sum_with_gloos_result(w
             if world_size == 2:  # one addition, a + b either way
                 assert equal, key
         assert stats == 13
-        assert workspace == 8 * world_size * 4  # the received rows: the input's size, counted by the caller
-        assert large == ("all_reduce", 0, _backend.ALL_TO_ALL_REDUCE_MAX_BYTES)  # the cap itself still takes it
+        # the received rows, counted by the caller: the input's size; at world 2 the peer's half only
+        received = 1 / 2 if world_size == 2 else 1
+        assert workspace == 8 * world_size * 4 * received
+        # the cap itself still takes it
+        assert large == ("all_reduce", 0, _backend.ALL_TO_ALL_REDUCE_MAX_BYTES * received)
+
+
+def _all_gather_on_gloo(full_numel: int) -> dict:
+    """An all-gather of CPU tensors on gloo runs as an all-to-all ([Note: gloo's all-gather as an all-to-all]; at
+    world 2 one that sends nothing to this rank itself, above it one of the shard repeated): gloo's own result
+    bitwise, in each dtype the engine gathers, sync and async; its input untouched; counted as the all-gather it is
+    (the output's bytes), recorded as the all-to-all that runs (its wait honours timeouts)."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    shard = _shard_numel(full_numel, world)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for async_op in (False, True):
+            inp = _rank_data(rank, shard, dtype)
+            kept = inp.clone()
+            native = torch.empty(shard * world, dtype=dtype)
+            ours = torch.full((shard * world,), float("nan"), dtype=dtype)  # every element must be written
+            dist.all_gather_into_tensor(native, inp)
+            comm.all_gather_into_tensor(ours, inp, async_op=async_op, name="w").wait()
+            out[(str(dtype), async_op)] = (torch.equal(native, ours), torch.equal(inp, kept), comm.progress.last.kind)
+    out["stats"] = comm.stats()["all_gather"]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_all_gather_on_gloo_is_an_all_to_all_with_gloos_result(world_size):
+    shard = _shard_numel(10, world_size)
+    for result in run_ranks(_all_gather_on_gloo, world_size, 10, timeout=RANK_TIMEOUT_S):
+        stats = result.pop("stats")
+        for key, (equal, input_kept, kind) in result.items():
+            assert equal and input_kept and kind == "all_to_all", (key, result[key])
+        assert stats == {"calls": 6, "bytes": 2 * shard * world_size * (4 + 2 + 2)}
 
 
 def _scratch_reduce_scatter_without_all_to_all(full_numel: int) -> dict:
@@ -313,6 +348,9 @@ def test_native_or_emulated_is_a_function_of_backend_name_and_torch_version():
     assert decide("gloo", (2, 13)).reduce_scatter_by_all_to_all and decide("gloo", (2, 4)).reduce_scatter_by_all_to_all
     assert not decide("nccl", (2, 13)).reduce_scatter_by_all_to_all
     assert not decide("mpi", (2, 13)).reduce_scatter_by_all_to_all
+    # and its all-gathers
+    assert decide("gloo", (2, 13)).all_gather_by_all_to_all and not decide("nccl", (2, 13)).all_gather_by_all_to_all
+    assert not decide("cpu:gloo,cuda:nccl", (2, 13)).all_gather_by_all_to_all
 
 
 # -- debug mode: mismatched collectives become errors on every rank ----------------------------------------------
@@ -406,9 +444,10 @@ def _zero_engine_calls_per_collective() -> dict:
 def test_a_collective_issued_and_waited_is_a_handful_of_python_calls():
     for result in run_ranks(_zero_engine_calls_per_collective, 2, timeout=RANK_TIMEOUT_S):
         assert result["watched"]
-        # all_gather_into_tensor, _issue, ProgressLog.record, profile_range, CollectiveIssuer.all_gather,
-        # Pending.wait, StallWatchdog.wait: no per-collective helper towers (there were 13 calls).
-        assert len(result["all_gather"]) <= 7, result["all_gather"]
+        # all_gather_into_tensor, _issue, ProgressLog.record, profile_range, all_gather_plan,
+        # CollectiveIssuer.all_gather, Pending.wait, StallWatchdog.wait: no per-collective helper towers (there were
+        # 13 calls).
+        assert len(result["all_gather"]) <= 8, result["all_gather"]
         # the same, plus reduce_scatter_plan and the sum that completes gloo's all-to-all reduce-scatter
         assert len(result["reduce_scatter"]) <= 9, result["reduce_scatter"]
         assert "_wait_slice" not in result["all_gather"] + result["reduce_scatter"]

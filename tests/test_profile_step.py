@@ -125,7 +125,9 @@ def test_cpu_split_divides_a_steps_cpu_between_the_main_thread_and_the_others():
     assert result["step_ms"] > 0 and result["minor_faults"] >= 0, result
     waits = result["waits_ms"]
     assert "all_reduce: grad norm and step fingerprint" in waits, waits
-    assert any(name.startswith("all_gather: ") for name in waits), waits
+    # gloo runs the gathers, and the gradients' reduce-scatters, as all-to-alls (comm/_backend.py's Notes), recorded
+    # as such: the gathers are the ones not named after a gradient bucket
+    assert any(name.startswith("all_to_all: ") and "grads" not in name for name in waits), waits
     assert 0 < sum(waits.values()) < result["step_ms"], result
 
 

@@ -84,7 +84,29 @@ class BackendSupport:
     # larger inputs keep the in-place all-reduce. The input is only read, so it needs no copy either. At world 2
     # the sum is the all-reduce's one addition, bitwise; above, a fixed order (torch.sum over the rows), which may
     # round differently from the ring's (itself different per chunk).
+    # [Note: gloo's reduce-scatter at world 2] There the all-to-all sends nothing to this rank itself (split sizes
+    # [0, n] or [n, 0], as in [Note: gloo's all-gather as an all-to-all]): only the peer's chunk
+    # arrives, into a buffer half the input's size, and is added to this rank's own chunk, read where it lies in
+    # the input, in rank order (a + b, as gloo's all-reduce adds; torch.sum over two rows gave -0.0 + -0.0 as
+    # +0.0, equal values). On 250k-1M fp32 elements (bench/all_to_all_probe.py) the call's wall time was
+    # 0.69-0.80 x, its CPU over every thread 0.64-0.76 x.
     reduce_scatter_by_all_to_all: bool = False
+    # [Note: gloo's all-gather as an all-to-all] gloo's all_gather_into_tensor (torch 2.13) gathers into a flat
+    # buffer of its own, the output's size, and then copies that into the output, on its worker thread; per byte it
+    # cost 1.5-2 x the CPU of an all-to-all moving the same bytes. So on gloo (CPU tensors) an all-gather runs as an
+    # all-to-all in which every rank sends its shard to every rank:
+    # - at world 2 it sends nothing to itself (split sizes [0, n] or [n, 0]): gloo receives the peer's shard
+    #   straight into its row of the output, and this rank copies its own shard into its row while that runs. No
+    #   buffer beside the output;
+    # - above, each peer's chunk of the input must be the shard, so the input is the shard repeated (``repeat``: a
+    #   buffer the output's size, as gloo's own flat buffer, held until the work completes instead of while it
+    #   runs, and one copy of it on this thread).
+    # The same bytes on the wire; the same result, bitwise (a gather adds nothing). Per call, 150k-1.6M fp32
+    # elements (bench/all_to_all_probe.py, docs/benchmarks.md, "gloo's all-gathers and world-2 reduce-scatters as
+    # all-to-alls"): wall time 0.57-0.64 x at world 2, CPU over every thread 0.46-0.60 x. Its wait honours
+    # timeouts as the all-to-all's does (watchdog.py), and it is recorded as the all-to-all it is, as the
+    # reduce-scatter above.
+    all_gather_by_all_to_all: bool = False
     logged: set = field(default_factory=set)
 
 
@@ -111,7 +133,8 @@ def decide_support(backend: str, torch_version: tuple[int, int] | None = None) -
     native = all(name in _NATIVE_SINCE and version >= _NATIVE_SINCE[name] for name in parts)
     gloo = all(name == "gloo" for name in parts)
     return BackendSupport(all_gather_single=native, reduce_scatter_single=native, avg=native,
-                          reduce_scatter_copies_input=gloo, reduce_scatter_by_all_to_all=gloo)
+                          reduce_scatter_copies_input=gloo, reduce_scatter_by_all_to_all=gloo,
+                          all_gather_by_all_to_all=gloo)
 
 
 _support_by_backend: dict[str, BackendSupport] = {}
@@ -166,7 +189,26 @@ class CollectiveIssuer:
         without a process group by tests); an attribute after that."""
         return dist.get_rank(self.group)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Issued:
+    def all_gather_plan(self, input: torch.Tensor) -> str:
+        """The collective an ``all_gather`` of ``input`` runs, which the communicator records for the watchdog:
+        "all_to_all" on gloo for CPU tensors ([Note: gloo's all-gather as an all-to-all]), else "all_gather" (also
+        at world 1, where gloo's is a copy)."""
+        if self.support.all_gather_by_all_to_all and self.world_size > 1 and input.device.type == "cpu":
+            return "all_to_all"
+        return "all_gather"
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, plan: str = "all_gather") -> Issued:
+        """``plan`` from ``all_gather_plan``."""
+        if plan == "all_to_all" and self.world_size == 2:  # the peer's shard into its row, ours into our own
+            shard, rows = input.view(-1), output.view(2, -1)
+            n, rank = shard.numel(), self.rank
+            sizes = [0, n] if rank == 0 else [n, 0]
+            work = dist.all_to_all_single(rows[1 - rank], shard, sizes, sizes, group=self.group, async_op=True)
+            rows[rank].copy_(shard)
+            return work, None
+        if plan == "all_to_all":  # every rank sends its shard to every rank: the input is the shard repeated
+            repeated = input.view(-1).repeat(self.world_size)
+            return dist.all_to_all_single(output.view(-1), repeated, group=self.group, async_op=True), None
         if self.support.all_gather_single:
             return _all_gather_single(output, input, group=self.group, async_op=True), None
         # The per-rank chunks are views of `output`, so the list form writes straight into it: no extra copy.
@@ -199,6 +241,24 @@ class CollectiveIssuer:
                        plan: str = "reduce_scatter") -> Issued:
         """``plan`` from ``reduce_scatter_plan``; with "all_reduce" the caller will not read ``input`` again, and it
         is all-reduced in place."""
+        if plan == "all_to_all" and self.world_size == 2:  # [Note: gloo's reduce-scatter at world 2]
+            flat, rank = input.detach().reshape(-1), self.rank
+            n = flat.numel() // 2
+            received = torch.empty(n, dtype=flat.dtype, device=flat.device)
+            sizes = [0, n] if rank == 0 else [n, 0]
+            work = dist.all_to_all_single(received, flat[n:] if rank == 0 else flat[:n], sizes, sizes,
+                                          group=self.group, async_op=True)
+            rows = (flat[:n], received) if rank == 0 else (received, flat[n:])  # in rank order
+            slice_out = [output.view(-1)]
+
+            def add_rows() -> None:  # at most once, as sum_rows below
+                if slice_out:
+                    out = slice_out.pop()
+                    torch.add(*rows, out=out)
+                    if op == "avg":
+                        out.div_(2)
+
+            return work, add_rows
         if plan == "all_to_all":  # every rank's chunk r arrives here as a row: their sum is this rank's slice
             flat = input.detach().reshape(-1)
             received = torch.empty_like(flat)

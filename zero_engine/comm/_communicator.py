@@ -290,7 +290,9 @@ class Communicator:
                                name: str = "") -> Pending:
         """Gather every rank's ``input`` into ``output`` (rank r's data at ``output.view(-1)[r*n:(r+1)*n]``).
 
-        ``output`` must hold world_size x input.numel() elements. Counts the output bytes.
+        ``output`` must hold world_size x input.numel() elements. Counts the output bytes. On gloo with CPU tensors
+        it runs as an all-to-all (see [Note: gloo's all-gather as an all-to-all] in _backend.py; recorded for the
+        watchdog as the all-to-all it is).
         """
         kind = "all_gather"
         # The checks: the common case in one test (this runs before every collective), the message only on failure.
@@ -302,8 +304,9 @@ class Communicator:
                           f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
-        return self._issue(kind, kind, name, input.dtype, input.numel(), output.numel() * output.element_size(),
-                           self._issuer.all_gather, (output, input), output, async_op)
+        plan = self._issuer.all_gather_plan(input)
+        return self._issue(kind, plan, name, input.dtype, input.numel(), output.numel() * output.element_size(),
+                           self._issuer.all_gather, (output, input, plan), output, async_op)
 
     @property
     def groups_all_gathers(self) -> bool:
@@ -365,9 +368,11 @@ class Communicator:
 
     def reduce_scatter_workspace(self, input: torch.Tensor) -> int:
         """Bytes a ``reduce_scatter_tensor`` of ``input`` holds beside its buffers until it completes (the received
-        rows of [Note: gloo's reduce-scatter as an all-to-all]), for the caller's memory accounting."""
+        rows of [Note: gloo's reduce-scatter as an all-to-all]; at world 2 only the peer's: [Note: gloo's
+        reduce-scatter at world 2]), for the caller's memory accounting."""
         if self._issuer.reduce_scatter_plan(input, True) == "all_to_all":
-            return input.numel() * input.element_size()
+            received = input.numel() // 2 if self.world_size == 2 else input.numel()
+            return received * input.element_size()
         return 0
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
