@@ -255,6 +255,10 @@ def _all_gather_on_gloo(full_numel: int) -> dict:
             comm.all_gather_into_tensor(ours, inp, async_op=async_op, name="w").wait()
             out[(str(dtype), async_op)] = (torch.equal(native, ours), torch.equal(inp, kept), comm.progress.last.kind)
     out["stats"] = comm.stats()["all_gather"]
+    # an output above ALL_TO_ALL_GATHER_MAX_BYTES: above world 2 gloo's own (the repeated shard would be as large)
+    large = torch.full((_backend.ALL_TO_ALL_GATHER_MAX_BYTES // 4 // world + 1,), float(rank))
+    gathered = comm.all_gather_into_tensor(torch.empty(large.numel() * world), large).tensor
+    out["large"] = (comm.progress.last.kind, gathered.view(world, -1)[:, 0].tolist())
     return out
 
 
@@ -262,10 +266,12 @@ def _all_gather_on_gloo(full_numel: int) -> dict:
 def test_an_all_gather_on_gloo_is_an_all_to_all_with_gloos_result(world_size):
     shard = _shard_numel(10, world_size)
     for result in run_ranks(_all_gather_on_gloo, world_size, 10, timeout=RANK_TIMEOUT_S):
-        stats = result.pop("stats")
+        stats, (large_kind, large_rows) = result.pop("stats"), result.pop("large")
         for key, (equal, input_kept, kind) in result.items():
             assert equal and input_kept and kind == "all_to_all", (key, result[key])
         assert stats == {"calls": 6, "bytes": 2 * shard * world_size * (4 + 2 + 2)}
+        assert large_kind == ("all_to_all" if world_size == 2 else "all_gather")  # at world 2 nothing is repeated
+        assert large_rows == [float(r) for r in range(world_size)]
 
 
 def _scratch_reduce_scatter_without_all_to_all(full_numel: int) -> dict:

@@ -100,12 +100,13 @@ class BackendSupport:
     #   buffer beside the output;
     # - above, each peer's chunk of the input must be the shard, so the input is the shard repeated (``repeat``: a
     #   buffer the output's size, as gloo's own flat buffer, held until the work completes instead of while it
-    #   runs, and one copy of it on this thread).
-    # The same bytes on the wire; the same result, bitwise (a gather adds nothing). Per call, 150k-1.6M fp32
-    # elements (bench/all_to_all_probe.py, docs/benchmarks.md, "gloo's all-gathers and world-2 reduce-scatters as
-    # all-to-alls"): wall time 0.57-0.64 x at world 2, CPU over every thread 0.46-0.60 x. Its wait honours
-    # timeouts as the all-to-all's does (watchdog.py), and it is recorded as the all-to-all it is, as the
-    # reduce-scatter above.
+    #   runs, and one copy of it on this thread). That copy grows with the size, and at world 4 the all-to-all
+    #   stopped paying between 3 and 6 MiB; so there only outputs up to ``ALL_TO_ALL_GATHER_MAX_BYTES`` take it.
+    # The same bytes on the wire; the same result, bitwise (a gather adds nothing). Per call (bench/all_to_all_probe.py,
+    # docs/benchmarks.md, "gloo's all-gathers, and world 2's reduce-scatters, as all-to-alls"): 150k-1.6M fp32
+    # elements at world 2, wall time 0.54-0.61 x, CPU over every thread 0.54-0.59 x; at world 4 0.57 x / 0.45 x
+    # at 150k, 0.91 x / 0.95 x at 800k, 1.00 x / 1.05 x at 1.6M. Its wait honours timeouts as the all-to-all's does
+    # (watchdog.py), and it is recorded as the all-to-all it is, as the reduce-scatter above.
     all_gather_by_all_to_all: bool = False
     logged: set = field(default_factory=set)
 
@@ -113,6 +114,9 @@ class BackendSupport:
 # The largest reduce-scatter input (bytes) run as an all-to-all on gloo: [Note: gloo's reduce-scatter as an
 # all-to-all].
 ALL_TO_ALL_REDUCE_MAX_BYTES = 4 << 20
+# The largest all-gather output (bytes) run as an all-to-all of the repeated shard on gloo above world 2: [Note:
+# gloo's all-gather as an all-to-all]. At world 2 there is no such limit (nothing is repeated).
+ALL_TO_ALL_GATHER_MAX_BYTES = 4 << 20
 
 
 def _torch_version() -> tuple[int, int]:
@@ -191,9 +195,13 @@ class CollectiveIssuer:
 
     def all_gather_plan(self, input: torch.Tensor) -> str:
         """The collective an ``all_gather`` of ``input`` runs, which the communicator records for the watchdog:
-        "all_to_all" on gloo for CPU tensors ([Note: gloo's all-gather as an all-to-all]), else "all_gather" (also
-        at world 1, where gloo's is a copy)."""
-        if self.support.all_gather_by_all_to_all and self.world_size > 1 and input.device.type == "cpu":
+        "all_to_all" on gloo for CPU tensors, at world 2 always, above it for outputs up to
+        ``ALL_TO_ALL_GATHER_MAX_BYTES`` ([Note: gloo's all-gather as an all-to-all]); else "all_gather" (also at
+        world 1, where gloo's is a copy)."""
+        world_size = self.world_size
+        if (self.support.all_gather_by_all_to_all and world_size > 1 and input.device.type == "cpu"
+                and (world_size == 2
+                     or input.numel() * input.element_size() * world_size <= ALL_TO_ALL_GATHER_MAX_BYTES)):
             return "all_to_all"
         return "all_gather"
 
