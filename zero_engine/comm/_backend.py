@@ -88,8 +88,8 @@ class BackendSupport:
     # [0, n] or [n, 0], as in [Note: gloo's all-gather as an all-to-all]): only the peer's chunk
     # arrives, into a buffer half the input's size, and is added to this rank's own chunk, read where it lies in
     # the input, in rank order (a + b, as gloo's all-reduce adds; torch.sum over two rows gave -0.0 + -0.0 as
-    # +0.0, equal values). On 250k-1M fp32 elements (bench/all_to_all_probe.py) the call's wall time was
-    # 0.69-0.80 x, its CPU over every thread 0.64-0.76 x.
+    # +0.0, equal values). On 250k-1M fp32 elements (bench/all_to_all_probe.py, docs/benchmarks.md) the call's wall
+    # time was 0.72-0.89 x, its CPU over every thread 0.57-0.80 x.
     reduce_scatter_by_all_to_all: bool = False
     # [Note: gloo's all-gather as an all-to-all] gloo's all_gather_into_tensor (torch 2.13) gathers into a flat
     # buffer of its own, the output's size, and then copies that into the output, on its worker thread; per byte it
