@@ -19,3 +19,8 @@ done
 # split.jsonl: three rounds of bench/cpu_split.py, zero3 in each tree and ddp, worlds 2 and 4 (16:44-16:48 UTC):
 #   PYTHONPATH=$d OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node $W \
 #       bench/cpu_split.py --system zero3|ddp      # one JSON line each, "tree" and "world" added
+# Three more runs of main alone, right after (17:40-17:47 UTC), to see the spread: demo_after_4..6.json
+for r in 4 5 6; do
+  OMP_NUM_THREADS=1 python bench/compare.py --sizes demo --worlds 2,4 --systems ddp,zero3 --rounds 3 --doc '' \
+      --chart '' --json demo_after_$r.json
+done
