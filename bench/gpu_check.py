@@ -103,6 +103,9 @@ def profile_steps(step, steps: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"{part}.txt", "a") as f:
         f.write(f"# {part}: {steps} steps under torch.profiler, sorted by {by} (totals over the {steps} steps)\n")
+        if torch.cuda.is_available():  # the GPU's kernel time against the step: what is left, the GPU waited
+            busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+            f.write(f"# GPU kernel time {busy_ms:.1f} ms a step (kernels on every stream, summed)\n")
         f.write(prof.key_averages().table(sort_by=by, row_limit=45, max_name_column_width=70) + "\n")
 
 
@@ -115,22 +118,30 @@ def time_steps(step, warmup: int, steps: int) -> float:
     return seconds
 
 
+STEP_MS: list[float] = []  # each timed step of the part running, ms (its result's step_ms_each)
+
+
 def _time_steps(step, warmup: int, steps: int) -> float:
+    """Seconds per step over ``steps`` steps; each step's own time goes to STEP_MS, so that a slow run shows whether
+    every step was slow or a few were (a CUDA event between steps costs the GPU nothing and syncs nothing)."""
     for _ in range(warmup):
         step()
     synchronize()
     if torch.cuda.is_available():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for mark in marks[1:]:
             step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / steps
-    started = time.perf_counter()
+            mark.record()
+        marks[-1].synchronize()
+        STEP_MS[:] = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        return marks[0].elapsed_time(marks[-1]) / 1e3 / steps
+    marks = [time.perf_counter()]
     for _ in range(steps):
         step()
-    return (time.perf_counter() - started) / steps
+        marks.append(time.perf_counter())
+    STEP_MS[:] = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    return (marks[-1] - marks[0]) / steps
 
 
 def batch(cfg, micro: int, dev):
@@ -187,7 +198,8 @@ def _train_step(model_or_engine, optimizer, x, y, engine: bool):
 
 
 def _result(cfg, seconds: float, tokens: int) -> dict:
-    return {"step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "peak_bytes": peak_bytes(),
+    return {"step_ms": seconds * 1e3, "step_ms_each": [round(ms, 2) for ms in STEP_MS],
+            "tokens_per_s": tokens / seconds, "peak_bytes": peak_bytes(),
             "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab": cfg.vocab_size, "seq": cfg.block_size}}
 
 
@@ -451,16 +463,19 @@ def markdown(report: dict) -> str:
                   f"HBM bound: {BYTES_PER_ADAM_ELEMENT} bytes/element at the measured copy bandwidth "
                   f"{adam['copy_bandwidth_GBps']:.0f} GB/s = {adam['hbm_bound_ms']:.3f} ms.", ""]
     lines += ["## Training step, world 1, bf16", "",
-              "| runtime | ms/step | tokens/s | peak allocated | step ÷ zero3 | peak ÷ zero3 |",
-              "|---|---|---|---|---|---|"]
+              "| runtime | ms/step | each step, min-max ms | tokens/s | peak allocated | step ÷ zero3 | peak ÷ zero3 |",
+              "|---|---|---|---|---|---|---|"]
     zero3 = r.get("zero3", {})
     for name in ("zero3", "torch", "fsdp2", "deepspeed", "zero3_compiled", "fsdp2_compiled"):
         res = r.get(name, {})
         if "step_ms" in res:
-            lines.append(f"| {name} | {res['step_ms']:.1f} | {res['tokens_per_s']:.0f} | {_gib(res['peak_bytes'])} | "
+            each = res.get("step_ms_each")  # results written before 2026-12-04 have none
+            spread = f"{min(each):.1f}-{max(each):.1f}" if each else "n/a"
+            lines.append(f"| {name} | {res['step_ms']:.1f} | {spread} | "
+                         f"{res['tokens_per_s']:.0f} | {_gib(res['peak_bytes'])} | "
                          f"{_ratio(res, zero3, 'step_ms')} | {_ratio(res, zero3, 'peak_bytes')} |")
         else:
-            lines.append(f"| {name} | {res.get('skipped') or res.get('error', 'not run')[:200]} | | | | |")
+            lines.append(f"| {name} | {res.get('skipped') or res.get('error', 'not run')[:200]} | | | | | |")
     lines += ["", "## Per-rank peak at world 8 (fake process group)", "", "| runtime | peak allocated per rank |",
               "|---|---|"]
     for name in ("fake8_zero3", "fake8_fsdp2", "fake8_zero3_reuse0"):

@@ -31,12 +31,14 @@ def test_tiny_run_writes_json_and_markdown(tmp_path):
     assert results["adam"]["ours_ms"] > 0 and results["adam"]["hbm_bound_ms"] > 0
     assert results["zero3"]["step_ms"] > 0 and results["zero3"]["params"] > 0
     assert results["fsdp2"]["step_ms"] > 0
+    for part in ("zero3", "fsdp2"):  # each timed step's own time too: is a slow run slow in every step?
+        assert len(results[part]["step_ms_each"]) == 1 and results[part]["step_ms_each"][0] > 0
     assert results["fake8_zero3"]["model_state_bytes"] > 0
     assert results["fake8_zero3_reuse0"]["model_state_bytes"] == results["fake8_zero3"]["model_state_bytes"]
     assert "world1_nccl" in results["syncs"] if torch.cuda.is_available() else "skipped" in results["syncs"]
     assert "step_ms" in results["deepspeed"] or "skipped" in results["deepspeed"]
     md = out.with_suffix(".md").read_text()
-    assert "## Adam step" in md and "| zero3 |" in md and "world 8" in md
+    assert "## Adam step" in md and "| zero3 |" in md and "world 8" in md and "each step, min-max ms" in md
 
 
 def test_demo_size_runs_the_demo_gpt(tmp_path):
