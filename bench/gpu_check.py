@@ -103,10 +103,14 @@ def profile_steps(step, steps: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"{part}.txt", "a") as f:
         f.write(f"# {part}: {steps} steps under torch.profiler, sorted by {by} (totals over the {steps} steps)\n")
+        averages = prof.key_averages()
         if torch.cuda.is_available():  # the GPU's kernel time against the step: what is left, the GPU waited
-            busy_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+            busy_ms = sum(e.self_device_time_total for e in averages) / 1e3 / steps
             f.write(f"# GPU kernel time {busy_ms:.1f} ms a step (kernels on every stream, summed)\n")
-        f.write(prof.key_averages().table(sort_by=by, row_limit=45, max_name_column_width=70) + "\n")
+        f.write(averages.table(sort_by=by, row_limit=45, max_name_column_width=70) + "\n")
+        if torch.cuda.is_available():  # and the host's side: where a step that waits on the CPU spends it
+            f.write(f"# {part}: the same steps sorted by self_cpu_time_total\n")
+            f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
 
 
 def time_steps(step, warmup: int, steps: int) -> float:
