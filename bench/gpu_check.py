@@ -94,21 +94,22 @@ def profile_steps(step, steps: int) -> None:
     folder, part = PROFILE
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         synchronize()
-    by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     folder.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
     with open(folder / f"{part}.txt", "a") as f:
         f.write(f"# {part}: {steps} steps under torch.profiler, sorted by {by} (totals over the {steps} steps)\n")
-        averages = prof.key_averages()
-        if torch.cuda.is_available():  # the GPU's kernel time against the step: what is left, the GPU waited
+        if on_gpu:  # the GPU's kernel time against the step: what is left, the GPU waited
             busy_ms = sum(e.self_device_time_total for e in averages) / 1e3 / steps
             f.write(f"# GPU kernel time {busy_ms:.1f} ms a step (kernels on every stream, summed)\n")
         f.write(averages.table(sort_by=by, row_limit=45, max_name_column_width=70) + "\n")
-        if torch.cuda.is_available():  # and the host's side: where a step that waits on the CPU spends it
+        if on_gpu:  # and the host's side: where a step that waits on the CPU spends it
             f.write(f"# {part}: the same steps sorted by self_cpu_time_total\n")
             f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
 

@@ -1,4 +1,5 @@
-"""Throwaway: Python GC collections and their pauses during steady steps, per system (rank 0 prints)."""
+"""Python GC collections and their pauses during steady steps, per system (rank 0 prints); the probe behind
+docs/benchmarks.md's "Python's garbage collector is not in the step" (run.sh beside it has the command)."""
 import gc, os, sys, time, json
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(ROOT, "bench")); sys.path.insert(0, ROOT)
