@@ -274,6 +274,50 @@ def test_an_all_gather_on_gloo_is_an_all_to_all_with_gloos_result(world_size):
         assert large_rows == [float(r) for r in range(world_size)]
 
 
+def _all_gather_peers_on_gloo(full_numel: int) -> dict:
+    """``all_gather_peers`` ([Note: a gather that leaves this rank's row out] in gather.py): gloo's full result with
+    this rank's row taken out, bitwise, in each dtype, sync and async; the output has world - 1 rows and every one
+    is written; the input is untouched; counted and recorded as the full all-gather (the all-to-all that runs).
+    Where the all-gather is not an all-to-all, it refuses with a message that names the method to use instead."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    shard = _shard_numel(full_numel, world)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for async_op in (False, True):
+            inp = _rank_data(rank, shard, dtype)
+            kept = inp.clone()
+            native = torch.empty(shard * world, dtype=dtype)
+            peers = torch.full((shard * (world - 1),), float("nan"), dtype=dtype)  # every element must be written
+            dist.all_gather_into_tensor(native, inp)
+            assert comm.gathers_peers_only(inp)
+            comm.all_gather_peers(peers, inp, async_op=async_op, name="w").wait()
+            expected = torch.cat([row for r, row in enumerate(native.view(world, -1)) if r != rank])
+            out[(str(dtype), async_op)] = (torch.equal(expected, peers), torch.equal(inp, kept),
+                                           comm.progress.last.kind)
+    out["stats"] = comm.stats()["all_gather"]
+    with _forced(_backend.support_for(comm.backend), all_gather_by_all_to_all=False):
+        inp = torch.ones(shard)
+        out["refused_where"] = comm.gathers_peers_only(inp)
+        try:
+            comm.all_gather_peers(torch.empty(shard * (world - 1)), inp, name="w")
+            out["refused"] = ""
+        except ValueError as error:
+            out["refused"] = str(error)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_gather_peers_is_gloos_result_without_this_ranks_row(world_size):
+    shard = _shard_numel(10, world_size)
+    for result in run_ranks(_all_gather_peers_on_gloo, world_size, 10, timeout=RANK_TIMEOUT_S):
+        stats, refused_where, refused = result.pop("stats"), result.pop("refused_where"), result.pop("refused")
+        for key, (equal, input_kept, kind) in result.items():
+            assert equal and input_kept and kind == "all_to_all", (key, result[key])
+        assert stats == {"calls": 6, "bytes": 2 * shard * world_size * (4 + 2 + 2)}  # as the full all-gather
+        assert not refused_where and "all_gather_into_tensor" in refused, refused
+
+
 def _scratch_reduce_scatter_without_all_to_all(full_numel: int) -> dict:
     """Where the all-to-all does not apply (gloo with CUDA tensors; forced off here), a scratch input is all-reduced
     in place: bitwise the native result, recorded as the all-reduce that runs."""

@@ -25,7 +25,9 @@ import zero_engine.schedulers
 from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
-from zero_engine.zero.partition import ParamStatus
+from zero_engine.comm import Communicator
+from zero_engine.zero.gather import CoalescedGather
+from zero_engine.zero.partition import ParamStatus, ShardedParam
 
 TIMEOUT = 120
 
@@ -652,6 +654,44 @@ def test_global_grad_norm_is_one_multi_tensor_norm_over_every_bucket():
 
 
 # ---- large parameters gathered as one group ([Note: large parameters gathered as one group] in gather.py) -------
+def _peers_gather_body():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))  # small: one coalesced run
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    comm = Communicator()
+    sps = [ShardedParam(p, n, i, comm.rank, comm.world_size) for i, (n, p) in enumerate(model.named_parameters())]
+    results = {}
+    for peers in (True, False):
+        gatherer = CoalescedGather(comm, 10_000)
+        if not peers:
+            gatherer.gathers_peers_only = None  # the full buffer, gloo's rows for every rank
+        for sp in sps:
+            sp.release()
+        work = gatherer.issue(sps)
+        staged = [out.numel() for out, *_ in work.flat]
+        work.wait()
+        gathered = all(torch.equal(sp.full_view, full[sp.fqn]) for sp in sps)
+        shards = [sp.shard.clone() for sp in sps]
+        for sp in sps:  # a refresh of the gathered parameters after their shards changed, as after a step
+            sp.shard.add_(1)
+        gatherer.issue(sps, refresh=True).wait()
+        refreshed = all(torch.equal(sp.full_view, full[sp.fqn] + 1) for sp in sps)
+        for sp, shard in zip(sps, shards):
+            sp.shard.copy_(shard)
+        results[peers] = (staged, gathered, refreshed)
+    return results, sum(sp.shard_numel for sp in sps)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_coalesced_gather_on_gloo_stages_the_other_ranks_rows_only(world):
+    """[Note: a gather that leaves this rank's row out]: on gloo the staging buffer holds world - 1 rows, and every
+    rank (first, middle, last) copies its parameters out of it and of its own shards bitwise as from gloo's full
+    result, for a gather and for a refresh."""
+    for results, shard_numel in run_ranks(_peers_gather_body, world, timeout=TIMEOUT):
+        assert results[True] == ([(world - 1) * shard_numel], True, True), results
+        assert results[False] == ([world * shard_numel], True, True), results
+
+
 def _grouped_gather_body(group_large: bool):
     torch.manual_seed(0)
     cfg = GPTConfig(n_embd=512, n_head=8, vocab_size=64)  # attn.qkv 786k and mlp.fc 1.05M elements: gathered direct

@@ -223,6 +223,16 @@ class CollectiveIssuer:
         chunks = list(output.view(-1).chunk(self.world_size))
         return dist.all_gather(chunks, input.reshape(-1), group=self.group, async_op=True), None
 
+    def all_gather_peers(self, output: torch.Tensor, input: torch.Tensor) -> Issued:
+        """Every other rank's ``input`` into the ``world_size - 1`` rows of ``output``, in rank order, this rank's row
+        left out: the all-to-all of plan "all_to_all" without the part this rank sends itself (see [Note: a gather
+        that leaves this rank's row out] in gather.py). Above world 2 the input is the shard repeated once a peer."""
+        shard, world_size = input.view(-1), self.world_size
+        sizes = [shard.numel()] * world_size
+        sizes[self.rank] = 0
+        send = shard if world_size == 2 else shard.repeat(world_size - 1)
+        return dist.all_to_all_single(output.view(-1), send, sizes, sizes, group=self.group, async_op=True), None
+
     def all_gather_grouped(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Issued:
         """Each ``inputs[i]`` gathered into ``outputs[i]``, issued as one call of the backend (torch's coalescing
         manager: on NCCL one group, one launch); see [Note: large parameters gathered as one group] in gather.py."""

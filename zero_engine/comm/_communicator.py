@@ -308,6 +308,34 @@ class Communicator:
         return self._issue(kind, plan, name, input.dtype, input.numel(), output.numel() * output.element_size(),
                            self._issuer.all_gather, (output, input, plan), output, async_op)
 
+    def gathers_peers_only(self, input: torch.Tensor) -> bool:
+        """Whether ``all_gather_peers`` can gather ``input`` here: where the all-gather runs as an all-to-all (gloo,
+        CPU tensors: [Note: gloo's all-gather as an all-to-all] in _backend.py). The same answer on every rank."""
+        return self._issuer.all_gather_plan(input) == "all_to_all"
+
+    def all_gather_peers(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                         name: str = "") -> Pending:
+        """``all_gather_into_tensor`` for a caller that reads this rank's row from ``input`` itself: ``output`` holds
+        the other ranks' rows only, ``(world_size - 1) x input.numel()`` elements in rank order. Only where
+        ``gathers_peers_only(input)``. Counted, recorded and checked as the all-gather it stands for."""
+        kind = "all_gather"
+        world_size = self.world_size
+        if not (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
+                and input.is_contiguous() and output.numel() == input.numel() * (world_size - 1)):
+            self._check_pair(kind, name, output, input)
+            self._require(False, kind, name,
+                          f"output has {output.numel()} elements; expected (world_size - 1) x input = "
+                          f"{world_size - 1} x {input.numel()} = {(world_size - 1) * input.numel()}")
+        plan = self._issuer.all_gather_plan(input)
+        self._require(plan == "all_to_all", kind, name,
+                      f"all_gather_peers runs only where gathers_peers_only(input) (here: {plan}); use "
+                      "all_gather_into_tensor")
+        if self.debug:
+            self._check_consistency(kind, input, input.numel(), input.numel() * world_size, name=name)
+        return self._issue(kind, plan, name, input.dtype, input.numel(),
+                           input.numel() * world_size * input.element_size(), self._issuer.all_gather_peers,
+                           (output, input), output, async_op)
+
     @property
     def groups_all_gathers(self) -> bool:
         """Whether ``all_gather_grouped`` saves something here: on NCCL a group of all-gathers is one launch; gloo

@@ -38,8 +38,10 @@ class GatherWork:
     pending: list  # comm Pending handles, one per collective
     # [Note: coalesced gather buffer lifetime] the staging buffers of small parameters live exactly from issue to
     # wait(): they are dropped as soon as every parameter has been copied out, so the transient peak is one run of
-    # small parameters, never a whole bucket of large ones (those are gathered in place).
-    flat: list[tuple[torch.Tensor, list[ShardedParam]]] = field(default_factory=list)
+    # small parameters, never a whole bucket of large ones (those are gathered in place). Each entry: the staging
+    # buffer, the run's parameters, and, for a gather that left this rank's row out, (this rank, its shards).
+    flat: list[tuple[torch.Tensor, list[ShardedParam], tuple[int, torch.Tensor] | None]] = \
+        field(default_factory=list)
     accounting: object = None  # MemoryAccounting: the staging buffers count as comm_buffers while they live
     numel: int = 0  # gathered elements this work makes live
     done: bool = False
@@ -53,19 +55,42 @@ class GatherWork:
         for handle in self.pending:
             handle.wait()
         staged = 0  # bytes of the staging buffers
-        for out, layout in self.flat:
+        for out, layout, own in self.flat:
             staged += out.numel() * out.element_size()
             # One copy-out kernel per staged run (as FSDP2's): the [world, elements per rank] rows split by columns,
             # each column block written into its parameter's own storage, viewed [world, shard_numel].
             sizes = [p.shard_numel for p in layout]
             foreach_alloc_full(layout)
-            torch.split_with_sizes_copy(out.view(-1, sum(sizes)), sizes, dim=1, out=[p.full_rows for p in layout])
+            if own is None:
+                torch.split_with_sizes_copy(out.view(-1, sum(sizes)), sizes, dim=1,
+                                            out=[p.full_rows for p in layout])
+            else:
+                _copy_out_around(out, own, layout, sizes)
         if staged and self.accounting is not None:
             self.accounting.add("comm_buffers", -staged)
         self.flat.clear()
         self.keep_alive.clear()
         foreach_to_available(self.params)
         self.done = True
+
+
+def _copy_out_around(peers: torch.Tensor, own: tuple[int, torch.Tensor], layout: list[ShardedParam],
+                     sizes: list[int]) -> None:
+    """[Note: a gather that leaves this rank's row out]
+    Where an all-gather runs as an all-to-all (gloo, CPU tensors), the staging buffer need not hold this rank's
+    row: it is the run's shards, which the copy-out reads where they lie. So the collective receives only the other
+    ranks' rows (``Communicator.all_gather_peers``): a buffer (world - 1) / world the size, no copy of this rank's
+    shards into it, and nothing sent to itself. The copy-out then writes each parameter's rows from up to three
+    places: the peers' rows before this rank's, its own shards, the peers' rows after. The same bytes land in the
+    same places as from a full buffer."""
+    rank, shards = own
+    rows = peers.view(-1, sum(sizes))
+    before, mine, after = zip(*[p.rows_around(rank) for p in layout])
+    torch.split_with_sizes_copy(shards, sizes, out=list(mine))
+    if rank > 0:
+        torch.split_with_sizes_copy(rows[:rank], sizes, dim=1, out=list(before))
+    if rank < rows.shape[0]:
+        torch.split_with_sizes_copy(rows[rank:], sizes, dim=1, out=list(after))
 
 
 def _runs(params: list[ShardedParam], run_numel: int) -> list[list[ShardedParam]]:
@@ -84,11 +109,16 @@ def _runs(params: list[ShardedParam], run_numel: int) -> list[list[ShardedParam]
     return runs
 
 
-def _all_gather(comm, streams, work: GatherWork, out: torch.Tensor, inp: torch.Tensor, name: str) -> None:
+def _all_gather(comm, streams, work: GatherWork, out: torch.Tensor, inp: torch.Tensor, name: str,
+                peers_only: bool = False) -> None:
     """Issue one all-gather into ``work``, on the all-gather stream on CUDA (see [Note: streams, events and buffer
     lifetime]: ``out`` was allocated on the compute stream before this call, ``work`` holds ``inp`` until its
-    ``wait()``, which orders the readers of ``out``)."""
+    ``wait()``, which orders the readers of ``out``). ``peers_only``: ``out`` gets the other ranks' rows only ([Note:
+    a gather that leaves this rank's row out]; CPU tensors, so no side stream)."""
     work.keep_alive.append(inp)
+    if peers_only:
+        work.pending.append(comm.all_gather_peers(out, inp, async_op=True, name=name))
+        return
     if streams is None or streams.all_gather is None:  # not CUDA: no side stream (streams.collective_on's no-op)
         work.pending.append(comm.all_gather_into_tensor(out, inp, async_op=True, name=name))
         return
@@ -133,6 +163,8 @@ class CoalescedGather:
         self.accounting = accounting
         self.streams = streams  # CommStreams on CUDA (None: issue on the current stream)
         self.group_large = getattr(comm, "groups_all_gathers", False) if group_large is None else group_large
+        # a Communicator's (not MiCS's two-step gather): [Note: a gather that leaves this rank's row out]
+        self.gathers_peers_only = getattr(comm, "gathers_peers_only", None)
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False) -> GatherWork:
         work = GatherWork(params=list(params), pending=[], accounting=self.accounting)
@@ -159,9 +191,12 @@ class CoalescedGather:
             inp = run[0].bucket.run_view(run) if run[0].bucket is not None else None
             if inp is None:
                 inp = torch.cat([p.shard for p in run])
-            out = torch.empty(inp.numel() * self.comm.world_size, dtype=inp.dtype, device=inp.device)
-            _all_gather(self.comm, self.streams, work, out, inp, name)
-            work.flat.append((out, run))  # the run's shards lie back to back in each rank's row
+            peers_only = self.gathers_peers_only is not None and self.gathers_peers_only(inp)
+            rows = self.comm.world_size - 1 if peers_only else self.comm.world_size
+            out = torch.empty(inp.numel() * rows, dtype=inp.dtype, device=inp.device)
+            _all_gather(self.comm, self.streams, work, out, inp, name, peers_only)
+            # the run's shards lie back to back in each rank's row
+            work.flat.append((out, run, (self.comm.rank, inp) if peers_only else None))
             staged += out.numel() * out.element_size()
         if staged and self.accounting is not None:
             self.accounting.add("comm_buffers", staged)

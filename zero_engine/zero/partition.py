@@ -290,8 +290,19 @@ class ShardedParam:
         self.full = full
         self.full_view = full[: self.numel].view(self.shape)
         self.full_rows = full.view(-1, self.shard_numel)  # [world, shard_numel]: where a coalesced gather copies out
+        self._rows_around = None  # rows_around's views of this buffer, made at its first call
         self.full_storage = full.untyped_storage()  # the storage object released and re-allocated
         self.full_nbytes = full.nbytes  # what it holds while allocated
+
+    def rows_around(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``full_rows`` split at ``rank``: the rows before it, its own row (1-D) and the rows after it. Views of the
+        full buffer, made once per buffer, as ``full_view`` (a gather that leaves this rank's row out copies into
+        them at every gather: [Note: a gather that leaves this rank's row out] in gather.py)."""
+        views = self._rows_around
+        if views is None or views[0] != rank:
+            rows = self.full_rows
+            views = self._rows_around = (rank, rows[:rank], rows[rank], rows[rank + 1:])
+        return views[1:]
 
     # ---- state transitions -------------------------------------------------------------------------------------
     def to_inflight(self, refresh: bool = False) -> None:
