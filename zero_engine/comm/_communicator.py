@@ -320,6 +320,7 @@ class Communicator:
         ``gathers_peers_only(input)``. Counted, recorded and checked as the all-gather it stands for."""
         kind = "all_gather"
         world_size = self.world_size
+        # all_gather_into_tensor's check with another row count, written out as there: one call less a collective
         if not (output.dtype == input.dtype and output.device == input.device and output.is_contiguous()
                 and input.is_contiguous() and output.numel() == input.numel() * (world_size - 1)):
             self._check_pair(kind, name, output, input)
