@@ -92,6 +92,23 @@ def test_pool_is_reused_and_recreated_after_a_rank_dies():
     assert set(third).isdisjoint(first), "a failed call's pool is killed and a fresh one started"
 
 
+def _abort_in_a_named_function_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        os.abort()  # as a C++ abort does (gloo's on a collective mismatch): SIGABRT, no Python exception
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_the_signal_and_its_python_stack():
+    with pytest.raises(RankError) as caught:
+        run_ranks(_abort_in_a_named_function_on_rank_one, 2, timeout=30)
+    (failure,) = [f for f in caught.value.failures if f.rank == 1]
+    assert failure.exception.startswith("process exited with code -6 (SIGABRT) before returning"), failure
+    assert "Fatal Python error: Aborted" in failure.traceback, failure.traceback
+    assert "in _abort_in_a_named_function_on_rank_one" in failure.traceback, failure.traceback
+    assert "rank 1: process exited with code -6 (SIGABRT)" in str(caught.value)
+    assert "in _abort_in_a_named_function_on_rank_one" in str(caught.value)
+
+
 def _parent() -> tuple[int, str, bool]:
     """This rank's parent process: its pid, its command line, and whether it has torch's library mapped."""
     parent = os.getppid()

@@ -147,8 +147,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
                    "Python stacks of every rank (faulthandler):\n" + "\n".join(sections))
         raise RankTimeoutError(message, stuck_failures)
 
-    sections = [_section(f"rank {f.rank} raised {f.exception}" if f.traceback else f"rank {f.rank}: {f.exception}",
-                         f.traceback) for f in sorted(failures.values())]
+    sections = [_section(f"rank {f.rank}: {f.exception}" if f.exception.startswith(_EXITED) or not f.traceback
+                         else f"rank {f.rank} raised {f.exception}", f.traceback) for f in sorted(failures.values())]
     stuck_failures = []
     for rank in unfinished:
         reason = f"did not finish within {grace_after_failure:.0f}s after the failure (killed)"
@@ -167,6 +167,25 @@ def _unpickle_result(result: bytes, rank: int, label: str) -> Any:
         failure = RankFailure(rank, f"{type(error).__name__}: {error}", "")
         raise RankError(f"{label}: rank {rank} returned a value this process cannot unpickle ({error}); return "
                         "plain data (numbers, lists, dicts, tensors)", [failure]) from error
+
+
+_EXITED = "process exited with code"
+
+
+def _died(pool, rank: int) -> RankFailure:
+    """A rank whose process ended without replying: its exit code and, killed by a fatal signal (a C++ abort, such
+    as gloo's on a collective the ranks disagree on), the signal and where each of its threads was then."""
+    pool.processes[rank].join(timeout=1.0)  # so that exitcode is known
+    code = pool.processes[rank].exitcode
+    if code is None or code >= 0:
+        return RankFailure(rank, f"{_EXITED} {code} before returning", "")
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    stack = pool.fatal_stack(rank)
+    where = "; its Python stacks when the signal came:" if stack else ""
+    return RankFailure(rank, f"{_EXITED} {code} ({name}) before returning{where}", stack)
 
 
 def _collect(pool, timeout: float, grace: float) -> tuple[dict[int, Reply], dict[int, RankFailure], bool]:
@@ -193,9 +212,7 @@ def _collect(pool, timeout: float, grace: float) -> tuple[dict[int, Reply], dict
             elif pool.processes[rank].sentinel not in ready:
                 continue
             if reply is None:
-                pool.processes[rank].join(timeout=1.0)  # so that exitcode is known
-                code = pool.processes[rank].exitcode
-                failures[rank] = RankFailure(rank, f"process exited with code {code} before returning", "")
+                failures[rank] = _died(pool, rank)
             elif reply.ok:
                 replies[rank] = reply
             else:

@@ -24,6 +24,8 @@ from zero_engine.testing._worker import READY, STACK_DUMP_SIGNAL, worker_main
 
 logger = logging.getLogger(__name__)
 
+# How faulthandler starts the stacks of a process a fatal signal kills ("Fatal Python error: Aborted").
+FATAL_DUMP_HEADER = "Fatal Python error"
 _START_TIMEOUT_S = 180.0  # the fork server's first start imports torch, on a loaded 2-core machine
 _STACK_DUMP_WAIT_S = 2.0
 # Imported once by the fork server, before any rank forks from it: see [Note: ranks forked from a preloaded server].
@@ -129,6 +131,17 @@ class RankPool:
                 stack_file.seek(offset)
                 stacks[rank] = stack_file.read().rstrip() or "(no stack was written in time)"
         return stacks
+
+    def fatal_stack(self, rank: int) -> str:
+        """The Python stacks ``rank`` wrote when a fatal signal killed it (faulthandler, see worker_main); "" if none.
+        Only a living pool's file is read, and a pool is replaced after any failure, so a dump is of this call."""
+        try:
+            with open(self.stack_paths[rank]) as stack_file:
+                text = stack_file.read()
+        except OSError:
+            return ""
+        start = text.rfind(FATAL_DUMP_HEADER)
+        return text[start:].rstrip() if start >= 0 else ""
 
     def shutdown(self) -> None:
         """Ask idle ranks to exit; kill whatever does not within a few seconds."""

@@ -94,6 +94,9 @@ def worker_main(rank: int, world_size: int, connection, stack_path: str) -> None
     # which works even while the main thread is blocked inside a C++ collective.
     stack_file = open(stack_path, "w")
     faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True)
+    # A rank killed by a fatal signal (SIGABRT from a C++ abort such as gloo's on a collective mismatch, SIGSEGV)
+    # leaves its stacks there too, for the report of the call it died in (_pool.fatal_stack).
+    faulthandler.enable(file=stack_file, all_threads=True)
 
     import torch
 
