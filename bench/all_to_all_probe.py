@@ -15,12 +15,20 @@ All-gather, rank r's shard into row r of the output:
 Reduce-scatter (sum), rank r keeping the reduced chunk r, world 2 only (above it the engine's way is unchanged):
 - ``all-to-all + sum``: the whole input all-to-all'd and the two received rows summed (the engine's way before);
 - ``all-to-all + add``: only the peer's chunk sent and received, added to this rank's own (the engine's way now).
+Peer gather (``--peers``), the other ranks' shards into the world - 1 rows of the output, this rank's row left out
+(zero_engine's gather since [Note: a gather that leaves this rank's row out]; [Note: gloo's peer gather as sends and
+receives] in zero_engine/comm/_backend.py):
+- ``all-to-all``: nothing sent to this rank itself; above world 2 the input is the shard repeated once a peer;
+- ``sends and receives``: a receive of each peer's shard into its row and a send of the shard to each peer.
 Each result is checked against gloo's own collective before it is timed.
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 bench/all_to_all_probe.py --peers
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -77,6 +85,34 @@ def _gather_ways(numel: int, rank: int, world: int) -> dict:
     return {"gloo": gloo, "all-to-all": all_to_all}
 
 
+def _peer_gather_ways(numel: int, rank: int, world: int) -> dict:
+    n = numel // world
+    shard = torch.randn(n)
+    out = torch.empty((world - 1) * n)
+    rows = out.view(world - 1, -1)
+    sizes = [n] * world
+    sizes[rank] = 0
+    peers = [peer for peer in range(world) if peer != rank]
+
+    def all_to_all():
+        dist.all_to_all_single(out, shard if world == 2 else shard.repeat(world - 1), sizes, sizes)
+
+    def sends_and_receives():
+        works = [dist.irecv(rows[i], src=peer) for i, peer in enumerate(peers)]
+        works += [dist.isend(shard, dst=(rank + step) % world) for step in range(1, world)]
+        for work in works:
+            work.wait()
+
+    full = torch.empty(n * world)
+    all_gather_single(full, shard)
+    expected = torch.cat([row for r, row in enumerate(full.view(world, -1)) if r != rank])
+    for fn in (all_to_all, sends_and_receives):
+        out.fill_(float("nan"))
+        fn()
+        assert torch.equal(out, expected), f"{fn.__name__} gathered something else"
+    return {"all-to-all": all_to_all, "sends and receives": sends_and_receives}
+
+
 def _reduce_ways(numel: int, rank: int, world: int) -> dict:
     data = torch.randn(numel)
     n = numel // 2
@@ -116,6 +152,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    if "--peers" in sys.argv:
+        _table("peer gather", [n - n % world for n in GATHER_SIZES], _peer_gather_ways, rank, world)
+        dist.destroy_process_group()
+        return
     _table("all-gather", [n - n % world for n in GATHER_SIZES], _gather_ways, rank, world)
     if world == 2:
         _table("reduce-scatter", REDUCE_SIZES, _reduce_ways, rank, world)

@@ -296,6 +296,20 @@ def _all_gather_peers_on_gloo(full_numel: int) -> dict:
             out[(str(dtype), async_op)] = (torch.equal(expected, peers), torch.equal(inp, kept),
                                            comm.progress.last.kind)
     out["stats"] = comm.stats()["all_gather"]
+    # two gathers in flight at once, waited in the other order (their own tags above world 2), and the all-to-all
+    # of the repeated shard where the sends and receives are off: the same rows
+    first, second = _rank_data(rank, shard), _rank_data(rank + world, shard)
+    rows = [torch.empty(shard * (world - 1)) for _ in range(2)]
+    pending = [comm.all_gather_peers(rows[0], first, async_op=True, name="a"),
+               comm.all_gather_peers(rows[1], second, async_op=True, name="b")]
+    pending[1].wait()
+    pending[0].wait()
+    out["two_in_flight"] = [torch.equal(row, torch.cat([_rank_data(r + k * world, shard) for r in range(world)
+                                                        if r != rank])) for k, row in enumerate(rows)]
+    with _forced(_backend.support_for(comm.backend), all_gather_peers_by_send_recv=False):
+        row = torch.empty(shard * (world - 1))
+        comm.all_gather_peers(row, first, name="repeated").wait()
+        out["repeated"] = (torch.equal(row, rows[0]), comm.progress.last.kind)
     with _forced(_backend.support_for(comm.backend), all_gather_by_all_to_all=False):
         inp = torch.ones(shard)
         out["refused_where"] = comm.gathers_peers_only(inp)
@@ -308,13 +322,20 @@ def _all_gather_peers_on_gloo(full_numel: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_all_gather_peers_is_gloos_result_without_this_ranks_row(world_size):
-    shard = _shard_numel(10, world_size)
-    for result in run_ranks(_all_gather_peers_on_gloo, world_size, 10, timeout=RANK_TIMEOUT_S):
+@pytest.mark.parametrize("full_numel", [10, 600_000])
+def test_all_gather_peers_is_gloos_result_without_this_ranks_row(world_size, full_numel):
+    shard = _shard_numel(full_numel, world_size)
+    for result in run_ranks(_all_gather_peers_on_gloo, world_size, full_numel, timeout=RANK_TIMEOUT_S):
         stats, refused_where, refused = result.pop("stats"), result.pop("refused_where"), result.pop("refused")
+        two_in_flight, repeated = result.pop("two_in_flight"), result.pop("repeated")
         for key, (equal, input_kept, kind) in result.items():
-            assert equal and input_kept and kind == "all_to_all", (key, result[key])
+            # what runs: one all-to-all at world 2; above, a send and a receive per peer from 1 MiB of output
+            # ([Note: gloo's peer gather as sends and receives] in _backend.py), the all-to-all below
+            nbytes = shard * world_size * torch.empty((), dtype=getattr(torch, key[0].split(".")[1])).element_size()
+            runs = "send_recv" if world_size > 2 and nbytes >= _backend.SEND_RECV_GATHER_MIN_BYTES else "all_to_all"
+            assert equal and input_kept and kind == runs, (key, result[key], runs)
         assert stats == {"calls": 6, "bytes": 2 * shard * world_size * (4 + 2 + 2)}  # as the full all-gather
+        assert two_in_flight == [True, True] and repeated == (True, "all_to_all"), (two_in_flight, repeated)
         assert not refused_where and "all_gather_into_tensor" in refused, refused
 
 

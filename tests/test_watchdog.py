@@ -272,6 +272,35 @@ def test_sigkilled_rank_is_named_by_the_survivors(where):
     assert len(set(run_ranks(_pid, 3, timeout=TIMEOUT))) == 3
 
 
+def _killed_in_a_peer_gather_body():
+    """World 3: rank 2 dies instead of joining a 2.4 MiB peer gather, which the others run as sends and receives
+    ([Note: gloo's peer gather as sends and receives] in comm/_backend.py) and wait on the watchdog's helper thread."""
+    comm = Communicator(stall_timeout_s=STALL_S)
+    comm.all_gather_peers(torch.empty(2 * 200_000), torch.ones(200_000), name="first").wait()  # every rank
+    if comm.rank == 2:
+        kill_this_rank()
+    started = time.monotonic()
+    try:
+        comm.all_gather_peers(torch.empty(2 * 200_000), torch.ones(200_000), name="second").wait()
+    except zero_engine.DistributedError as error:
+        raise type(error)(f"{error} [detected after {time.monotonic() - started:.1f}s; "
+                          f"recorded as {comm.progress.last.kind}]")
+    return "no error"
+
+
+def test_a_rank_lost_in_a_peer_gather_of_sends_and_receives_is_named():
+    with pytest.raises(RankError) as excinfo:
+        run_ranks(_killed_in_a_peer_gather_body, 3, timeout=TIMEOUT, grace_after_failure=45)
+    failures = _failures(excinfo)
+    assert "exited with code -9" in failures[2], failures
+    for rank in (0, 1):
+        message = failures[rank]
+        assert message.startswith("RankLostError") and "rank 2 was lost" in message, message
+        assert "recorded as send_recv" in message, message
+        detected = float(message.rsplit("[detected after ", 1)[1].split("s;")[0])
+        assert detected < DETECT_WITHIN_S, message
+
+
 def _pid():
     return os.getpid()
 

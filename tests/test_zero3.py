@@ -692,6 +692,27 @@ def test_a_coalesced_gather_on_gloo_stages_the_other_ranks_rows_only(world):
         assert results[False] == ([world * shard_numel], True, True), results
 
 
+def _send_recv_gather_body():
+    """Blocks whose gather outputs 1.2 MiB (n_embd 160): above world 2 each is a send and a receive per peer
+    ([Note: gloo's peer gather as sends and receives] in comm/_backend.py), waited on the watchdog's helper thread."""
+    cfg = GPTConfig(n_embd=160, n_head=4)
+    config = ds_config(3, gas=1, optimizer="SGD", lr=0.05, reduce_bucket_size=500_000,
+                       stage3_prefetch_bucket_size=2_000_000, stage3_max_live_parameters=4_000_000,
+                       leaf_module={"classes": ["Block"]})
+    kinds = set()
+    errors = train_and_compare(cfg, config, steps=3,
+                               check=lambda engine: kinds.update(r.kind for r in engine.comm.progress.recent))
+    return errors, sorted(kinds)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_units_gathered_as_sends_and_receives_train_as_one_process(world):
+    for (loss_err, param_err), kinds in run_ranks(_send_recv_gather_body, world, timeout=TIMEOUT):
+        assert "send_recv" in kinds, kinds
+        # fp32, SGD; the reduce-scatter sums in another order than one process's backward
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+
+
 def _grouped_gather_body(group_large: bool):
     torch.manual_seed(0)
     cfg = GPTConfig(n_embd=512, n_head=8, vocab_size=64)  # attn.qkv 786k and mlp.fc 1.05M elements: gathered direct

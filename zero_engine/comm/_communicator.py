@@ -333,7 +333,8 @@ class Communicator:
                       "all_gather_into_tensor")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), input.numel() * world_size, name=name)
-        return self._issue(kind, plan, name, input.dtype, input.numel(),
+        record_kind = "all_to_all" if world_size == 2 else self._issuer.all_gather_peers_plan(input)
+        return self._issue(kind, record_kind, name, input.dtype, input.numel(),
                            input.numel() * world_size * input.element_size(), self._issuer.all_gather_peers,
                            (output, input), output, async_op)
 
