@@ -279,13 +279,13 @@ class CollectiveIssuer:
             return "send_recv"
         return "all_to_all"
 
-    def all_gather_peers(self, output: torch.Tensor, input: torch.Tensor) -> Issued:
+    def all_gather_peers(self, output: torch.Tensor, input: torch.Tensor, plan: str = "all_to_all") -> Issued:
         """Every other rank's ``input`` into the ``world_size - 1`` rows of ``output``, in rank order, this rank's row
-        left out (see [Note: a gather that leaves this rank's row out] in gather.py): at world 2 the all-to-all of
-        plan "all_to_all" without the part this rank sends itself; above, a send and a receive per peer (plan
-        "send_recv") or the all-to-all of the shard repeated once a peer."""
+        left out (see [Note: a gather that leaves this rank's row out] in gather.py); ``plan`` from
+        ``all_gather_peers_plan``: "send_recv", a send and a receive per peer, or "all_to_all", at world 2 the
+        all-to-all without the part this rank sends itself, above it that of the shard repeated once a peer."""
         shard, world_size, rank = input.view(-1), self.world_size, self.rank
-        if world_size > 2 and self.all_gather_peers_plan(input) == "send_recv":
+        if plan == "send_recv":
             rows, tag = output.view(world_size - 1, -1), self._next_peer_tag()
             works = [dist.irecv(rows[i], group=self.group, group_src=peer, tag=tag)
                      for i, peer in enumerate(self.peers)]

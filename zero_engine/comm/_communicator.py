@@ -333,10 +333,10 @@ class Communicator:
                       "all_gather_into_tensor")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), input.numel() * world_size, name=name)
-        record_kind = "all_to_all" if world_size == 2 else self._issuer.all_gather_peers_plan(input)
-        return self._issue(kind, record_kind, name, input.dtype, input.numel(),
+        runs = "all_to_all" if world_size == 2 else self._issuer.all_gather_peers_plan(input)
+        return self._issue(kind, runs, name, input.dtype, input.numel(),
                            input.numel() * world_size * input.element_size(), self._issuer.all_gather_peers,
-                           (output, input), output, async_op)
+                           (output, input, runs), output, async_op)
 
     @property
     def groups_all_gathers(self) -> bool:
