@@ -317,7 +317,8 @@ class Communicator:
                          name: str = "") -> Pending:
         """``all_gather_into_tensor`` for a caller that reads this rank's row from ``input`` itself: ``output`` holds
         the other ranks' rows only, ``(world_size - 1) x input.numel()`` elements in rank order. Only where
-        ``gathers_peers_only(input)``. Counted, recorded and checked as the all-gather it stands for."""
+        ``gathers_peers_only(input)``. Counted and checked as the all-gather it stands for; recorded for the watchdog as
+        what runs (``CollectiveIssuer.all_gather_peers_plan``: an all-to-all, or sends and receives above world 2)."""
         kind = "all_gather"
         world_size = self.world_size
         # all_gather_into_tensor's check with another row count, written out as there: one call less a collective
