@@ -152,9 +152,10 @@ def _kind(op_name: str) -> str | None:
     return "other"
 
 
-def _inside(ranges: dict, event: dict) -> bool:
+def _range_of(ranges: dict, event: dict) -> tuple | None:
+    """The (start, end) of the range in ``ranges`` (by thread) that holds ``event``, or None."""
     start = event.get("ts", 0)
-    return any(lo <= start < hi for lo, hi in ranges.get(event.get("tid"), ()))
+    return next(((lo, hi) for lo, hi in ranges.get(event.get("tid"), ()) if lo <= start < hi), None)
 
 
 def _split_sizes(args: dict, index: int) -> list[int]:
@@ -176,8 +177,11 @@ def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str,
     (comm/_backend.py's Notes): a collective inside its "zero3::all_gather ..." or "zero3::reduce_scatter ..." range
     is counted as the collective it is (an all-gather's output bytes, a reduce-scatter's input bytes). At world 2
     those all-to-alls send nothing to the rank itself (split sizes [0, n] or [n, 0]): the logical size is then n
-    times the number of ranks."""
+    times the number of ranks. Above world 2 a gather may run as a send and a receive per peer ([Note: gloo's gathers
+    as sends and receives]): the range is then one all-gather, whose bytes are its receives' and as much again for
+    this rank's own row (each receive is one row); its sends add nothing."""
     counts: dict[str, dict[str, int]] = {}
+    peer_gathers: set = set()  # (thread, range) of the all-gathers run as sends and receives, counted once
     ranges: dict[str, dict] = {kind: {} for kind in _RANGED_KINDS}
     for e in trace.get("traceEvents", []):
         kind = e.get("name", "").split(" ", 1)[0].removeprefix("zero3::")  # "zero3::all_gather <its name>"
@@ -195,7 +199,15 @@ def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str,
         op = _kind(name)
         if op is None:
             continue
-        kind = next((k for k in _RANGED_KINDS if _inside(ranges[k], event)), op)
+        kind, held_by = op, None
+        for ranged in _RANGED_KINDS:
+            held_by = _range_of(ranges[ranged], event)
+            if held_by is not None:
+                kind = ranged
+                break
+        point_to_point = kind == "all_gather" and name in ("c10d::send", "c10d::recv_")
+        if point_to_point and name == "c10d::send":
+            continue
         args = event.get("args", {})
         dims = args.get("Input Dims", [])
         types = args.get("Input type", [])
@@ -214,6 +226,13 @@ def collectives_from_trace(trace: dict, default_element_bytes: int) -> dict[str,
             numel = max(splits) * len(splits)
         open_until[event.get("tid")] = end
         entry = counts.setdefault(kind, {"calls": 0, "bytes": 0})
+        if point_to_point:  # one receive of the gather: a peer's row
+            if (event.get("tid"), held_by) not in peer_gathers:  # its first: the call, and this rank's own row
+                peer_gathers.add((event.get("tid"), held_by))
+                entry["calls"] += 1
+                entry["bytes"] += numel * element_bytes
+            entry["bytes"] += numel * element_bytes
+            continue
         entry["calls"] += 1
         entry["bytes"] += numel * element_bytes
     return counts

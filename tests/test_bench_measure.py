@@ -16,25 +16,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from _measure import collectives_from_trace, profile_collectives  # noqa: E402
 
 
-def _profiled_step_body(cap_bytes: int):
+def _profiled_step_body(cap_bytes: int, large: bool):
     from zero_engine.comm import _backend
 
     _backend.ALL_TO_ALL_REDUCE_MAX_BYTES, cap = cap_bytes, _backend.ALL_TO_ALL_REDUCE_MAX_BYTES
     try:
-        return _profiled_step()
+        return _profiled_step(large)
     finally:
         _backend.ALL_TO_ALL_REDUCE_MAX_BYTES = cap
 
 
-def _profiled_step():
+def _profiled_step(large: bool):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+    # large: above world 2 every gather runs as sends and receives, the first Linear's (501k elements, weight and
+    # bias staged: the other ranks' rows) and the second's (600k, straight into its storage: a whole all-gather)
+    model = (nn.Sequential(nn.Linear(500, 1000), nn.Tanh(), nn.Linear(1000, 600)) if large
+             else nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "reduce_bucket_size": 1000}}
     engine, *_ = zero_engine.initialize(model=model, config=config)
-    x = torch.randn(2, 32)
+    x = torch.randn(2, 500 if large else 32)
 
     def step():
         engine.backward(engine(x).square().mean())
@@ -49,9 +52,10 @@ def _profiled_step():
     return counted, ours
 
 
-@pytest.mark.parametrize("cap_bytes", [4 << 20, 0], ids=["all-to-all", "all-reduce in place"])
-def test_a_profiled_step_counts_what_the_engine_counts(cap_bytes):
-    for counted, ours in run_ranks(_profiled_step_body, 2, cap_bytes, timeout=120):
+@pytest.mark.parametrize("world, cap_bytes, large", [(2, 4 << 20, False), (2, 0, False), (3, 4 << 20, True)],
+                         ids=["all-to-all", "all-reduce in place", "sends and receives"])
+def test_a_profiled_step_counts_what_the_engine_counts(world, cap_bytes, large):
+    for counted, ours in run_ranks(_profiled_step_body, world, cap_bytes, large, timeout=120):
         assert ours["reduce_scatter"] > 0
         for kind in ("all_gather", "reduce_scatter"):
             assert counted.get(kind, {}).get("bytes", 0) == ours[kind], (kind, counted, ours)
@@ -91,3 +95,23 @@ def test_an_all_to_all_inside_an_all_gather_range_is_that_all_gather_by_its_gath
         "reduce_scatter": {"calls": 1, "bytes": 48}}
     # qgZ's own all-to-all, in no such range, keeps its split sizes' meaning: its input
     assert collectives_from_trace({"traceEvents": [world_2]}, 4) == {"all_to_all": {"calls": 1, "bytes": 24}}
+
+
+def test_the_sends_and_receives_inside_an_all_gather_range_are_that_one_all_gather_by_its_gathered_size():
+    """Above world 2 a gather of 1 MiB or more runs as a send and a receive per peer ([Note: gloo's gathers as sends
+    and receives]): one all-gather of world x row bytes, not one call per send and receive (it was 2 (world - 1)
+    calls of a row each: 1.5 x the bytes at world 4)."""
+    ranged = {"name": "zero3::all_gather blocks.0", "tid": 1, "ts": 40, "dur": 20}
+    second = dict(ranged, ts=70)
+
+    def point_to_point(name, ts):
+        return {"name": name, "tid": 1, "ts": ts, "dur": 1,
+                "args": {"Input Dims": [[[6]], [], [], []], "Input type": ["TensorList", "", "Scalar", "Scalar"]}}
+
+    world_4 = [point_to_point("c10d::recv_", 41 + i) for i in range(3)]
+    world_4 += [point_to_point("c10d::send", 44 + i) for i in range(3)]
+    assert collectives_from_trace({"traceEvents": [ranged, *world_4]}, 4) == {"all_gather": {"calls": 1, "bytes": 96}}
+    again = [dict(e, ts=e["ts"] + 30) for e in world_4]
+    assert collectives_from_trace({"traceEvents": [ranged, second, *world_4, *again]}, 4) == {
+        "all_gather": {"calls": 2, "bytes": 192}}
+
