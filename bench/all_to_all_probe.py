@@ -16,13 +16,19 @@ Reduce-scatter (sum), rank r keeping the reduced chunk r, world 2 only (above it
 - ``all-to-all + sum``: the whole input all-to-all'd and the two received rows summed (the engine's way before);
 - ``all-to-all + add``: only the peer's chunk sent and received, added to this rank's own (the engine's way now).
 Peer gather (``--peers``), the other ranks' shards into the world - 1 rows of the output, this rank's row left out
-(zero_engine's gather since [Note: a gather that leaves this rank's row out]; [Note: gloo's peer gather as sends and
+(zero_engine's gather since [Note: a gather that leaves this rank's row out]; [Note: gloo's gathers as sends and
 receives] in zero_engine/comm/_backend.py):
 - ``all-to-all``: nothing sent to this rank itself; above world 2 the input is the shard repeated once a peer;
 - ``sends and receives``: a receive of each peer's shard into its row and a send of the shard to each peer.
+Large all-gather (``--large``, 2-8M elements: beyond ``ALL_TO_ALL_GATHER_MAX_BYTES`` above world 2, where the engine
+ran gloo's own before the sends and receives took over every gather from 1 MiB up):
+- ``gloo``: ``all_gather_into_tensor``, gloo's own;
+- ``sends and receives``: the peer gather's, into the other ranks' rows (a unit's copy-out reads this rank's rows
+  from its own shards; that copy, the same bytes either way, is not timed).
 Each result is checked against gloo's own collective before it is timed.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 bench/all_to_all_probe.py --peers
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 bench/all_to_all_probe.py --large      # also try 3
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch.distributed as dist
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 GATHER_SIZES = [150_000, 800_000, 1_600_000]  # the demo's blocks gather 789k elements
+LARGE_GATHER_SIZES = [2_000_000, 4_000_000, 8_000_000]  # 8-32 MB: the 100m model's blocks gather 7.1M
 REDUCE_SIZES = [250_000, 500_000, 1_000_000]  # the demo's gradient buckets hold up to 500k
 SERIES, CALLS = 5, 40
 
@@ -113,6 +120,35 @@ def _peer_gather_ways(numel: int, rank: int, world: int) -> dict:
     return {"all-to-all": all_to_all, "sends and receives": sends_and_receives}
 
 
+def _large_gather_ways(numel: int, rank: int, world: int) -> dict:
+    """Above ``ALL_TO_ALL_GATHER_MAX_BYTES``: gloo's all-gather of the whole output against the sends and receives
+    of a peer gather into a buffer of the other ranks' rows. A unit's gather copies out of either into its
+    parameters (from its own shards for this rank's rows, [Note: a gather that leaves this rank's row out]), the
+    same bytes both ways, so neither is timed with that copy."""
+    n = numel // world
+    shard = torch.randn(n)
+    out = torch.empty(numel)
+    peers_out = torch.empty((world - 1) * n)
+    rows = peers_out.view(world - 1, -1)
+    peers = [peer for peer in range(world) if peer != rank]
+
+    def gloo():
+        all_gather_single(out, shard)
+
+    def sends_and_receives():
+        works = [dist.irecv(rows[i], src=peer) for i, peer in enumerate(peers)]
+        works += [dist.isend(shard, dst=(rank + step) % world) for step in range(1, world)]
+        for work in works:
+            work.wait()
+
+    all_gather_single(out, shard)
+    peers_out.fill_(float("nan"))
+    sends_and_receives()
+    expected = torch.cat([row for r, row in enumerate(out.view(world, -1)) if r != rank])
+    assert torch.equal(peers_out, expected), "the sends and receives gathered something else"
+    return {"gloo": gloo, "sends and receives": sends_and_receives}
+
+
 def _reduce_ways(numel: int, rank: int, world: int) -> dict:
     data = torch.randn(numel)
     n = numel // 2
@@ -152,6 +188,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    if "--large" in sys.argv:
+        _table("large all-gather", [n - n % world for n in LARGE_GATHER_SIZES], _large_gather_ways, rank, world)
+        dist.destroy_process_group()
+        return
     if "--peers" in sys.argv:
         _table("peer gather", [n - n % world for n in GATHER_SIZES], _peer_gather_ways, rank, world)
         dist.destroy_process_group()

@@ -238,9 +238,10 @@ def test_a_reduce_scatter_on_gloo_is_an_all_to_all_and_a_sum_with_gloos_result(w
 
 def _all_gather_on_gloo(full_numel: int) -> dict:
     """An all-gather of CPU tensors on gloo runs as an all-to-all ([Note: gloo's all-gather as an all-to-all]; at
-    world 2 one that sends nothing to this rank itself, above it one of the shard repeated): gloo's own result
-    bitwise, in each dtype the engine gathers, sync and async; its input untouched; counted as the all-gather it is
-    (the output's bytes), recorded as the all-to-all that runs (its wait honours timeouts)."""
+    world 2 one that sends nothing to this rank itself, above it one of the shard repeated) or, above world 2 from
+    1 MiB of output, as a send and a receive per peer ([Note: gloo's gathers as sends and receives]): gloo's own
+    result bitwise, in each dtype the engine gathers, sync and async; its input untouched; counted as the all-gather
+    it is (the output's bytes), recorded as what runs."""
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     shard = _shard_numel(full_numel, world)
@@ -255,23 +256,33 @@ def _all_gather_on_gloo(full_numel: int) -> dict:
             comm.all_gather_into_tensor(ours, inp, async_op=async_op, name="w").wait()
             out[(str(dtype), async_op)] = (torch.equal(native, ours), torch.equal(inp, kept), comm.progress.last.kind)
     out["stats"] = comm.stats()["all_gather"]
-    # an output above ALL_TO_ALL_GATHER_MAX_BYTES: above world 2 gloo's own (the repeated shard would be as large)
+    # an output above ALL_TO_ALL_GATHER_MAX_BYTES: above world 2 sends and receives, or gloo's own where those are
+    # turned off (the repeated shard would be as large as gloo's buffer)
     large = torch.full((_backend.ALL_TO_ALL_GATHER_MAX_BYTES // 4 // world + 1,), float(rank))
-    gathered = comm.all_gather_into_tensor(torch.empty(large.numel() * world), large).tensor
-    out["large"] = (comm.progress.last.kind, gathered.view(world, -1)[:, 0].tolist())
+    out["large"] = []
+    for send_recv in (True, False):
+        with _forced(_backend.support_for(comm.backend), all_gather_by_send_recv=send_recv):
+            gathered = comm.all_gather_into_tensor(torch.empty(large.numel() * world), large).tensor
+            out["large"].append((comm.progress.last.kind, gathered.view(world, -1)[:, 0].tolist()))
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_an_all_gather_on_gloo_is_an_all_to_all_with_gloos_result(world_size):
-    shard = _shard_numel(10, world_size)
-    for result in run_ranks(_all_gather_on_gloo, world_size, 10, timeout=RANK_TIMEOUT_S):
-        stats, (large_kind, large_rows) = result.pop("stats"), result.pop("large")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("full_numel", [10, 600_000])
+def test_an_all_gather_on_gloo_is_an_all_to_all_or_sends_and_receives_with_gloos_result(world_size, full_numel):
+    shard = _shard_numel(full_numel, world_size)
+    for result in run_ranks(_all_gather_on_gloo, world_size, full_numel, timeout=RANK_TIMEOUT_S):
+        stats, large = result.pop("stats"), result.pop("large")
         for key, (equal, input_kept, kind) in result.items():
-            assert equal and input_kept and kind == "all_to_all", (key, result[key])
+            nbytes = shard * world_size * torch.empty((), dtype=getattr(torch, key[0].split(".")[1])).element_size()
+            runs = "send_recv" if world_size > 2 and nbytes >= _backend.SEND_RECV_GATHER_MIN_BYTES else "all_to_all"
+            assert equal and input_kept and kind == runs, (key, result[key], runs)
         assert stats == {"calls": 6, "bytes": 2 * shard * world_size * (4 + 2 + 2)}
-        assert large_kind == ("all_to_all" if world_size == 2 else "all_gather")  # at world 2 nothing is repeated
-        assert large_rows == [float(r) for r in range(world_size)]
+        rows = [float(r) for r in range(world_size)]
+        if world_size == 2:  # nothing is repeated: the all-to-all at any size
+            assert large == [("all_to_all", rows), ("all_to_all", rows)], large
+        else:
+            assert large == [("send_recv", rows), ("all_gather", rows)], large
 
 
 def _all_gather_peers_on_gloo(full_numel: int) -> dict:
@@ -306,7 +317,7 @@ def _all_gather_peers_on_gloo(full_numel: int) -> dict:
     pending[0].wait()
     out["two_in_flight"] = [torch.equal(row, torch.cat([_rank_data(r + k * world, shard) for r in range(world)
                                                         if r != rank])) for k, row in enumerate(rows)]
-    with _forced(_backend.support_for(comm.backend), all_gather_peers_by_send_recv=False):
+    with _forced(_backend.support_for(comm.backend), all_gather_by_send_recv=False):
         row = torch.empty(shard * (world - 1))
         comm.all_gather_peers(row, first, name="repeated").wait()
         out["repeated"] = (torch.equal(row, rows[0]), comm.progress.last.kind)
@@ -330,7 +341,7 @@ def test_all_gather_peers_is_gloos_result_without_this_ranks_row(world_size, ful
         two_in_flight, repeated = result.pop("two_in_flight"), result.pop("repeated")
         for key, (equal, input_kept, kind) in result.items():
             # what runs: one all-to-all at world 2; above, a send and a receive per peer from 1 MiB of output
-            # ([Note: gloo's peer gather as sends and receives] in _backend.py), the all-to-all below
+            # ([Note: gloo's gathers as sends and receives] in _backend.py), the all-to-all below
             nbytes = shard * world_size * torch.empty((), dtype=getattr(torch, key[0].split(".")[1])).element_size()
             runs = "send_recv" if world_size > 2 and nbytes >= _backend.SEND_RECV_GATHER_MIN_BYTES else "all_to_all"
             assert equal and input_kept and kind == runs, (key, result[key], runs)

@@ -274,7 +274,7 @@ def test_sigkilled_rank_is_named_by_the_survivors(where):
 
 def _killed_in_a_peer_gather_body():
     """World 3: rank 2 dies instead of joining a 2.4 MiB peer gather, which the others run as sends and receives
-    ([Note: gloo's peer gather as sends and receives] in comm/_backend.py) and wait on the watchdog's helper thread."""
+    ([Note: gloo's gathers as sends and receives] in comm/_backend.py) and wait on the watchdog's helper thread."""
     comm = Communicator(stall_timeout_s=STALL_S)
     comm.all_gather_peers(torch.empty(2 * 200_000), torch.ones(200_000), name="first").wait()  # every rank
     if comm.rank == 2:

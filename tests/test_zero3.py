@@ -692,10 +692,12 @@ def test_a_coalesced_gather_on_gloo_stages_the_other_ranks_rows_only(world):
         assert results[False] == ([world * shard_numel], True, True), results
 
 
-def _send_recv_gather_body():
-    """Blocks whose gather outputs 1.2 MiB (n_embd 160): above world 2 each is a send and a receive per peer
-    ([Note: gloo's peer gather as sends and receives] in comm/_backend.py), waited on the watchdog's helper thread."""
-    cfg = GPTConfig(n_embd=160, n_head=4)
+def _send_recv_gather_body(n_embd: int):
+    """Above world 2 every gather of 1 MiB of output or more is a send and a receive per peer ([Note: gloo's gathers
+    as sends and receives] in comm/_backend.py), waited on the watchdog's helper thread: n_embd 160, blocks whose
+    staged gathers output 1.2 MiB; n_embd 512, matrices of 786k and 1.05M elements gathered straight into their
+    storage (3.1 and 4.2 MB: the larger one was gloo's own all-gather before, above ALL_TO_ALL_GATHER_MAX_BYTES)."""
+    cfg = GPTConfig(n_embd=n_embd, n_head=4, vocab_size=64 if n_embd > 256 else GPTConfig.vocab_size)
     config = ds_config(3, gas=1, optimizer="SGD", lr=0.05, reduce_bucket_size=500_000,
                        stage3_prefetch_bucket_size=2_000_000, stage3_max_live_parameters=4_000_000,
                        leaf_module={"classes": ["Block"]})
@@ -705,10 +707,11 @@ def _send_recv_gather_body():
     return errors, sorted(kinds)
 
 
+@pytest.mark.parametrize("n_embd", [160, 512])
 @pytest.mark.parametrize("world", [3, 4])
-def test_units_gathered_as_sends_and_receives_train_as_one_process(world):
-    for (loss_err, param_err), kinds in run_ranks(_send_recv_gather_body, world, timeout=TIMEOUT):
-        assert "send_recv" in kinds, kinds
+def test_units_gathered_as_sends_and_receives_train_as_one_process(world, n_embd):
+    for (loss_err, param_err), kinds in run_ranks(_send_recv_gather_body, world, n_embd, timeout=TIMEOUT):
+        assert "send_recv" in kinds and "all_gather" not in kinds, kinds  # no gloo all-gather left
         # fp32, SGD; the reduce-scatter sums in another order than one process's backward
         assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
 

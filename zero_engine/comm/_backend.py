@@ -108,32 +108,37 @@ class BackendSupport:
     # at 150k, 0.91 x / 0.95 x at 800k, 1.00 x / 1.05 x at 1.6M. Its wait honours timeouts as the all-to-all's does
     # (watchdog.py), and it is recorded as the all-to-all it is, as the reduce-scatter above.
     all_gather_by_all_to_all: bool = False
-    # [Note: gloo's peer gather as sends and receives] A gather that leaves this rank's row out (all_gather_peers,
-    # [Note: a gather that leaves this rank's row out] in zero/gather.py) needs no repeated shard above world 2:
-    # each peer's shard is received straight into its row and this rank's shard is sent to each peer from where it
-    # lies, a send and a receive per peer (gloo's point-to-point, under a tag of their own per gather, so that two
-    # gathers in flight never pair up with each other). For 0.8-1.6M fp32 elements gathered at worlds 3 and 4 that
-    # took 0.58-0.76 x the CPU over every thread and 0.55-0.80 x the wall time of the all-to-all of the repeated
-    # shard, whose repeat alone is a copy of (world - 1) shards on the calling thread (bench/all_to_all_probe.py
-    # --peers, docs/benchmarks.md, "A peer gather as sends and receives"). Below 1 MiB of output
-    # (``SEND_RECV_GATHER_MIN_BYTES``) the 2 (world - 1) calls' fixed cost took more CPU than the copy saves (1.07-
-    # 1.41 x at world 4), and at world 2, where nothing is repeated, the two were even: there the one all-to-all
-    # stays. The same bytes, the same result bitwise. gloo's point-to-point works cannot be waited with a timeout
-    # (a timed-out wait closes the connection) and report completion only once waited, so the watchdog waits them
-    # on its helper thread (watchdog.py, ``_BlockingWaiter``): they are recorded as "send_recv", whose waits do not
-    # honour timeouts.
-    all_gather_peers_by_send_recv: bool = False
+    # [Note: gloo's gathers as sends and receives] Above world 2 a gather needs no repeated shard: each peer's shard
+    # is received straight into its row and this rank's shard is sent to each peer from where it lies, a send and a
+    # receive per peer (gloo's point-to-point, under a tag of their own per gather, so that two gathers in flight
+    # never pair up with each other); a whole all-gather also copies this rank's shard into its own row meanwhile,
+    # and a peer gather ([Note: a gather that leaves this rank's row out] in zero/gather.py) has no such row. Per
+    # call (bench/all_to_all_probe.py, docs/benchmarks.md):
+    # - ``--peers``, 0.8-1.6M fp32 elements at worlds 3 and 4: 0.58-0.76 x the CPU over every thread and 0.55-0.80
+    #   x the wall time of the all-to-all of the repeated shard, whose repeat alone is a copy of (world - 1) shards
+    #   on the calling thread ("A peer gather as sends and receives above world 2");
+    # - ``--large``, 2-8M elements, beyond ``ALL_TO_ALL_GATHER_MAX_BYTES``, where gloo's own all-gather ran: 0.41-0.57
+    #   x its CPU and 0.39-0.51 x its wall time at worlds 3 and 4 (gloo's gathers into a flat buffer of its own and
+    #   copies that out; "Large gathers as sends and receives above world 2").
+    # Below 1 MiB of output (``SEND_RECV_GATHER_MIN_BYTES``) the 2 (world - 1) calls' fixed cost took more CPU than
+    # the repeat saves (1.07-1.41 x at world 4): there the all-to-all stays, and at world 2, where nothing is
+    # repeated, the two were even: there the one all-to-all stays too. The same bytes, the same result bitwise.
+    # gloo's point-to-point works cannot be waited with a timeout (a timed-out wait closes the connection) and
+    # report completion only once waited, so the watchdog waits them on its helper thread (watchdog.py,
+    # ``_BlockingWaiter``): they are recorded as "send_recv", whose waits do not honour timeouts.
+    all_gather_by_send_recv: bool = False
     logged: set = field(default_factory=set)
 
 
 # The largest reduce-scatter input (bytes) run as an all-to-all on gloo: [Note: gloo's reduce-scatter as an
 # all-to-all].
 ALL_TO_ALL_REDUCE_MAX_BYTES = 4 << 20
-# The largest all-gather output (bytes) run as an all-to-all of the repeated shard on gloo above world 2: [Note:
-# gloo's all-gather as an all-to-all]. At world 2 there is no such limit (nothing is repeated).
+# The largest all-gather output (bytes) run as an all-to-all of the repeated shard on gloo above world 2, where
+# sends and receives do not run it: [Note: gloo's all-gather as an all-to-all]. At world 2 there is no such limit
+# (nothing is repeated).
 ALL_TO_ALL_GATHER_MAX_BYTES = 4 << 20
-# The smallest peer gather output (bytes) run as sends and receives above world 2: [Note: gloo's peer gather as sends
-# and receives]. Below it, each point-to-point call's fixed cost outweighs the repeated shard's copy.
+# The smallest gather output (bytes) run as sends and receives above world 2: [Note: gloo's gathers as sends and
+# receives]. Below it, each point-to-point call's fixed cost outweighs the repeated shard's copy.
 SEND_RECV_GATHER_MIN_BYTES = 1 << 20
 
 
@@ -156,7 +161,7 @@ def decide_support(backend: str, torch_version: tuple[int, int] | None = None) -
     gloo = all(name == "gloo" for name in parts)
     return BackendSupport(all_gather_single=native, reduce_scatter_single=native, avg=native,
                           reduce_scatter_copies_input=gloo, reduce_scatter_by_all_to_all=gloo,
-                          all_gather_by_all_to_all=gloo, all_gather_peers_by_send_recv=gloo)
+                          all_gather_by_all_to_all=gloo, all_gather_by_send_recv=gloo)
 
 
 _support_by_backend: dict[str, BackendSupport] = {}
@@ -188,7 +193,7 @@ def _divide_once(tensor: torch.Tensor, world_size: int) -> Callable[[], None]:
 
 
 class PeerWorks:
-    """The sends and receives of one peer gather as one work ([Note: gloo's peer gather as sends and receives]).
+    """The sends and receives of one gather as one work ([Note: gloo's gathers as sends and receives]).
     ``wait()`` takes no timeout on purpose: a timed wait on gloo's point-to-point works breaks the connection."""
 
     __slots__ = ("works", "error")
@@ -227,7 +232,7 @@ class CollectiveIssuer:
         self.backend = str(backend)
         self.world_size = world_size
         self.support = support_for(self.backend)
-        self._peer_tag = 0  # the last peer gather's tag (_next_peer_tag)
+        self._peer_tag = 0  # the last gather's tag of sends and receives (_next_peer_tag)
         if "nccl" in self.backend.lower():
             # NCCL runs all_gather_into_tensor, reduce_scatter_tensor and AVG natively: never emulate on that path
             # (an emulation would add a full-size copy per reduce-scatter and hide a real NCCL error).
@@ -240,16 +245,20 @@ class CollectiveIssuer:
         return dist.get_rank(self.group)
 
     def all_gather_plan(self, input: torch.Tensor) -> str:
-        """The collective an ``all_gather`` of ``input`` runs, which the communicator records for the watchdog:
-        "all_to_all" on gloo for CPU tensors, at world 2 always, above it for outputs up to
-        ``ALL_TO_ALL_GATHER_MAX_BYTES`` ([Note: gloo's all-gather as an all-to-all]); else "all_gather" (also at
-        world 1, where gloo's is a copy)."""
+        """The collective an all-gather of ``input`` runs, which the communicator records for the watchdog. On gloo
+        for CPU tensors: at world 2 "all_to_all" ([Note: gloo's all-gather as an all-to-all]); above it
+        "send_recv" for outputs from ``SEND_RECV_GATHER_MIN_BYTES`` ([Note: gloo's gathers as sends and receives]),
+        "all_to_all" for smaller ones. Else "all_gather" (also at world 1, where gloo's is a copy, and where neither
+        applies: an output above ``ALL_TO_ALL_GATHER_MAX_BYTES`` with the sends and receives turned off)."""
         world_size = self.world_size
-        if (self.support.all_gather_by_all_to_all and world_size > 1 and input.device.type == "cpu"
-                and (world_size == 2
-                     or input.numel() * input.element_size() * world_size <= ALL_TO_ALL_GATHER_MAX_BYTES)):
+        if not (self.support.all_gather_by_all_to_all and world_size > 1 and input.device.type == "cpu"):
+            return "all_gather"
+        if world_size == 2:
             return "all_to_all"
-        return "all_gather"
+        nbytes = input.numel() * input.element_size() * world_size
+        if self.support.all_gather_by_send_recv and nbytes >= SEND_RECV_GATHER_MIN_BYTES:
+            return "send_recv"
+        return "all_to_all" if nbytes <= ALL_TO_ALL_GATHER_MAX_BYTES else "all_gather"
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, plan: str = "all_gather") -> Issued:
         """``plan`` from ``all_gather_plan``."""
@@ -260,6 +269,11 @@ class CollectiveIssuer:
             work = dist.all_to_all_single(rows[1 - rank], shard, sizes, sizes, group=self.group, async_op=True)
             rows[rank].copy_(shard)
             return work, None
+        if plan == "send_recv":  # each peer's shard into its row, ours into our own meanwhile
+            shard, rows = input.view(-1), output.view(self.world_size, -1)
+            work = self._send_and_receive(shard, [rows[peer] for peer in self.peers])
+            rows[self.rank].copy_(shard)
+            return work, None
         if plan == "all_to_all":  # every rank sends its shard to every rank: the input is the shard repeated
             repeated = input.view(-1).repeat(self.world_size)
             return dist.all_to_all_single(output.view(-1), repeated, group=self.group, async_op=True), None
@@ -269,34 +283,28 @@ class CollectiveIssuer:
         chunks = list(output.view(-1).chunk(self.world_size))
         return dist.all_gather(chunks, input.reshape(-1), group=self.group, async_op=True), None
 
-    def all_gather_peers_plan(self, input: torch.Tensor) -> str:
-        """What ``all_gather_peers`` of ``input`` runs, as recorded for the watchdog: "send_recv" above world 2 for
-        outputs from ``SEND_RECV_GATHER_MIN_BYTES`` where gloo's point-to-point does it ([Note: gloo's peer gather
-        as sends and receives]), else "all_to_all"."""
-        world_size = self.world_size
-        if (world_size > 2 and self.support.all_gather_peers_by_send_recv
-                and input.numel() * input.element_size() * world_size >= SEND_RECV_GATHER_MIN_BYTES):
-            return "send_recv"
-        return "all_to_all"
-
     def all_gather_peers(self, output: torch.Tensor, input: torch.Tensor, plan: str = "all_to_all") -> Issued:
         """Every other rank's ``input`` into the ``world_size - 1`` rows of ``output``, in rank order, this rank's row
         left out (see [Note: a gather that leaves this rank's row out] in gather.py); ``plan`` from
-        ``all_gather_peers_plan``: "send_recv", a send and a receive per peer, or "all_to_all", at world 2 the
+        ``all_gather_plan``: "send_recv", a send and a receive per peer, or "all_to_all", at world 2 the
         all-to-all without the part this rank sends itself, above it that of the shard repeated once a peer."""
         shard, world_size, rank = input.view(-1), self.world_size, self.rank
         if plan == "send_recv":
-            rows, tag = output.view(world_size - 1, -1), self._next_peer_tag()
-            works = [dist.irecv(rows[i], group=self.group, group_src=peer, tag=tag)
-                     for i, peer in enumerate(self.peers)]
-            # to the next ranks first, so that the ranks do not all send to rank 0 at once
-            works += [dist.isend(shard, group=self.group, group_dst=(rank + step) % world_size, tag=tag)
-                      for step in range(1, world_size)]
-            return PeerWorks(works), None
+            return self._send_and_receive(shard, list(output.view(world_size - 1, -1))), None
         sizes = [shard.numel()] * world_size
         sizes[rank] = 0
         send = shard if world_size == 2 else shard.repeat(world_size - 1)
         return dist.all_to_all_single(output.view(-1), send, sizes, sizes, group=self.group, async_op=True), None
+
+    def _send_and_receive(self, shard: torch.Tensor, rows: list[torch.Tensor]) -> PeerWorks:
+        """Each peer's shard received into ``rows`` (one per peer, in rank order) and ``shard`` sent to each peer:
+        [Note: gloo's gathers as sends and receives]."""
+        tag, world_size, rank = self._next_peer_tag(), self.world_size, self.rank
+        works = [dist.irecv(row, group=self.group, group_src=peer, tag=tag) for row, peer in zip(rows, self.peers)]
+        # to the next ranks first, so that the ranks do not all send to rank 0 at once
+        works += [dist.isend(shard, group=self.group, group_dst=(rank + step) % world_size, tag=tag)
+                  for step in range(1, world_size)]
+        return PeerWorks(works)
 
     @functools.cached_property
     def peers(self) -> list[int]:
@@ -304,8 +312,7 @@ class CollectiveIssuer:
         return [peer for peer in range(self.world_size) if peer != self.rank]
 
     def _next_peer_tag(self) -> int:
-        """A tag for the next peer gather's sends and receives: every rank issues the same gathers in the same
-        order, so the n-th gather has the same tag on every rank, and no two gathers in flight share one."""
+        """A tag for the next gather's sends and receives: every rank issues the same gathers in the same order, so the n-th gather has the same tag on every rank, and no two gathers in flight share one."""
         self._peer_tag = (self._peer_tag + 1) % (1 << 30)
         return self._peer_tag
 

@@ -309,16 +309,17 @@ class Communicator:
                            self._issuer.all_gather, (output, input, plan), output, async_op)
 
     def gathers_peers_only(self, input: torch.Tensor) -> bool:
-        """Whether ``all_gather_peers`` can gather ``input`` here: where the all-gather runs as an all-to-all (gloo,
-        CPU tensors: [Note: gloo's all-gather as an all-to-all] in _backend.py). The same answer on every rank."""
-        return self._issuer.all_gather_plan(input) == "all_to_all"
+        """Whether ``all_gather_peers`` can gather ``input`` here: where the all-gather runs as an all-to-all or as
+        sends and receives (gloo, CPU tensors: [Note: gloo's all-gather as an all-to-all] and [Note: gloo's gathers
+        as sends and receives] in _backend.py). The same answer on every rank."""
+        return self._issuer.all_gather_plan(input) != "all_gather"
 
     def all_gather_peers(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                          name: str = "") -> Pending:
         """``all_gather_into_tensor`` for a caller that reads this rank's row from ``input`` itself: ``output`` holds
         the other ranks' rows only, ``(world_size - 1) x input.numel()`` elements in rank order. Only where
         ``gathers_peers_only(input)``. Counted and checked as the all-gather it stands for; recorded for the watchdog as
-        what runs (``CollectiveIssuer.all_gather_peers_plan``: an all-to-all, or sends and receives above world 2)."""
+        what runs (``CollectiveIssuer.all_gather_plan``: an all-to-all, or sends and receives above world 2)."""
         kind = "all_gather"
         world_size = self.world_size
         # all_gather_into_tensor's check with another row count, written out as there: one call less a collective
@@ -329,15 +330,14 @@ class Communicator:
                           f"output has {output.numel()} elements; expected (world_size - 1) x input = "
                           f"{world_size - 1} x {input.numel()} = {(world_size - 1) * input.numel()}")
         plan = self._issuer.all_gather_plan(input)
-        self._require(plan == "all_to_all", kind, name,
-                      f"all_gather_peers runs only where gathers_peers_only(input) (here: {plan}); use "
-                      "all_gather_into_tensor")
+        if plan == "all_gather":
+            self._require(False, kind, name, "all_gather_peers runs only where gathers_peers_only(input) (here the "
+                          "backend's own all-gather runs); use all_gather_into_tensor")
         if self.debug:
             self._check_consistency(kind, input, input.numel(), input.numel() * world_size, name=name)
-        runs = "all_to_all" if world_size == 2 else self._issuer.all_gather_peers_plan(input)
-        return self._issue(kind, runs, name, input.dtype, input.numel(),
+        return self._issue(kind, plan, name, input.dtype, input.numel(),
                            input.numel() * world_size * input.element_size(), self._issuer.all_gather_peers,
-                           (output, input, runs), output, async_op)
+                           (output, input, plan), output, async_op)
 
     @property
     def groups_all_gathers(self) -> bool:
