@@ -29,6 +29,8 @@ it: the profiler's cost per call event is measured on this machine and clock fir
 estimate, noisier than the raw row, and not part of the split (the raw row is). ``--top N`` also prints the N
 functions with the most own time. ``--ops`` runs one more steady step per system and counts the tensor ops it
 dispatches (``OpCounter``: the ops Python and autograd call, views excluded; what a GPU would launch, roughly).
+``PROFILE_STEP_DUMP=<file>`` in the environment also writes rank 0's raw cProfile stats there, for pstats' callers and
+callees views (``pstats.Stats(file).print_callers("grads.py")``).
 """
 
 from __future__ import annotations
@@ -173,6 +175,8 @@ def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: 
             profiled.append(took)
     if rank == 0:
         stats = pstats.Stats(profiler)
+        if os.environ.get("PROFILE_STEP_DUMP"):  # the raw stats, for pstats' callers and callees views
+            stats.dump_stats(os.environ["PROFILE_STEP_DUMP"])
         split: dict[str, float] = {}
         for func, (_, _, tottime, _, _) in stats.stats.items():
             split[_where(func)] = split.get(_where(func), 0.0) + tottime / steps
