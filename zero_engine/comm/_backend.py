@@ -102,6 +102,7 @@ class BackendSupport:
     #   buffer the output's size, as gloo's own flat buffer, held until the work completes instead of while it
     #   runs, and one copy of it on this thread). That copy grows with the size, and at world 4 the all-to-all
     #   stopped paying between 3 and 6 MiB; so there only outputs up to ``ALL_TO_ALL_GATHER_MAX_BYTES`` take it.
+    #   Since [Note: gloo's gathers as sends and receives], only those under ``SEND_RECV_GATHER_MIN_BYTES`` do.
     # The same bytes on the wire; the same result, bitwise (a gather adds nothing). Per call (bench/all_to_all_probe.py,
     # docs/benchmarks.md, "gloo's all-gathers, and world 2's reduce-scatters, as all-to-alls"): 150k-1.6M fp32
     # elements at world 2, wall time 0.54-0.61 x, CPU over every thread 0.54-0.59 x; at world 4 0.57 x / 0.45 x
