@@ -48,9 +48,9 @@ def full_params(engine) -> dict[str, torch.Tensor]:
     if engine.stage == 0:
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     out = {}
-    for sp in engine.sharded:
+    for sp in engine.sharded:  # over the shard group: the world's, or a MiCS shard group's
         buf = torch.empty(sp.padded_numel, dtype=sp.shard.dtype)
-        dist.all_gather_into_tensor(buf, sp.shard)
+        dist.all_gather_into_tensor(buf, sp.shard, group=engine.shard_comm.group)
         out[sp.fqn] = buf[: sp.numel].view(sp.shape)
     return out
 
@@ -692,7 +692,7 @@ def test_a_coalesced_gather_on_gloo_stages_the_other_ranks_rows_only(world):
         assert results[False] == ([world * shard_numel], True, True), results
 
 
-def _send_recv_gather_body(n_embd: int):
+def _send_recv_gather_body(n_embd: int, **zero):
     """Above world 2 every gather of 1 MiB of output or more is a send and a receive per peer ([Note: gloo's gathers
     as sends and receives] in comm/_backend.py), waited on the watchdog's helper thread: n_embd 160, blocks whose
     staged gathers output 1.2 MiB; n_embd 512, matrices of 786k and 1.05M elements gathered straight into their
@@ -700,7 +700,7 @@ def _send_recv_gather_body(n_embd: int):
     cfg = GPTConfig(n_embd=n_embd, n_head=4, vocab_size=64 if n_embd > 256 else GPTConfig.vocab_size)
     config = ds_config(3, gas=1, optimizer="SGD", lr=0.05, reduce_bucket_size=500_000,
                        stage3_prefetch_bucket_size=2_000_000, stage3_max_live_parameters=4_000_000,
-                       leaf_module={"classes": ["Block"]})
+                       leaf_module={"classes": ["Block"]}, **zero)
     kinds = set()
     errors = train_and_compare(cfg, config, steps=3,
                                check=lambda engine: kinds.update(r.kind for r in engine.comm.progress.recent))
@@ -714,6 +714,15 @@ def test_units_gathered_as_sends_and_receives_train_as_one_process(world, n_embd
         assert "send_recv" in kinds and "all_gather" not in kinds, kinds  # no gloo all-gather left
         # fp32, SGD; the reduce-scatter sums in another order than one process's backward
         assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+
+
+def test_gathers_as_sends_and_receives_within_mics_shard_groups_train_as_one_process():
+    """World 6, two MiCS shard groups of 3 ranks: the sends and receives of a gather address the other ranks by their
+    rank in the shard group (``group_src`` / ``group_dst``), not in the world."""
+    for (loss_err, param_err), kinds in run_ranks(_send_recv_gather_body, 6, 160, mics_shard_size=3,
+                                                  timeout=TIMEOUT):
+        assert "send_recv" in kinds and "all_gather" not in kinds, kinds
+        assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)  # MiCS's tolerance (test_mesh.py)
 
 
 def _grouped_gather_body(group_large: bool):
