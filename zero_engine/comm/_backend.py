@@ -313,7 +313,8 @@ class CollectiveIssuer:
         return [peer for peer in range(self.world_size) if peer != self.rank]
 
     def _next_peer_tag(self) -> int:
-        """A tag for the next gather's sends and receives: every rank issues the same gathers in the same order, so the n-th gather has the same tag on every rank, and no two gathers in flight share one."""
+        """A tag for the next gather's sends and receives: every rank issues the same gathers in the same order, so
+        the n-th gather has the same tag on every rank, and no two gathers in flight share one."""
         self._peer_tag = (self._peer_tag + 1) % (1 << 30)
         return self._peer_tag
 
