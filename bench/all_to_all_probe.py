@@ -92,6 +92,20 @@ def _gather_ways(numel: int, rank: int, world: int) -> dict:
     return {"gloo": gloo, "all-to-all": all_to_all}
 
 
+def _sends_and_receives(rows: torch.Tensor, shard: torch.Tensor, rank: int, world: int):
+    """A peer gather as the engine runs it above world 2: each peer's shard received into its row of ``rows`` (the
+    other ranks', in rank order), ``shard`` sent to each peer."""
+    peers = [peer for peer in range(world) if peer != rank]
+
+    def sends_and_receives():
+        works = [dist.irecv(rows[i], src=peer) for i, peer in enumerate(peers)]
+        works += [dist.isend(shard, dst=(rank + step) % world) for step in range(1, world)]
+        for work in works:
+            work.wait()
+
+    return sends_and_receives
+
+
 def _peer_gather_ways(numel: int, rank: int, world: int) -> dict:
     n = numel // world
     shard = torch.randn(n)
@@ -99,16 +113,11 @@ def _peer_gather_ways(numel: int, rank: int, world: int) -> dict:
     rows = out.view(world - 1, -1)
     sizes = [n] * world
     sizes[rank] = 0
-    peers = [peer for peer in range(world) if peer != rank]
 
     def all_to_all():
         dist.all_to_all_single(out, shard if world == 2 else shard.repeat(world - 1), sizes, sizes)
 
-    def sends_and_receives():
-        works = [dist.irecv(rows[i], src=peer) for i, peer in enumerate(peers)]
-        works += [dist.isend(shard, dst=(rank + step) % world) for step in range(1, world)]
-        for work in works:
-            work.wait()
+    sends_and_receives = _sends_and_receives(rows, shard, rank, world)
 
     full = torch.empty(n * world)
     all_gather_single(full, shard)
@@ -130,16 +139,11 @@ def _large_gather_ways(numel: int, rank: int, world: int) -> dict:
     out = torch.empty(numel)
     peers_out = torch.empty((world - 1) * n)
     rows = peers_out.view(world - 1, -1)
-    peers = [peer for peer in range(world) if peer != rank]
 
     def gloo():
         all_gather_single(out, shard)
 
-    def sends_and_receives():
-        works = [dist.irecv(rows[i], src=peer) for i, peer in enumerate(peers)]
-        works += [dist.isend(shard, dst=(rank + step) % world) for step in range(1, world)]
-        for work in works:
-            work.wait()
+    sends_and_receives = _sends_and_receives(rows, shard, rank, world)
 
     all_gather_single(out, shard)
     peers_out.fill_(float("nan"))
