@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .partition import ZeroParameter, sharded_param_of
 
@@ -47,8 +46,11 @@ __all__ = ["register_external_parameter", "unregister_external_parameter", "regi
            "watch_parameter_reads", "unwatch_parameter_reads", "enter_forward", "leave_forward", "innermost",
            "units_in_forward"]
 
-# module -> {id(param): param} declared by register_external_parameter (weak: a dropped model frees its entries)
-_REGISTERED = WeakIdKeyDictionary()
+# The parameters register_external_parameter declared for a module: a list in the module's own ``__dict__`` under
+# this name (as DeepSpeed keeps them on the module), so they go with the module, and a copy of the module keeps its
+# copies of them. A dictionary beside the modules, keyed weakly by module, could never drop an entry whose parameters
+# lead back to their module (see [Note: a parameter holds its partition state] in partition.py).
+_REGISTERED = "_zero_engine_external_params"
 
 # The forwards running now, outermost first: (coordinator, module, is_unit, own). The model's root is entered as a
 # scope (is_unit False) even when it has no parameters, so a read anywhere in the model's forward has a place to go.
@@ -70,23 +72,26 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     if not isinstance(parameter, nn.Parameter):
         raise TypeError("register_external_parameter: parameter must be an nn.Parameter, got "
                         f"{type(parameter).__name__}")
-    _REGISTERED.setdefault(module, {})[id(parameter)] = parameter
+    registered = module.__dict__.setdefault(_REGISTERED, [])
+    if not any(p is parameter for p in registered):
+        registered.append(parameter)
     for coordinator in _live_coordinators():
         coordinator.add_external(module, parameter, gather_now=_is_running(module))
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Undo ``register_external_parameter`` (call outside forward and backward)."""
-    if id(parameter) not in _REGISTERED.get(module, {}):
+    registered = module.__dict__.get(_REGISTERED, [])
+    if not any(p is parameter for p in registered):
         raise ValueError(f"unregister_external_parameter: this parameter is not registered as external for the "
                          f"{type(module).__name__} given; register_external_parameter(module, parameter) first")
-    del _REGISTERED[module][id(parameter)]
+    registered[:] = [p for p in registered if p is not parameter]
     for coordinator in _live_coordinators():
         coordinator.remove_external(module, parameter)
 
 
 def registered_external_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return list(_REGISTERED.get(module, {}).values())
+    return list(module.__dict__.get(_REGISTERED, []))
 
 
 # ---- reads during forward ----------------------------------------------------------------------------------------

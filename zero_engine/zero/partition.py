@@ -59,8 +59,6 @@ import torch
 import torch._guards
 import torch.nn as nn
 
-from torch.utils.weak import WeakIdKeyDictionary
-
 from .tensor_parallel import local_of
 
 __all__ = ["GatheredZeroParameter", "ParamStatus", "ShardBucket", "ShardedParam", "ZeroParameter", "DIRECT_GATHER_NUMEL", "flatten_shards",
@@ -70,14 +68,20 @@ __all__ = ["GatheredZeroParameter", "ParamStatus", "ShardBucket", "ShardedParam"
 # coalesced through a staging buffer (see [Note: flat shard storage]): measured crossover, bench/gather_probe.py.
 DIRECT_GATHER_NUMEL = 1 << 19
 
-# nn.Parameter -> its ShardedParam, so zero.Init, GatheredParameters and the engine find a parameter's state
-# without attaching anything to the parameter object (weak: a dropped model frees its entries).
-_REGISTRY = WeakIdKeyDictionary()
+# [Note: a parameter holds its partition state] The ShardedParam of a partitioned parameter is in the parameter's
+# own ``__dict__`` under this name, so zero.Init, GatheredParameters and the engine find it, and it lives exactly as
+# long as the parameter. It was in a WeakIdKeyDictionary beside the parameter, which could never drop an entry: its
+# value (the ShardedParam) holds the parameter, its key, so every partitioned model, its shards and (through the
+# gradient hooks on its parameters) its engine stayed in memory for the life of the process, destroyed or not. As an
+# attribute it is a reference cycle the garbage collector frees with the model. Copies and pickles of a parameter
+# leave it behind (``ZeroParameter.__getstate__``; ``ShardedParam.__reduce__`` for a user's own Parameter class):
+# a copy is a plain tensor, as before.
+_STATE = "_zero_engine_state"
 _IDS = itertools.count()  # ShardedParam.uid: unique per process, in creation order (DeepSpeed's ds_id)
 
 
 def sharded_param_of(param: torch.Tensor) -> "ShardedParam | None":
-    return _REGISTRY.get(param)
+    return param.__dict__.get(_STATE)
 
 
 class ZeroParameter(nn.Parameter):
@@ -143,6 +147,11 @@ class ZeroParameter(nn.Parameter):
         """Kept whole between uses (small parameters at stage 3; every parameter at stages 1-2)."""
         return _state_of(self).is_persistent
 
+    def __getstate__(self):
+        """What a pickle or copy of the parameter keeps: not its partition state (see [Note: a parameter holds its
+        partition state])."""
+        return {k: v for k, v in self.__dict__.items() if k != _STATE}
+
 
 def _dynamo_is_tracing() -> bool:
     """Dynamo is tracing a frame: its own metadata queries (``_is_view()``, ``size()``...) on a released parameter
@@ -153,7 +162,7 @@ def _dynamo_is_tracing() -> bool:
 
 def _refuse_if_released(tensor, func_name: str) -> None:
     if type(tensor) is ZeroParameter and tensor.numel() == 0 and not _dynamo_is_tracing():
-        sp = _REGISTRY.get(tensor)
+        sp = tensor.__dict__.get(_STATE)
         if sp is not None and sp.status is not ParamStatus.AVAILABLE:
             raise RuntimeError(
                 f"{sp.fqn or 'parameter'} is partitioned (ZeRO-3): this rank holds only its shard, so {func_name}() "
@@ -162,8 +171,12 @@ def _refuse_if_released(tensor, func_name: str) -> None:
                 "modifier_rank= to keep edits), or move the computation into a module's forward.")
 
 
+def _no_state() -> None:
+    return None
+
+
 def _state_of(param) -> "ShardedParam":
-    sp = _REGISTRY.get(param)
+    sp = param.__dict__.get(_STATE)
     if sp is None:
         raise AttributeError("this ZeroParameter has no partition state (its ShardedParam was dropped)")
     return sp
@@ -197,8 +210,7 @@ def shard_numel_for(numel: int, world_size: int) -> int:
 class ShardedParam:
     """The partition state of one parameter: metadata, this rank's shard, the full buffer and its status.
 
-    Kept beside the ``nn.Parameter`` (the engine maps parameter -> ShardedParam); nothing is attached to the
-    parameter object itself.
+    Held by the ``nn.Parameter`` itself (``sharded_param_of``; see [Note: a parameter holds its partition state]).
     """
 
     def __init__(self, param: nn.Parameter, fqn: str, index: int, rank: int, world_size: int,
@@ -250,7 +262,7 @@ class ShardedParam:
         self.full[self.numel:].zero_()
         self.local.data = self.full_view
         self.status = ParamStatus.AVAILABLE
-        _REGISTRY[param] = self
+        param.__dict__[_STATE] = self
         if type(param) is nn.Parameter:  # subclasses of users' own are left as they are
             param.__class__ = GatheredZeroParameter  # AVAILABLE until released
 
@@ -267,7 +279,7 @@ class ShardedParam:
         if meta_param.device.type != "meta":
             raise ValueError(f"ShardedParam.from_meta: {fqn} is on {meta_param.device}, expected the meta device")
         sp = cls(meta_param, fqn, index, rank, world_size)  # on meta: metadata only, nothing allocated
-        del _REGISTRY[meta_param]
+        del meta_param.__dict__[_STATE]
         param = nn.Parameter(torch.empty(0, dtype=sp.dtype, device=device), requires_grad=meta_param.requires_grad)
         sp.param = sp.local = param
         sp.shard = torch.zeros(sp.shard_numel, dtype=sp.dtype, device=device)
@@ -278,9 +290,14 @@ class ShardedParam:
         sp._empty = torch.empty(0, dtype=sp.dtype, device=device)
         param.data = sp._empty
         sp.status = ParamStatus.NOT_AVAILABLE
-        _REGISTRY[param] = sp
+        param.__dict__[_STATE] = sp
         param.__class__ = ZeroParameter
         return sp
+
+    def __reduce__(self):
+        """Pickled or copied with a parameter of a user's own class (which keeps its ``__getstate__``): as nothing,
+        so the copy is a plain parameter (see [Note: a parameter holds its partition state])."""
+        return _no_state, ()
 
     def set_full(self, full: torch.Tensor) -> None:
         """``full`` becomes the buffer the whole parameter is gathered into, and ``full_view`` its first ``numel``
