@@ -94,6 +94,17 @@ SIZES: dict[str, BenchSize] = {
                         max_reuse_distance=100_000, allgather_bucket_size=5_000_000),
         warmup=1, steps=3, memory_measured_steps=1,
     ),
+    # 16 blocks of width 16: 197 parameters, all partitioned, and almost no compute, so that a step's CPU is mostly
+    # the engine's work per parameter and per unit (bench/engine_cpu.py --size many-small).
+    "many-small": BenchSize(
+        name="many-small",
+        gpt=dict(vocab_size=64, block_size=8, n_layer=16, n_head=2, n_embd=16),
+        global_batch=8,
+        knobs=ZeroKnobs(reduce_bucket_size=10_000, prefetch_bucket_size=10_000, param_persistence_threshold=0,
+                        max_live_parameters=40_000, max_reuse_distance=10_000, allgather_bucket_size=10_000,
+                        leaf_classes=("Block",)),
+        warmup=5, steps=30,
+    ),
 }
 
 
