@@ -71,9 +71,9 @@ DIRECT_GATHER_NUMEL = 1 << 19
 # [Note: a parameter holds its partition state] The ShardedParam of a partitioned parameter is in the parameter's
 # own ``__dict__`` under this name, so zero.Init, GatheredParameters and the engine find it, and it lives exactly as
 # long as the parameter. It was in a WeakIdKeyDictionary beside the parameter, which could never drop an entry: its
-# value (the ShardedParam) holds the parameter, its key, so every partitioned model, its shards and (through the
-# gradient hooks on its parameters) its engine stayed in memory for the life of the process, destroyed or not. As an
-# attribute it is a reference cycle the garbage collector frees with the model. Copies and pickles of a parameter
+# value (the ShardedParam) holds the parameter, its key, so every partitioned model stayed in memory with its shards
+# and fp32 masters for the life of the process, destroyed or not. As an attribute it is a reference cycle the
+# garbage collector frees with the model. Copies and pickles of a parameter
 # leave it behind (``ZeroParameter.__getstate__``; ``ShardedParam.__reduce__`` for a user's own Parameter class):
 # a copy is a plain tensor, as before.
 _STATE = "_zero_engine_state"
@@ -162,7 +162,7 @@ def _dynamo_is_tracing() -> bool:
 
 def _refuse_if_released(tensor, func_name: str) -> None:
     if type(tensor) is ZeroParameter and tensor.numel() == 0 and not _dynamo_is_tracing():
-        sp = tensor.__dict__.get(_STATE)
+        sp = sharded_param_of(tensor)
         if sp is not None and sp.status is not ParamStatus.AVAILABLE:
             raise RuntimeError(
                 f"{sp.fqn or 'parameter'} is partitioned (ZeRO-3): this rank holds only its shard, so {func_name}() "
@@ -176,7 +176,7 @@ def _no_state() -> None:
 
 
 def _state_of(param) -> "ShardedParam":
-    sp = param.__dict__.get(_STATE)
+    sp = sharded_param_of(param)
     if sp is None:
         raise AttributeError("this ZeroParameter has no partition state (its ShardedParam was dropped)")
     return sp
