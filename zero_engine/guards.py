@@ -150,6 +150,9 @@ def tear_down(engine, wait: bool = True) -> None:
             engine.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
         for handle in engine.grad_hooks:
             handle.remove()
+        for sp in engine.reducer.params if engine.reducer is not None else ():
+            if sp.grad_reducer is engine.reducer:  # the model no longer holds this engine
+                sp.grad_reducer = None
         for region in engine.traced_regions:
             region.remove()  # plain modules again: no compiled call, no gradient hooks
     finally:

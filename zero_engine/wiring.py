@@ -8,7 +8,6 @@ function sets the parts it builds on the engine, in the order they depend on eac
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -25,7 +24,7 @@ from .utils import register_engine
 from .zero.coordinator import ParamCoordinator
 from .zero.expert import GroupedGather, expert_shard_groups
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
-from .zero.grads import GradReducer
+from .zero.grads import GradReducer, hand_gradient_to_reducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
@@ -158,7 +157,9 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
                                  # at stage 1 nothing on the model does, nor does the optimizer a user keeps
                                  backward_end=engine.backward_end if engine.stage >= 2 else None)
     if engine.stage >= 2:  # see [Note: one call per gradient] in zero/grads.py
-        engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(partial(engine.reducer.add, sp))
+        for sp in trainable:
+            sp.grad_reducer = engine.reducer
+        engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(hand_gradient_to_reducer)
                              for sp in trainable]
     if engine.stage < 3:
         for sp in engine.sharded:

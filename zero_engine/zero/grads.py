@@ -75,12 +75,19 @@ from __future__ import annotations
 import torch
 
 from .grad_buckets import CopyGroup, GradBucket
-from .partition import ShardedParam
+from .partition import ShardedParam, sharded_param_of
 from .tensor_parallel import local_grad
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "hand_gradient_to_reducer"]
 
 MAX_IN_FLIGHT = 2
+
+
+def hand_gradient_to_reducer(param: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of every trainable parameter at stages 2-3: see [Note: one call per
+    gradient]."""
+    sp = sharded_param_of(param)
+    sp.grad_reducer.add(sp, param)
 
 
 class GradReducer:
@@ -221,9 +228,13 @@ class GradReducer:
     def add(self, p: ShardedParam, grad: torch.Tensor) -> None:
         """``grad``, ``p``'s gradient of this pass, into its bucket (reduced when the bucket is complete).
 
-        [Note: one call per gradient] At stages 2-3 this is ``p.param``'s post-accumulate-grad hook itself
-        (``partial(reducer.add, p)``): ``grad`` is then the parameter, whose ``.grad`` is taken and dropped (freed once
-        in its bucket), and a pass's first gradient queues the end-of-backward flush."""
+        [Note: one call per gradient] At stages 2-3 ``p.param``'s post-accumulate-grad hook calls this at once
+        (``hand_gradient_to_reducer``): ``grad`` is then the parameter, whose ``.grad`` is taken and dropped (freed
+        once in its bucket), and a pass's first gradient queues the end-of-backward flush. The hook is a plain
+        function that finds the reducer through the parameter's state (``ShardedParam.grad_reducer``), not a bound
+        method or a partial holding the reducer: torch keeps a parameter's post-accumulate-grad hooks out of the
+        garbage collector's sight, so a hook holding anything that leads back to its parameter (the reducer holds
+        every parameter) is a cycle never freed, and a dropped model and its engine stayed in memory for good."""
         if grad is p.param:  # the gradient hook's call
             if not self.backward_end.queued:
                 self.backward_end.queue_if_needed()

@@ -245,6 +245,9 @@ class ShardedParam:
         # expert-data-parallel group (zero/expert.py); rank and world_size above are then that group's
         self.group = None
         self.bucket_offset = 0
+        # stages 2-3: the GradReducer its gradient hook hands the gradient to ([Note: one call per gradient] in
+        # grads.py); through it a model holds its engine until destroy() clears it
+        self.grad_reducer = None
         self._empty = torch.empty(0, dtype=self.dtype, device=param.device)
 
         flat = self.local.detach().reshape(-1)
