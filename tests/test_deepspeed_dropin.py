@@ -350,7 +350,8 @@ def _dropped_but_hooked_body(stage):
     engine, *rest = deepspeed.initialize(model=model, config=config(stage))
     _train(engine, 1, 0)
     del engine, rest
-    gc.collect()  # stages 2-3 hook the model (its parameters' gradient hooks hold the reducer, and it the engine)
+    gc.collect()  # stages 2-3 hook the model (its parameters' gradient hooks reach the reducer through their
+    # ShardedParam.grad_reducer, and it the engine)
     with pytest.raises(RuntimeError, match="already wrapped by a live zero_engine engine"):
         deepspeed.initialize(model=model, config=config(stage))
     guards._ENGINE_OF[model]().destroy()  # the engine the hooks kept alive, found as initialize found it

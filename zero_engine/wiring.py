@@ -153,8 +153,9 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
                                  # is there at once): [Note: one copy per unit] in zero/grads.py
                                  copy_groups=None if engine.stage == 1 else unit_groups,
                                  # the flush a pass's first gradient hook queues (stages 2-3, which have them):
-                                 # through the hooks the model holds its engine until destroy(), as guards.py wants;
-                                 # at stage 1 nothing on the model does, nor does the optimizer a user keeps
+                                 # through its parameters' grad_reducer the model holds its engine until destroy(),
+                                 # as guards.py wants; at stage 1 nothing on the model does, nor does the optimizer a
+                                 # user keeps
                                  backward_end=engine.backward_end if engine.stage >= 2 else None)
     if engine.stage >= 2:  # see [Note: one call per gradient] in zero/grads.py
         for sp in trainable:
