@@ -76,12 +76,14 @@ def _profile_one_micro_step(engine, x, y):
 
 
 def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "aot_eager", how: str = "engine",
-           profile: bool = False, frozen: tuple[str, ...] = ()):
+           profile: bool = False, frozen: tuple[str, ...] = (), reset: bool = True):
     """``steps`` optimizer steps with the blocks traced; returns (max loss rel err, param rel err, counters after the
-    first step, counters at the end, profile of one more micro-step or None, this rank's losses, skipped steps)."""
+    first step, counters at the end, profile of one more micro-step or None, this rank's losses, skipped steps).
+    ``reset``: Dynamo's caches cleared first (what an earlier model compiled in this process left is gone)."""
     import torch._dynamo
 
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -163,6 +165,53 @@ def test_traced_blocks_match_one_process_and_gather_again_in_backward(world, seq
         assert backward == (2 * 8 if seq else forward), counts
         whole = {tuple(p.shape) for p in GPT(GPTConfig()).blocks[0].parameters() if p.dim() == 2}
         assert not whole & (set(saved) | {s[::-1] for s in saved}), (whole, saved)
+
+
+class _Linears(torch.nn.Module):
+    """Linear layers of the given widths, each its own traced region (units of one module each)."""
+
+    def __init__(self, widths: list[int]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def _two_models_body():
+    """Two models traced one after the other in one process (a notebook, a hyperparameter search): Dynamo compiles
+    the second one's regions again and makes the sizes that changed (its flat shards') dynamic. Returns, for the
+    second, the all-gathers of a forward and of a backward, and the collectives left unwaited after its steps."""
+    from torch.profiler import profile
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    torch._dynamo.reset()
+    for widths in ([8, 8, 8], [6, 6, 6]):
+        torch.manual_seed(0)
+        engine, *_ = zero_engine.initialize(model=_Linears(widths), config=config)
+        engine.compile(backend="aot_eager", traced=True)
+        for _ in range(3):
+            with profile() as fwd:
+                loss = engine(torch.randn(4, widths[0]))
+            with profile() as bwd:
+                engine.backward(loss)
+            engine.step()
+        engine.destroy()
+    gathers = [sum(e.name == GATHER_OP for e in p.events()) for p in (fwd, bwd)]
+    return gathers, torch._C._distributed_c10d._get_work_registry_size()
+
+
+def test_a_second_model_traced_in_one_process_gathers_once_and_leaves_no_collective_unwaited():
+    """With the flat shards' sizes symbolic, the backward graph gathered a flat shard once more only to read the
+    gathered tensor's size, and never waited for that gather: an all-gather more per region and backward (the first
+    layer's backward needs no gather at all: its input needs no gradient), and a collective a step left in torch's
+    registry of unwaited work, with its buffers, for the life of the process. The flat shards are marked static."""
+    for gathers, unwaited in run_ranks(_two_models_body, 2, timeout=TIMEOUT):
+        assert gathers == [2, 1], gathers  # forward: one per region; backward: the second layer's (its input grad)
+        assert unwaited == 0, unwaited
 
 
 def _inductor_body():

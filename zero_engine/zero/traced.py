@@ -45,6 +45,14 @@ the layout constants and the module's class, so blocks of one shape share one gr
 the first step (a forward without gradients is a second graph, as for any compiled module). torch logs once that a
 ``context_fn`` was passed to ``torch.utils.checkpoint`` under compile and asks for no in-place op in the region:
 the checkpointed part is the gather alone, which has none.
+
+The flat shards are marked static (``torch._dynamo.mark_static``): their sizes are constants of the graph, as the
+layout already is. Dynamo would otherwise make them symbolic once it recompiled the region for another size (a
+second model, or a block of another shape, in the process), and the partitioner then gathered a flat shard again in
+backward only to read the gathered tensor's size: a collective more per region and backward, never waited for, so
+torch's registry of unwaited work kept one a step with its buffers, for the life of the process
+(test_a_second_model_traced_in_one_process_gathers_once_and_leaves_no_collective_unwaited). Activations keep
+Dynamo's automatic dynamic shapes (a sequence length that changes does not recompile every step).
 """
 
 from __future__ import annotations
@@ -147,6 +155,8 @@ class TracedRegion:
         self.layout = [[(tuple(names[id(p.param)]), p.numel, tuple(p.shape), start, p.shard_numel)
                         for p, start in zip(piece.params, piece.starts)] for piece in self.pieces]
         self.leaves = [piece.leaf for piece in self.pieces]
+        for leaf in self.leaves:  # sizes fixed in the graph (see [Note: the traced mode], last paragraph)
+            torch._dynamo.mark_static(leaf)
         self._compiled = torch.compile(self._run, **compile_kwargs)
         module._compiled_call_impl = self  # see Module._wrapped_call_impl
 
