@@ -364,16 +364,20 @@ def test_an_engine_dropped_without_destroy_is_kept_alive_by_the_hooks_on_its_mod
     assert run_ranks(_dropped_but_hooked_body, 2, stage, timeout=TIMEOUT) == [True, True]
 
 
-def _freed_body(stage, destroy):
+def _freed_body(stage, destroy, traced=False):
     """Whether a model trained by an engine, and the engine, are freed once the caller drops both (after
-    ``destroy()``, or without it), and what a pickle and a copy of a partitioned parameter carry."""
+    ``destroy()``, or without it), and what a pickle and a copy of a partitioned parameter carry. ``traced``: the
+    engine compiled in the traced mode first (zero/traced.py hooks its own leaves)."""
     import pickle
     import weakref
 
     torch.manual_seed(0)
     model = Small()
-    deepspeed.zero.register_external_parameter(model.b, model.a.weight)  # kept on model.b, not beside it
+    if not traced:  # (the traced mode refuses external parameters)
+        deepspeed.zero.register_external_parameter(model.b, model.a.weight)  # kept on model.b, not beside it
     engine, *rest = deepspeed.initialize(model=model, config=config(stage))
+    if traced:
+        engine.compile(traced=True)
     _train(engine, 1, 0)
     weight = model.a.weight
     copies = [pickle.loads(pickle.dumps(weight)), copy.copy(weight), copy.deepcopy(weight)]
@@ -398,6 +402,13 @@ def test_a_dropped_model_and_its_engine_are_freed_and_copies_of_its_parameters_a
     for freed_param, freed_engine, plain in run_ranks(_freed_body, 2, stage, destroy, timeout=TIMEOUT):
         assert freed_param and freed_engine, (freed_param, freed_engine)
         assert plain == [True, True, True], plain
+
+
+def test_a_dropped_model_compiled_in_the_traced_mode_is_freed_without_destroy():
+    """The traced mode's gradient hooks on its leaves held their piece, and through it the engine: never freed
+    without destroy() (see TracedRegion.hook_gradients)."""
+    for freed_param, freed_engine, _ in run_ranks(_freed_body, 2, 3, False, True, timeout=TIMEOUT):
+        assert freed_param and freed_engine, (freed_param, freed_engine)
 
 
 def _stage0_after_stage3_body():

@@ -106,6 +106,14 @@ def _recompute_gathers():
     return create_selective_checkpoint_contexts(_recompute)
 
 
+_PIECE = "_zero_engine_piece"  # a piece's leaf holds its piece under this name (TracedRegion.hook_gradients)
+
+
+def _hand_gradient_to_piece(leaf: torch.Tensor) -> None:
+    piece = leaf.__dict__[_PIECE]
+    piece.on_grad(piece)
+
+
 class _Piece:
     """A run of a region's parameters whose shards are adjacent in one shard bucket: one flat shard, one collective
     when coalesced."""
@@ -120,6 +128,7 @@ class _Piece:
         self.leaf = flat.detach().requires_grad_(any(p.param.requires_grad for p in params))
         self.bucket = None  # the reducer's bucket of its trainable parameters (GradReducer.reduce_in_graph)
         self.hook = None
+        self.on_grad = None  # what its leaf's gradient hook calls (TracedRegion.hook_gradients)
 
 
 def _pieces(params: list[ShardedParam]) -> list[_Piece]:
@@ -197,10 +206,14 @@ class TracedRegion:
 
     # ---- gradients ----------------------------------------------------------------------------------------------
     def hook_gradients(self, on_grad) -> None:
-        """``on_grad(piece)`` once the leaf of a piece has its gradient (this rank's reduced shard) in a backward."""
+        """``on_grad(piece)`` once the leaf of a piece has its gradient (this rank's reduced shard) in a backward. The
+        hook finds its piece in the leaf's ``__dict__``, as the parameters' gradient hook finds its reducer ([Note: one
+        call per gradient] in grads.py): a hook holding the piece would be a cycle the collector never frees."""
         for piece in self.pieces:
             if piece.leaf.requires_grad:
-                piece.hook = piece.leaf.register_post_accumulate_grad_hook(lambda leaf, piece=piece: on_grad(piece))
+                piece.on_grad = on_grad
+                piece.leaf.__dict__[_PIECE] = piece
+                piece.hook = piece.leaf.register_post_accumulate_grad_hook(_hand_gradient_to_piece)
 
     def remove(self) -> None:
         """Back to a plain module (``engine.destroy()``): no compiled call, no gradient hooks."""
