@@ -364,20 +364,27 @@ def test_an_engine_dropped_without_destroy_is_kept_alive_by_the_hooks_on_its_mod
     assert run_ranks(_dropped_but_hooked_body, 2, stage, timeout=TIMEOUT) == [True, True]
 
 
-def _freed_body(stage, destroy, traced=False):
+def _freed_body(stage, destroy, traced=False, zero=None, compiled=False):
     """Whether a model trained by an engine, and the engine, are freed once the caller drops both (after
     ``destroy()``, or without it), and what a pickle and a copy of a partitioned parameter carry. ``traced``: the
-    engine compiled in the traced mode first (zero/traced.py hooks its own leaves)."""
+    engine compiled in the traced mode first (zero/traced.py hooks its own leaves); ``compiled``: regionally;
+    ``zero``: more zero_optimization keys."""
     import pickle
+    import tempfile
     import weakref
 
     torch.manual_seed(0)
     model = Small()
     if not traced:  # (the traced mode refuses external parameters)
         deepspeed.zero.register_external_parameter(model.b, model.a.weight)  # kept on model.b, not beside it
-    engine, *rest = deepspeed.initialize(model=model, config=config(stage))
-    if traced:
-        engine.compile(traced=True)
+    cfg = config(stage)
+    cfg["zero_optimization"].update(copy.deepcopy(zero or {}))
+    for section in cfg["zero_optimization"].values():
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            section["nvme_path"] = tempfile.mkdtemp()
+    engine, *rest = deepspeed.initialize(model=model, config=cfg)
+    if traced or compiled:
+        engine.compile(backend="aot_eager", traced=traced)
     _train(engine, 1, 0)
     weight = model.a.weight
     copies = [pickle.loads(pickle.dumps(weight)), copy.copy(weight), copy.deepcopy(weight)]
@@ -402,6 +409,21 @@ def test_a_dropped_model_and_its_engine_are_freed_and_copies_of_its_parameters_a
     for freed_param, freed_engine, plain in run_ranks(_freed_body, 2, stage, destroy, timeout=TIMEOUT):
         assert freed_param and freed_engine, (freed_param, freed_engine)
         assert plain == [True, True, True], plain
+
+
+FEATURES = {"offload to CPU": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            "offload to NVMe": {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}},
+            "hpZ": {"zero_hpz_partition_size": 2}, "qwZ and qgZ": {"zero_quantized_weights": True,
+                                                                   "zero_quantized_gradients": True}}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES) + ["regional compile"])
+def test_a_dropped_model_is_freed_without_destroy_whatever_its_features(feature):
+    """The features that hold buffers or hooks of their own (offload's swappers and host buffers, ZeRO++'s secondary
+    shards, compiled regions): a model and its engine dropped without destroy() are still freed."""
+    zero, compiled = FEATURES.get(feature), feature == "regional compile"
+    for freed_param, freed_engine, _ in run_ranks(_freed_body, 2, 3, False, False, zero, compiled, timeout=TIMEOUT):
+        assert freed_param and freed_engine, (freed_param, freed_engine)
 
 
 def test_a_dropped_model_compiled_in_the_traced_mode_is_freed_without_destroy():
