@@ -112,10 +112,7 @@ def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "a
         worst = max(worst, abs(ours - ref_loss) / abs(ref_loss))
         if step == 0:
             warm = _counters()
-    ours = whole_from_shards(engine)
-    ref = dict(reference.named_parameters())
-    diff = sum((ours[n].float() - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
-    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
+    param_err = _param_err(engine, reference)
     profiled = None
     if profile:
         x, y = batches[steps]
@@ -123,7 +120,15 @@ def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "a
         profiled = _profile_one_micro_step(engine, x[rank * micro: (rank + 1) * micro],
                                            y[rank * micro: (rank + 1) * micro])
         engine.zero_grad()
-    return worst, (diff / norm).item(), warm, _counters(), profiled, losses, engine.skipped_steps
+    return worst, param_err, warm, _counters(), profiled, losses, engine.skipped_steps
+
+
+def _param_err(engine, reference) -> float:
+    """Relative L2 distance of the engine's parameters (gathered from its shards) from the reference's."""
+    ours, ref = whole_from_shards(engine), dict(reference.named_parameters())
+    diff = sum((ours[n].float() - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
+    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
+    return (diff / norm).item()
 
 
 def _check_graphs(warm: dict, final: dict) -> None:
@@ -243,11 +248,8 @@ def _lengths_body(traced: bool):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         worst = max(worst, abs(mean.item() / world - ref_loss) / abs(ref_loss))
-    ours, ref = whole_from_shards(engine), dict(reference.named_parameters())
-    diff = sum((ours[n].float() - ref[n].detach()).pow(2).sum() for n in ours).sqrt()
-    norm = sum(ref[n].detach().pow(2).sum() for n in ours).sqrt()
     final = _counters()
-    return (worst, (diff / norm).item(), final["stats"]["unique_graphs"], final.get("graph_break"),
+    return (worst, _param_err(engine, reference), final["stats"]["unique_graphs"], final.get("graph_break"),
             torch._C._distributed_c10d._get_work_registry_size())
 
 

@@ -47,10 +47,10 @@ the first step (a forward without gradients is a second graph, as for any compil
 the checkpointed part is the gather alone, which has none.
 
 The flat shards are marked static (``torch._dynamo.mark_static``): their sizes are constants of the graph, as the
-layout already is. Dynamo would otherwise make them symbolic once it recompiled the region for another size (a
-second model, or a block of another shape, in the process), and the partitioner then gathered a flat shard again in
-backward only to read the gathered tensor's size: a collective more per region and backward, never waited for, so
-torch's registry of unwaited work kept one a step with its buffers, for the life of the process
+layout already is. Dynamo would otherwise make them symbolic once it recompiled the region for another size (seen
+with a second model traced in the same process), and the partitioner then gathered a flat shard again in backward
+only to read the gathered tensor's size: a collective more per region and backward, never waited for, so torch's
+registry of unwaited work kept one a step with its buffers, for the life of the process
 (test_a_second_model_traced_in_one_process_gathers_once_and_leaves_no_collective_unwaited). Activations keep
 Dynamo's automatic dynamic shapes (a sequence length that changes does not recompile every step).
 """
