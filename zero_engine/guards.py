@@ -118,7 +118,9 @@ class ModelSnapshot:
         self.close = watch_registrations(self, parameters=True)  # destroy() calls it; else garbage collection
 
     def check(self, model: nn.Module) -> None:
-        if not self.changed and [p.requires_grad for p in self.params] == self.flags:
+        with torch._C.DisableTorchFunctionSubclass():  # a released parameter's check would run per read (partition.py)
+            flags = [p.requires_grad for p in self.params]
+        if not self.changed and flags == self.flags:
             return
         self._walk(model)
         self.changed = False  # a registration elsewhere (another model): nothing of ours changed
