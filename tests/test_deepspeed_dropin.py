@@ -413,8 +413,8 @@ def test_a_dropped_model_and_its_engine_are_freed_and_copies_of_its_parameters_a
 
 FEATURES = {"offload to CPU": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
             "offload to NVMe": {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}},
-            "hpZ": {"zero_hpz_partition_size": 2}, "qwZ and qgZ": {"zero_quantized_weights": True,
-                                                                   "zero_quantized_gradients": True}}
+            "hpZ": {"zero_hpz_partition_size": 2},
+            "qwZ and qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True}}
 
 
 @pytest.mark.parametrize("feature", list(FEATURES) + ["regional compile"])

@@ -73,9 +73,9 @@ DIRECT_GATHER_NUMEL = 1 << 19
 # long as the parameter. It was in a WeakIdKeyDictionary beside the parameter, which could never drop an entry: its
 # value (the ShardedParam) holds the parameter, its key, so every partitioned model stayed in memory with its shards
 # and fp32 masters for the life of the process, destroyed or not. As an attribute it is a reference cycle the
-# garbage collector frees with the model. Copies and pickles of a parameter
-# leave it behind (``ZeroParameter.__getstate__``; ``ShardedParam.__reduce__`` for a user's own Parameter class):
-# a copy is a plain tensor, as before.
+# garbage collector frees with the model. Copies and pickles of a parameter leave it behind
+# (``ZeroParameter.__getstate__``; ``ShardedParam.__reduce__`` for a user's own Parameter class): a copy is a plain
+# tensor, as before.
 _STATE = "_zero_engine_state"
 _IDS = itertools.count()  # ShardedParam.uid: unique per process, in creation order (DeepSpeed's ds_id)
 
