@@ -80,7 +80,9 @@ def main():
     trainer.save_model(f"{args.output}/final")
     if trainer.is_world_process_zero():
         print(f"eval loss {before:.3f} -> {after:.3f}; the model is in {args.output}/final")
+    trainer.engine.destroy()  # waits for every rank, stops the watchdog, lets go of the group
 
 
 if __name__ == "__main__":
     main()
+    torch.distributed.destroy_process_group()  # before the interpreter ends: a gloo group left to exit can abort a rank

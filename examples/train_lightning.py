@@ -93,7 +93,9 @@ def main():
               f"{engine.model_state_bytes(stats) / 2**20:.2f} MiB (one rank unsharded: {16 * n / 2**20:.2f} MiB)")
         if args.checkpoint:
             print(f"checkpoint directory: {args.checkpoint} (resume: trainer.fit(..., ckpt_path=...))")
+    engine.destroy()  # waits for every rank, stops the watchdog, lets go of the group
 
 
 if __name__ == "__main__":
     main()
+    torch.distributed.destroy_process_group()  # before the interpreter ends: a gloo group left to exit can abort a rank

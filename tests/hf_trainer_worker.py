@@ -25,6 +25,8 @@ import zero_engine.hf
 from zero_engine.hf import ZeroTrainer, ZeroTrainerMixin
 from zero_engine.zero.partition import sharded_param_of
 
+from gloo_threads import destroy_group_and_check
+
 STAGE3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 VOCAB, SEQ = 97, 16
 
@@ -157,6 +159,7 @@ def suite_stage3(work):
     resumed.train(resume_from_checkpoint=ckpt)
     after = [h for h in history(resumed)]
     check(after == full[-len(after):] and len(after) >= 3, f"resume not bitwise:\n{after}\n{full}")
+    return resumed
 
 
 def run_example(argv):
@@ -290,6 +293,7 @@ def suite_peft(work):
         with torch.no_grad():
             close(reloaded(x).logits, plain.model(x).logits, 1e-4, "LoRA adapter reloaded")
     dist.barrier()
+    return zero
 
 
 def suite_sft(work):
@@ -330,7 +334,12 @@ def tokenizer():
 
 if __name__ == "__main__":
     suite, work = sys.argv[1], sys.argv[2]
+    alive = None  # the last ZeroTrainer a suite returned, kept alive to the end as a user's script keeps it
     for name in suite.split(","):
-        globals()[f"suite_{name}"](work)
+        alive = globals()[f"suite_{name}"](work) or alive
         if dist.get_rank() == 0:
             print(f"OK {name}", flush=True)
+    if alive is not None:  # README's ending: the trainer's engine destroyed, then the group
+        alive.engine.destroy()
+    destroy_group_and_check()  # the other trainers were dropped: their engines let go of the group when collected
+    print("OK exit", flush=True)

@@ -24,6 +24,8 @@ import zero_engine.lightning  # noqa: F401  (registers strategy="zero_engine")
 from zero_engine.lightning import ZeroEngineStrategy
 from zero_engine.testing.models import GPTConfig
 
+from gloo_threads import destroy_group_and_check
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SAMPLES, BATCH = 20, 2  # 5 micro-batches per rank per epoch on 2 ranks: accumulation 2 leaves a remainder of 1
@@ -243,3 +245,4 @@ def main(out):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(sys.argv[1])
+    destroy_group_and_check()  # each rank; an error here exits non-zero

@@ -55,6 +55,8 @@ TWO_RANK_STEP = """
             # Same math in another summation order (two half-batch means, then their mean): a few ulp apart.
             torch.testing.assert_close(p.detach().clone(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
     print(f"rank {rank}: step ok with {optimizer}, loss {loss.item():.6f}")
+    engine.destroy()  # then the group, as README says a run ends: gloo's threads joined before interpreter exit
+    torch.distributed.destroy_process_group()
 """
 
 
