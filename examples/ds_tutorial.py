@@ -111,8 +111,9 @@ def main():
                     "global_steps": model_engine.global_steps,
                     "batch": (model_engine.train_batch_size(), model_engine.train_micro_batch_size_per_gpu(), gas),
                     "stage": model_engine.zero_optimization_stage()}, args.output)
-    model_engine.destroy()  # then the group, before the interpreter ends: a gloo group left to interpreter exit can
-    deepspeed.comm.destroy_process_group()  # abort the rank (README, "End a run")
+    # The engine, then the group, before the interpreter ends: a gloo group left to exit can abort the rank (README)
+    model_engine.destroy()
+    deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":
