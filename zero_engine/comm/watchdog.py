@@ -53,6 +53,10 @@ take ``group=group.WORLD`` as a default argument, evaluated when the module is f
 ``init_process_group``, as every engine's optimizer is, it kept the world group in those defaults for the life of the
 process. zero_engine/comm/__init__.py imports it first, before any group exists; a test checks that no gloo thread is
 left after ``destroy_process_group()``.
+The last cause is the user's: a script that never calls ``destroy_process_group()`` (a Trainer's, a Lightning
+script) leaves the group to interpreter exit, where the same race can abort it (6 of 16 plain torch jobs under load:
+docs/benchmarks.md, "A gloo group left to interpreter exit"). The group is not the engine's to destroy, so a rank
+whose engine ran on gloo says at exit how to end the script (``GROUP_LEFT_TO_EXIT``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ import threading
 import time
 import weakref
 from typing import Optional
+
+import torch.distributed as dist
 
 from zero_engine.comm import liveness
 from zero_engine.comm._records import CollectiveRecord, ProgressLog, describe_pair
@@ -96,6 +102,20 @@ _instances = itertools.count()
 _live: "weakref.WeakSet[StallWatchdog]" = weakref.WeakSet()
 
 
+# An engine of this process ran on a gloo group, and no group failed since (a broken group is not one to destroy at
+# exit: the failure's message says what to do). Read at exit by _stop_all_at_exit.
+_advise_at_exit = False
+
+# Said at exit by a rank of such a process whose group is still alive (a failing process says why it fails instead).
+# torch's own warning of this kind covers NCCL only; docs/benchmarks.md, "A gloo group left to interpreter exit".
+GROUP_LEFT_TO_EXIT = (
+    "this process is exiting with its gloo process group not destroyed. A gloo rank that leaves its group to "
+    "interpreter exit can abort after training has finished (\"terminate called without an active exception\"): end "
+    "the script with engine.destroy() (a Trainer's: trainer.engine.destroy(); Lightning's: "
+    "trainer.strategy.engine.destroy()), then torch.distributed.destroy_process_group(), on every rank (README, "
+    "\"End the script\").")
+
+
 def _stop_all_at_exit() -> None:
     for watchdog in list(_live):
         if liveness.posted_failure():  # sys.excepthook posted why this process fails: let the others read it
@@ -103,6 +123,8 @@ def _stop_all_at_exit() -> None:
         watchdog.stop(mark="exited")  # the process ends without engine.destroy()
     heartbeat.stop()
     _close_waiter()
+    if _advise_at_exit and dist.is_initialized() and not liveness.posted_failure():
+        log.warning("zero_engine, rank %d: %s", dist.get_rank(), GROUP_LEFT_TO_EXIT)
 
 
 atexit.register(_stop_all_at_exit)
@@ -191,6 +213,8 @@ class StallWatchdog:
         # left to NCCL's own watchdog and the process group's timeout, while records, holds, the step fingerprint
         # and the heartbeat work as on gloo.
         self.watches_waits = self.wait_with_timeout = backend == "gloo"
+        global _advise_at_exit
+        _advise_at_exit = _advise_at_exit or self.watches_waits
         # the first slice of every wait (see _wait): until the stall check, or the give-up time if that is sooner
         self._first_slice = datetime.timedelta(seconds=max(min(self.stall_timeout_s, self.collective_timeout_s), 1e-3))
         # Every rank builds its communicators in the same order, so the n-th watchdog has the same prefix everywhere
@@ -329,8 +353,9 @@ class StallWatchdog:
             raise
 
     def _mark_failed(self) -> None:
-        global _waiter
+        global _waiter, _advise_at_exit
         self.failed = True
+        _advise_at_exit = False
         if self._waiter is not None and self._waiter._current is not None and _waiter is self._waiter:
             _waiter = None  # its thread is stuck in a work of the broken group: the next group gets a fresh one
 
