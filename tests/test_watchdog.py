@@ -435,7 +435,7 @@ if sys.argv[1] == "both":
 def test_a_rank_leaving_its_gloo_group_to_interpreter_exit_says_how_to_end_the_script(tmp_path, ending):
     """A gloo group left to interpreter exit can abort the rank after training (torch's race: docs/benchmarks.md, "A
     gloo group left to interpreter exit"), so a rank whose engine ran on gloo says at exit how to end the script when
-    its group is still alive, whether its engine was destroyed or not; after README's two lines it says nothing."""
+    its group is still alive, whether its engine was destroyed or not; after README's two lines no rank says it."""
     from zero_engine.comm.watchdog import GROUP_LEFT_TO_EXIT
 
     script = tmp_path / "ending.py"
@@ -446,8 +446,9 @@ def test_a_rank_leaving_its_gloo_group_to_interpreter_exit_says_how_to_end_the_s
     if ending == "both":
         assert done.returncode == 0, done.stderr[-3000:]
         assert GROUP_LEFT_TO_EXIT not in done.stderr, done.stderr[-3000:]
-    else:  # the rank may also abort after saying it: the race itself, about 1 run in 16 on a loaded machine
-        assert done.stderr.count(GROUP_LEFT_TO_EXIT) == 2, done.stderr[-3000:]
+    else:  # In + not a count of 2: a rank may abort after saying it (the race itself, about 1 job in 16 under load),
+        # and torchrun then ends the other rank, which may not have said it yet.
+        assert GROUP_LEFT_TO_EXIT in done.stderr, done.stderr[-3000:]
 
 
 def _gil_hold_body(hold_s: float):

@@ -53,10 +53,10 @@ take ``group=group.WORLD`` as a default argument, evaluated when the module is f
 ``init_process_group``, as every engine's optimizer is, it kept the world group in those defaults for the life of the
 process. zero_engine/comm/__init__.py imports it first, before any group exists; a test checks that no gloo thread is
 left after ``destroy_process_group()``.
-The last cause is the user's: a script that never calls ``destroy_process_group()`` (a Trainer's, a Lightning
-script) leaves the group to interpreter exit, where the same race can abort it (6 of 16 plain torch jobs under load:
-docs/benchmarks.md, "A gloo group left to interpreter exit"). The group is not the engine's to destroy, so a rank
-whose engine ran on gloo says at exit how to end the script (``GROUP_LEFT_TO_EXIT``).
+The last cause is the user's: a script that never calls ``destroy_process_group()`` (transformers' Trainer and
+Lightning do not) leaves the group to interpreter exit, where the same race can abort it (6 of 16 plain torch jobs
+under load: docs/benchmarks.md, "A gloo group left to interpreter exit"). The group is not the engine's to destroy,
+so a rank whose engine ran on gloo says at exit how to end the script (``GROUP_LEFT_TO_EXIT``).
 """
 
 from __future__ import annotations
