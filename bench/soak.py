@@ -16,17 +16,15 @@ tags in turn), as a real run does. ``MALLOC_MMAP_THRESHOLD_`` makes RSS follow t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import threading
 import tracemalloc
 
 import torch
 import torch.distributed as dist
 
 import zero_engine
-from zero_engine.memory.accounting import rss_bytes
+from zero_engine.testing.long_run import held, run_steps
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 
@@ -54,13 +52,6 @@ def load_config(path: str, overrides: dict) -> dict:
     return config
 
 
-def held() -> tuple[int, int, int, int, int]:
-    """(traced Python heap, gc-tracked objects, threads, open files, RSS) of this process now."""
-    gc.collect()
-    return (tracemalloc.get_traced_memory()[0], len(gc.get_objects()), threading.active_count(),
-            len(os.listdir("/proc/self/fd")), rss_bytes())
-
-
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -72,20 +63,8 @@ def main() -> None:
     batches = make_batches(cfg, 8, engine.train_micro_batch_size_per_gpu(), seed=rank)
     tracemalloc.start()
     samples = {}
-    micro = 0
     for step in range(args.steps + 1):
-        for _ in range(engine.gradient_accumulation_steps()):
-            x, y = batches[micro % len(batches)]
-            micro += 1
-            engine.backward(engine(x, y))
-            engine.step()
-        if args.eval_every and step % args.eval_every == 0:
-            engine.eval()
-            with torch.no_grad():
-                engine(x, y)
-            engine.train()
-        if args.save_every and step % args.save_every == 0:
-            engine.save_checkpoint(args.save_dir, tag=f"soak{step // args.save_every % 3}")
+        run_steps(engine, batches, step, 1, args.eval_every, args.save_every, args.save_dir)
         if step % args.every == 0 or step == args.steps // 4:
             samples[step] = held()
             if rank == 0 and step % args.every == 0:

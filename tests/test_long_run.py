@@ -19,9 +19,6 @@ this test at stages 2 and 3).
 
 from __future__ import annotations
 
-import gc
-import os
-import threading
 import tracemalloc
 
 import pytest
@@ -30,6 +27,7 @@ import torch.distributed as dist
 
 import zero_engine
 from zero_engine.testing import run_ranks
+from zero_engine.testing.long_run import Held, held, run_steps
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 TIMEOUT = 240
@@ -59,41 +57,17 @@ def _config(variant: str) -> dict:
     return config
 
 
-def _held() -> tuple[int, int, int, int]:
-    gc.collect()
-    return (tracemalloc.get_traced_memory()[0], len(gc.get_objects()), threading.active_count(),
-            len(os.listdir("/proc/self/fd")))
-
-
-def _long_run_body(variant: str, save_dir: str) -> tuple[tuple, tuple]:
+def _long_run_body(variant: str, save_dir: str) -> tuple[Held, Held]:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_embd=32, n_head=4)
     engine, *_ = zero_engine.initialize(model=GPT(cfg), config=_config(variant))
     batches = make_batches(cfg, 8, engine.train_micro_batch_size_per_gpu(), seed=dist.get_rank())
-    micro = 0
-
-    def run(steps: int, first: int) -> None:
-        nonlocal micro
-        for step in range(first, first + steps):
-            for _ in range(engine.gradient_accumulation_steps()):
-                x, y = batches[micro % len(batches)]
-                micro += 1
-                engine.backward(engine(x, y))
-                engine.step()
-            if step % 10 == 0:  # an evaluation forward, as a Trainer's eval loop runs one
-                engine.eval()
-                with torch.no_grad():
-                    engine(x, y)
-                engine.train()
-            if step % 40 == 0:  # a checkpoint, three tags kept in turn
-                engine.save_checkpoint(save_dir, tag=f"t{step // 40 % 3}")
-
     tracemalloc.start()
     try:
-        run(WARMUP, 0)
-        before = _held()
-        run(STEPS, WARMUP)
-        after = _held()
+        run_steps(engine, batches, 0, WARMUP, eval_every=10, save_every=40, save_dir=save_dir)
+        before = held()
+        run_steps(engine, batches, WARMUP, STEPS, eval_every=10, save_every=40, save_dir=save_dir)
+        after = held()
     finally:
         tracemalloc.stop()
         engine.destroy()
@@ -104,7 +78,7 @@ def _long_run_body(variant: str, save_dir: str) -> tuple[tuple, tuple]:
                                      "stage2"])
 def test_nothing_the_engine_holds_grows_with_the_number_of_steps(variant, tmp_path):
     for rank, (before, after) in enumerate(run_ranks(_long_run_body, 2, variant, str(tmp_path), timeout=TIMEOUT)):
-        heap, objects, threads, files = (a - b for a, b in zip(after, before))
+        heap, objects, threads, files, _ = (a - b for a, b in zip(after, before))
         where = f"rank {rank}, {variant}, over {STEPS} steps: before {before}, after {after}"
         assert heap <= MAX_HEAP_GROWTH, f"Python heap grew {heap} bytes; {where}"
         assert objects <= MAX_OBJECT_GROWTH, f"{objects} more gc-tracked objects; {where}"
