@@ -13,8 +13,8 @@ stay alive, about 2 KiB per 100 steps by step 1,500 at stage 2 and flat at stage
 docs/benchmarks.md). So a leak of one gc-tracked object a step (a list, a dict of objects, a tensor, an instance of
 ours kept in a list) is ``STEPS`` more objects. One the collector does not track (a string, a number, a tuple or a
 dict of only those, such as a record of names and sizes) shows in the heap once it passes ``MAX_HEAP_GROWTH``: from
-about 550 bytes a step, as one such record per collective (checked: a string of 50 characters kept per collective failed
-this test at stages 2 and 3).
+about 550 bytes a step, as one such record per collective (checked: a string of 50 characters kept per collective
+failed this test at stages 2 and 3).
 """
 
 from __future__ import annotations
