@@ -4,11 +4,11 @@ tests/test_long_run.py and bench/soak.py share to find anything that grows with 
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import tracemalloc
 from typing import NamedTuple
 
+import psutil
 import torch
 
 from ..memory.accounting import rss_bytes
@@ -30,7 +30,7 @@ def held() -> Held:
     """``Held`` now, after a full garbage collection."""
     gc.collect()
     heap = tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
-    return Held(heap, len(gc.get_objects()), threading.active_count(), len(os.listdir("/proc/self/fd")), rss_bytes())
+    return Held(heap, len(gc.get_objects()), threading.active_count(), psutil.Process().num_fds(), rss_bytes())
 
 
 def run_steps(engine, batches: list, first: int, steps: int, eval_every: int = 0, save_every: int = 0,
