@@ -80,13 +80,14 @@ def _raise_with_findings(error: Exception, started: float, untouched: bool) -> N
     raise type(error)(f"{error} [detected after {time.monotonic() - started:.1f}s; state untouched: {untouched}]")
 
 
-def _branch_divergence_body(stage: int, sequential: bool, same_shape: bool, stall: float | None = STALL_S):
+def _branch_divergence_body(stage: int, sequential: bool, same_shape: bool, stall: float | None = STALL_S,
+                            from_step: int = 2):
     rank = dist.get_rank()
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=Branchy(same_shape), config=_config(stage, sequential, stall))
     data = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(rank))
     for step in range(6):
-        branch = 1 if rank == 1 and step >= 2 else 0  # data-dependent, and different on rank 1 from step 2
+        branch = 1 if rank == 1 and step >= from_step else 0  # data-dependent, different on rank 1 from from_step
         before = _snapshot(engine)
         started = time.monotonic()
         try:
@@ -115,6 +116,26 @@ def test_branch_divergence_raises_on_every_rank_naming_both_modules(sequential, 
         assert "state untouched: True" in message, message
         detected = float(message.rsplit("[detected after ", 1)[1].split("s;")[0])
         assert detected < DETECT_WITHIN_S, message
+    assert time.monotonic() - started < TIMEOUT
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["coalesced", "sequential"])
+@pytest.mark.parametrize("same_shape", [True, False], ids=["same-shaped", "different-shaped"])
+def test_branch_divergence_in_the_first_step_raises_on_every_rank_before_a_mismatched_gather(sequential, same_shape):
+    """The first step records the module order, so there is none to leave: each of its collectives is checked across
+    ranks before it is issued ([Note: the recording step is checked] in zero/coordinator.py). Without that, rank 1's
+    gather of ``right`` met rank 0's of ``left`` and gloo aborted a process (different-shaped), or the two paired up
+    and only the trace comparison at the end of backward saw it (same-shaped)."""
+    started = time.monotonic()
+    with pytest.raises(RankError) as excinfo:
+        run_ranks(_branch_divergence_body, 2, 3, sequential, same_shape, STALL_S, 0, timeout=TIMEOUT,
+                  grace_after_failure=30)
+    failures = _failures(excinfo)
+    assert sorted(failures) == [0, 1], failures  # every rank raised: none was killed, none hung
+    for rank, message in failures.items():
+        assert message.startswith("CollectiveMismatchError"), message
+        assert "name='left'" in message and "name='right" in message and "ranks [1]" in message, message
+        assert "state untouched: True" in message, message
     assert time.monotonic() - started < TIMEOUT
 
 

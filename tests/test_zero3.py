@@ -320,10 +320,12 @@ def test_eval_forward_under_no_grad():
 
 
 def _divergent_order_body():
-    """Two branches with identical shapes: collectives line up, only the recorded trace reveals the difference."""
+    """Two branches whose parameters are persistent (never gathered): no collective differs, only the recorded trace
+    reveals the difference. (Gathered, the recording step's check names them first: test_watchdog.py.)"""
     torch.manual_seed(0)
     model = _TwoBranches()
-    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, gas=1, stage3_param_persistence_threshold=0))
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(3, gas=1,
+                                                                      stage3_param_persistence_threshold=10**6))
     out = engine(torch.randn(2, 9), left=dist.get_rank() == 0)
     engine.backward(out.sum())
 

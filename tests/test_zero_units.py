@@ -40,6 +40,11 @@ class LoopbackComm:
         self.calls: list[tuple] = []
         self.other_traces = other_traces  # what the other ranks report from all_gather_object, if not the same
         self.progress = ProgressLog()  # the coordinator names the module it gathers for in the progress records
+        self.checking = False  # check_every_collective: on for the step that records the trace
+
+    def check_every_collective(self, on):
+        self.checking = on
+        self.calls.append(("check_every_collective", on))
 
     def all_gather_into_tensor(self, out, inp, async_op=False, name=""):
         self.calls.append(("all_gather", out.numel(), inp.dtype))
@@ -211,6 +216,21 @@ def test_coordinator_prefetches_a_block_released_at_the_turn_before_the_blocks_a
     assert [layer for _, gathered in issued for layer in gathered] == [0, 1, 2, 3, 3, 2, 1, 0], issued
     assert [name for name, _ in issued if not name.startswith("prefetch")] == ["layers.0"], issued  # no other
     assert issued[4] == ("prefetch after layers.4", [3]), issued  # the head's forward prefetches the last block
+
+
+def test_coordinator_checks_the_collectives_of_the_recording_step_only():
+    """[Note: the recording step is checked]: every gather of the step that records the trace is checked across ranks
+    (on from its forward, off at its end), none of a step that follows it."""
+    coordinator, layers, comm = build_coordinator()
+    checked_gathers = []
+    run_step(coordinator, layers, observe=lambda _: checked_gathers.append(comm.checking))
+    switches = [c for c in comm.calls if c[0] == "check_every_collective"]
+    assert comm.calls[0] == ("check_every_collective", True) and switches[-1] == ("check_every_collective", False)
+    assert all(checked_gathers) and len(checked_gathers) == 2 * len(layers)
+    comm.calls.clear()
+    checked_gathers.clear()
+    run_step(coordinator, layers, observe=lambda _: checked_gathers.append(comm.checking))
+    assert ("check_every_collective", True) not in comm.calls and not any(checked_gathers)
 
 
 def test_coordinator_raises_when_ranks_record_different_module_orders():

@@ -139,6 +139,9 @@ class Communicator:
         # one flag shared by them (a mesh's gathers run on a sub-group; agree_before_next_collective is asked of the
         # world communicator)
         self._agree_next = share_records_with._agree_next if share_records_with is not None else [False]
+        # whether each collective is checked across ranks before it is issued (_check_consistency): always with
+        # ``debug``, and while check_every_collective asks; shared with the sub-groups as _agree_next is
+        self._checking = share_records_with._checking if share_records_with is not None else [self.debug]
         self._closed = False
         self._shares_records = share_records_with is not None
         store = default_store() if self.group is dist.group.WORLD and self.world_size > 1 else None
@@ -151,6 +154,14 @@ class Communicator:
         exchanged on the group); see [Note: holding back a collective that may not match] in watchdog.py. For the
         rare points where ranks may legitimately or mistakenly take different paths."""
         self._agree_next[0] = self.watchdog is not None
+
+    def check_every_collective(self, on: bool) -> None:
+        """Check each collective across ranks before it is issued, as ``debug`` does, from now until this is called
+        with False (``debug`` keeps the check on), on this group and the sub-groups sharing its records. For the
+        stretches where ranks may take different paths and nothing says where: every rank must turn it on and off
+        at the same point of its collectives. See [Note: the recording step is checked] in zero/coordinator.py."""
+        # fake: one process stands for every rank (shapes only), nothing to compare
+        self._checking[0] = self.debug or (on and self.world_size > 1 and self.backend != "fake")
 
     def close(self, wait: bool = True) -> None:
         """This rank is done with the group: wait until every rank is (store only with the watchdog, which then
@@ -264,8 +275,9 @@ class Communicator:
 
     def _check_consistency(self, kind: str, tensor: Optional[torch.Tensor], input_numel: int,
                            output_numel: int, op: str = "", src: int = -1, name: str = "") -> None:
-        """The debug check; called only with ``debug`` on (fixed at construction), so the sequence it numbers is
-        every collective's. See [Note: why check before every collective] in _consistency.py."""
+        """The debug check, before each collective while it is on (``debug``, or ``check_every_collective``); the
+        sequence it numbers is of the collectives checked. See [Note: why check before every collective] in
+        _consistency.py."""
         self._sequence += 1
         descriptor = CollectiveDescriptor(
             kind=kind, dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
@@ -277,7 +289,8 @@ class Communicator:
         hashes = torch.empty(self.world_size, dtype=torch.int64, device=device)
         with record_function("zero3::debug_check"):
             work, _ = self._issuer.all_gather(hashes, mine)  # no finalize: the list form writes into `hashes`
-            work.wait()
+            # through the watchdog: a rank that never issues its check is a stall diagnosed, not a wait without end
+            Pending(work, hashes, None, None, self.watchdog).wait()
         if not hashes_disagree(hashes):
             return
         descriptors: list = [None] * self.world_size
@@ -302,7 +315,7 @@ class Communicator:
             self._require(False, kind, name,
                           f"output has {output.numel()} elements; expected world_size x input = "
                           f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
         plan = self._issuer.all_gather_plan(input)
         return self._issue(kind, plan, name, input.dtype, input.numel(), output.numel() * output.element_size(),
@@ -333,7 +346,7 @@ class Communicator:
         if plan == "all_gather":
             self._require(False, kind, name, "all_gather_peers runs only where gathers_peers_only(input) (here the "
                           "backend's own all-gather runs); use all_gather_into_tensor")
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency(kind, input, input.numel(), input.numel() * world_size, name=name)
         return self._issue(kind, plan, name, input.dtype, input.numel(),
                            input.numel() * world_size * input.element_size(), self._issuer.all_gather_peers,
@@ -364,7 +377,7 @@ class Communicator:
                               f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
             numel += input.numel()
             nbytes += output.numel() * output.element_size()
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency(kind, inputs[0], numel, numel * self.world_size, name=name)
         return self._issue(kind, kind, name, inputs[0].dtype, numel, nbytes, self._issuer.all_gather_grouped,
                            (outputs, inputs), outputs[0], async_op)
@@ -391,7 +404,7 @@ class Communicator:
                           f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
         if op == "avg" and not input.is_floating_point():
             self._require_float_for_avg(kind, name, op, input)
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name)
         plan = self._issuer.reduce_scatter_plan(input, input_is_scratch)
         return self._issue(kind, plan, name, input.dtype, input.numel(), input.numel() * input.element_size(),
@@ -418,7 +431,7 @@ class Communicator:
             self._require(False, kind, name,
                           f"input ({input.numel()}) and output ({output.numel()}) must have the same number of "
                           f"elements, a multiple of world_size {self.world_size}")
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
         return self._issue(kind, kind, name, input.dtype, input.numel(), input.numel() * input.element_size(),
                            self._issuer.all_to_all, (output, input), output, async_op)
@@ -432,7 +445,7 @@ class Communicator:
             self._require(False, kind, name, "tensor must be contiguous")
         if op == "avg" and not tensor.is_floating_point():
             self._require_float_for_avg(kind, name, op, tensor)
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
         return self._issue(kind, kind, name, tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(),
                            self._issuer.all_reduce, (tensor, op), tensor, async_op)
@@ -444,14 +457,14 @@ class Communicator:
             self._require(0 <= src < self.world_size, kind, name, f"src={src} is not a rank of this group "
                           f"(0..{self.world_size - 1})")
             self._require(False, kind, name, "tensor must be contiguous")
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), src=src, name=name)
         return self._issue(kind, kind, name, tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(),
                            self._issuer.broadcast, (tensor, src), tensor, async_op)
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's picklable ``obj``, indexed by rank. For small metadata (e.g. order checks), not tensors."""
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency("object", None, 0, 0)
         record = self._record("object", None, 0, "")
         gathered: list = [None] * self.world_size
@@ -467,7 +480,7 @@ class Communicator:
 
     def barrier(self) -> None:
         """Wait until every rank of the group reaches this point. Not counted."""
-        if self.debug:
+        if self._checking[0]:
             self._check_consistency("barrier", None, 0, 0)
         record = self._record("barrier", None, 0, "")
         with record_function("zero3::barrier"):

@@ -24,11 +24,14 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from zero_engine.errors import RankDivergenceError
+
 _COMM_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-class CollectiveMismatchError(RuntimeError):
-    """Ranks were about to issue different collectives. Raised on every rank of the group, with the same message."""
+class CollectiveMismatchError(RankDivergenceError):
+    """Ranks were about to issue different collectives. Raised on every rank of the group, with the same message,
+    before any of them was issued (the group can still be used)."""
 
 
 class CollectiveDescriptor(NamedTuple):

@@ -27,11 +27,12 @@ in the normal path except the sliced wait, which costs nothing when the work is 
 gloo cannot survive a mismatched collective: a rank that receives more bytes than it posted aborts the process
 (``terminate called after throwing an instance of 'gloo::EnforceNotMet'``), so a different-shaped divergence would
 kill a rank before anyone could say why. The one place the engine knows a collective may not match is where a step
-leaves the recorded module order (data-dependent control flow). There the coordinator asks for the next collective
-to be *agreed* first: the rank publishes the record it is about to issue and waits until every other rank has
-published the record at that number (ranks that took the same turn do so at once; a rank that did not stalls in its
-own collective and publishes after ``stall_timeout_s``). Same records -> issue; different -> RankDivergenceError
-before a byte is exchanged.
+leaves the recorded module order (data-dependent control flow); the step that records it is checked collective by
+collective instead ([Note: the recording step is checked] in zero/coordinator.py). Where a step leaves the order,
+the coordinator asks for the next collective to be *agreed* first: the rank publishes the record it is about to
+issue and waits until every other rank has published the record at that number (ranks that took the same turn do
+so at once; a rank that did not stalls in its own collective and publishes after ``stall_timeout_s``). Same
+records -> issue; different -> RankDivergenceError before a byte is exchanged.
 
 [Note: clean shutdown]
 `make demo` sometimes ended with one rank aborting after training ("terminate called without an active exception",

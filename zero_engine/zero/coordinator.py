@@ -2,7 +2,9 @@
 
 On the first training step it records the order in which modules fetch their parameters (forward, activation
 recomputation and backward alike): the *trace*. All ranks must record the same trace; that is checked once with
-one small exchange and a difference is an error naming the first differing module, not a hang later.
+one small exchange and a difference is an error naming the first differing module, not a hang later. Before that
+exchange, each collective of the recording step is checked across ranks as it is issued: see [Note: the recording
+step is checked].
 
 From the next step on, every fetch looks ahead in the trace and issues asynchronous gathers for the parameters the
 next modules will need (up to ``prefetch_bucket_size`` elements, a whole unit at a time; about one parameter ahead
@@ -18,6 +20,19 @@ are always correct), logs it once, and uses the newly recorded order from then o
 
 A parameter a forward reads without owning it joins the reader's unit, and one held for the rest of the step has
 one more user until the step ends: see external.py.
+
+[Note: the recording step is checked]
+A step that leaves the recorded order holds its next gather back until every rank agrees on it (watchdog.py,
+[Note: holding back a collective that may not match]). The step that records the order has none to leave, so a
+rank-dependent branch there (a module only some ranks run) went unnoticed until the trace exchange at the end of
+backward, if the gathers on the way paired up; where they did not (different sizes), gloo aborted a process
+("Received data size doesn't match expected size") and the others could only report it lost. So while recording,
+each collective is first checked across ranks (``Communicator.check_every_collective``: the ``debug_collectives``
+check, one all-gather of an 8-byte hash), and ranks about to issue different ones raise
+``CollectiveMismatchError`` (a ``RankDivergenceError``) on every rank, naming what each was about to issue, before
+any of it is exchanged. Only the recording step pays for it (one small collective per collective, once); from the
+next step on, a deviation is agreed on where it happens, as before. Evaluation forwards outside a training step
+are not checked: a model used for inference only would otherwise pay it on every gather.
 """
 
 from __future__ import annotations
@@ -212,6 +227,8 @@ class ParamCoordinator:
         self._pos = 0
         self._frontier = (-1, 0)
         self._following = self.trace is not None
+        if self.trace is None:  # see [Note: the recording step is checked]
+            self.comm.check_every_collective(True)
 
     def end_step(self, adopt_trace: bool = True) -> None:
         """End of backward: wait for stray prefetches, release everything not persistent, settle the trace."""
@@ -227,6 +244,7 @@ class ParamCoordinator:
             if self.trace is not None:
                 self._log_deviation_once("the module order changed; prefetching re-recorded")
             self.trace = _Trace(events, [unit for _, unit in self._recording])
+        self.comm.check_every_collective(False)  # on while recording: see [Note: the recording step is checked]
         self._in_step = False
         self._following = False
         if self.shard_swapper is not None:  # the next forward's first shard buckets, read ahead
