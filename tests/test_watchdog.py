@@ -81,10 +81,12 @@ def _raise_with_findings(error: Exception, started: float, untouched: bool) -> N
 
 
 def _branch_divergence_body(stage: int, sequential: bool, same_shape: bool, stall: float | None = STALL_S,
-                            from_step: int = 2):
+                            from_step: int = 2, zero_keys: dict | None = None):
     rank = dist.get_rank()
     torch.manual_seed(0)
-    engine, *_ = zero_engine.initialize(model=Branchy(same_shape), config=_config(stage, sequential, stall))
+    config = _config(stage, sequential, stall)
+    config["zero_optimization"].update(zero_keys or {})
+    engine, *_ = zero_engine.initialize(model=Branchy(same_shape), config=config)
     data = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(rank))
     for step in range(6):
         branch = 1 if rank == 1 and step >= from_step else 0  # data-dependent, different on rank 1 from from_step
@@ -137,6 +139,47 @@ def test_branch_divergence_in_the_first_step_raises_on_every_rank_before_a_misma
         assert "name='left'" in message and "name='right" in message and "ranks [1]" in message, message
         assert "state untouched: True" in message, message
     assert time.monotonic() - started < TIMEOUT
+
+
+class _ReusedOrOther(nn.Module):
+    """``a`` twice, or ``a`` then ``b``: released after its first call (persistence and reuse distance 0), ``a``'s
+    second gather comes from hpZ's secondary partition (within a pair of ranks), ``b``'s first fills its own (over
+    the world)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x, branch: int):
+        h = torch.relu(self.a(x))
+        return (self.a(h) if branch == 0 else self.b(h)).pow(2).mean()
+
+
+def _hpz_divergence_body():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = _config(3)
+    config["zero_optimization"].update(zero_hpz_partition_size=2, stage3_max_reuse_distance=0)
+    engine, *_ = zero_engine.initialize(model=_ReusedOrOther(), config=config)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x, int(rank == 1)))  # rank 1 runs b in the first step, the others a again
+    engine.step()
+
+
+def test_branch_divergence_in_the_first_step_across_groups_is_found_at_the_stall_check():
+    """hpZ at world 4: ranks 0, 2 and 3 check a gather within their pair of ranks, rank 1 one over the world. The
+    checks run on different groups, so none pairs with another and rank 0 and 1 wait in theirs: the stall check must
+    find the divergence in the collectives they hold back, not wait out collective_timeout_s."""
+    started = time.monotonic()
+    with pytest.raises(RankError) as excinfo:
+        run_ranks(_hpz_divergence_body, 4, timeout=TIMEOUT, grace_after_failure=30)
+    failures = _failures(excinfo)
+    assert sorted(failures) == [0, 1, 2, 3], failures
+    for rank, message in failures.items():
+        assert message.startswith("RankDivergenceError"), message
+    assert any("rank 1:" in m and " of b " in m for m in failures.values()), failures
+    assert time.monotonic() - started < DETECT_WITHIN_S
 
 
 def _skipped_step_body(stage: int):

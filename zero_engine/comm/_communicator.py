@@ -274,10 +274,12 @@ class Communicator:
         return torch.device("cpu")
 
     def _check_consistency(self, kind: str, tensor: Optional[torch.Tensor], input_numel: int,
-                           output_numel: int, op: str = "", src: int = -1, name: str = "") -> None:
+                           output_numel: int, op: str = "", src: int = -1, name: str = "",
+                           record_kind: str = "") -> None:
         """The debug check, before each collective while it is on (``debug``, or ``check_every_collective``); the
-        sequence it numbers is of the collectives checked. See [Note: why check before every collective] in
-        _consistency.py."""
+        sequence it numbers is of the collectives checked. ``record_kind``: the kind the collective's progress
+        record will have, where it differs from ``kind`` (what runs: see ``_issue``). See [Note: why check before
+        every collective] in _consistency.py."""
         self._sequence += 1
         descriptor = CollectiveDescriptor(
             kind=kind, dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
@@ -289,8 +291,14 @@ class Communicator:
         hashes = torch.empty(self.world_size, dtype=torch.int64, device=device)
         with record_function("zero3::debug_check"):
             work, _ = self._issuer.all_gather(hashes, mine)  # no finalize: the list form writes into `hashes`
-            # through the watchdog: a rank that never issues its check is a stall diagnosed, not a wait without end
-            Pending(work, hashes, None, None, self.watchdog).wait()
+            if self.watchdog is not None and self.watchdog.watches_waits and not self.watchdog.stopped:
+                # A check that never completes (ranks checking on different groups) is a stall diagnosed with the
+                # record of the collective held back, as the next one will be numbered: not a wait without end.
+                held = CollectiveRecord(self.progress.seq + 1, record_kind or kind, descriptor.dtype, input_numel,
+                                        name, self.progress.phase, self.progress.step)
+                self.watchdog.wait(work, held, held=True)
+            else:
+                work.wait()
         if not hashes_disagree(hashes):
             return
         descriptors: list = [None] * self.world_size
@@ -315,9 +323,9 @@ class Communicator:
             self._require(False, kind, name,
                           f"output has {output.numel()} elements; expected world_size x input = "
                           f"{self.world_size} x {input.numel()} = {self.world_size * input.numel()}")
-        if self._checking[0]:
-            self._check_consistency(kind, input, input.numel(), output.numel(), name=name)
         plan = self._issuer.all_gather_plan(input)
+        if self._checking[0]:
+            self._check_consistency(kind, input, input.numel(), output.numel(), name=name, record_kind=plan)
         return self._issue(kind, plan, name, input.dtype, input.numel(), output.numel() * output.element_size(),
                            self._issuer.all_gather, (output, input, plan), output, async_op)
 
@@ -347,7 +355,8 @@ class Communicator:
             self._require(False, kind, name, "all_gather_peers runs only where gathers_peers_only(input) (here the "
                           "backend's own all-gather runs); use all_gather_into_tensor")
         if self._checking[0]:
-            self._check_consistency(kind, input, input.numel(), input.numel() * world_size, name=name)
+            self._check_consistency(kind, input, input.numel(), input.numel() * world_size, name=name,
+                                    record_kind=plan)
         return self._issue(kind, plan, name, input.dtype, input.numel(),
                            input.numel() * world_size * input.element_size(), self._issuer.all_gather_peers,
                            (output, input, plan), output, async_op)
@@ -404,9 +413,9 @@ class Communicator:
                           f"{self.world_size} x {output.numel()} = {self.world_size * output.numel()}")
         if op == "avg" and not input.is_floating_point():
             self._require_float_for_avg(kind, name, op, input)
-        if self._checking[0]:
-            self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name)
         plan = self._issuer.reduce_scatter_plan(input, input_is_scratch)
+        if self._checking[0]:
+            self._check_consistency(kind, input, input.numel(), output.numel(), op=op, name=name, record_kind=plan)
         return self._issue(kind, plan, name, input.dtype, input.numel(), input.numel() * input.element_size(),
                            self._issuer.reduce_scatter, (output, input, op, plan), output, async_op)
 

@@ -325,21 +325,26 @@ class StallWatchdog:
             return
 
     # ---- the wait ------------------------------------------------------------------------------------------------
-    def wait(self, work, record: Optional[CollectiveRecord]) -> None:
-        """Wait for ``work`` in slices; diagnose a stall; turn a backend failure into a DistributedError."""
+    def wait(self, work, record: Optional[CollectiveRecord], held: bool = False) -> None:
+        """Wait for ``work`` in slices; diagnose a stall; turn a backend failure into a DistributedError.
+
+        ``held``: ``work`` is the check of ``record``, a collective this rank holds back until every rank is about
+        to issue the same one (the all-gather of ``Communicator._check_consistency``): ``record`` is not issued yet,
+        and a stall publishes it as an agreement does, so that ranks checking different collectives (on different
+        groups, where no check pairs with another) are told apart as a divergence."""
         started = time.monotonic()
         try:
             # The common case in this one call: a work whose wait honours a timeout completes within the first
             # slice (what _wait_slice would wait). Anything else (a timeout, a failure, a work waited on the helper
             # thread) goes the whole way through _wait, from the same start: a timed-out or failed work's wait
             # raises again there, and is told apart and explained as before.
-            if self.wait_with_timeout and record is not None and record.kind in _WAIT_HONOURS_TIMEOUT:
+            if self.wait_with_timeout and record is not None and (held or record.kind in _WAIT_HONOURS_TIMEOUT):
                 try:
                     work.wait(timeout=self._first_slice)
                     return
                 except RuntimeError:
                     pass
-            self._wait(work, record, started)
+            self._wait(work, record, started, held)
         except DistributedError:
             self._mark_failed()
             raise
@@ -360,13 +365,13 @@ class StallWatchdog:
         if self._waiter is not None and self._waiter._current is not None and _waiter is self._waiter:
             _waiter = None  # its thread is stuck in a work of the broken group: the next group gets a fresh one
 
-    def _wait(self, work, record: Optional[CollectiveRecord], started: float) -> None:
+    def _wait(self, work, record: Optional[CollectiveRecord], started: float, held: bool = False) -> None:
         stall_at = started + self.stall_timeout_s
         give_up_at = started + self.collective_timeout_s
         while True:
             now = time.monotonic()
             until = stall_at if now < stall_at else now + _CHECK_PERIOD_S
-            if self._wait_slice(work, max(0.0, min(until, give_up_at) - now), record):
+            if self._wait_slice(work, max(0.0, min(until, give_up_at) - now), record, held):
                 return
             now = time.monotonic()
             if now >= give_up_at:
@@ -376,13 +381,13 @@ class StallWatchdog:
                     f"({now - started:.0f}s waited). Raise collective_timeout_s if a step can legitimately take "
                     f"this long. {UNUSABLE}")
             if now >= stall_at:
-                self._diagnose(record, now - started)
+                self._diagnose(record, now - started, held)
 
-    def _wait_slice(self, work, seconds: float, record) -> bool:
+    def _wait_slice(self, work, seconds: float, record, held: bool = False) -> bool:
         """True when the work completed within ``seconds``; raises the translated error when it failed."""
         try:
             if self.wait_with_timeout:
-                if record is not None and record.kind in _WAIT_HONOURS_TIMEOUT:
+                if record is not None and (held or record.kind in _WAIT_HONOURS_TIMEOUT):  # held: an all-gather
                     work.wait(timeout=datetime.timedelta(seconds=max(seconds, 1e-3)))
                     return True
                 return self._blocking_waiter().wait(work, seconds)
@@ -546,10 +551,10 @@ class StallWatchdog:
             pending.append(rank)
         return pending
 
-    def _diagnose(self, record: Optional[CollectiveRecord], waited: float) -> None:
+    def _diagnose(self, record: Optional[CollectiveRecord], waited: float, held: bool = False) -> None:
         if record is None or self._published != record.seq:
-            self._publish(record)
-        pending = self._check_others(record, hold=False)
+            self._publish(record, holding=held)
+        pending = self._check_others(record, hold=held)
         key = record.seq if record is not None else -1
         if key not in self._slow_logged:
             self._slow_logged.add(key)
