@@ -34,10 +34,11 @@ import torch.distributed as dist
 import zero_engine
 from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
-from zero_engine.testing.loop import train_global_batch
+from zero_engine.testing.loop import resume_in_new_engine, train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.testing.shards import whole_from_shards
-from zero_engine.zero.quantize import BLOCK, dequantize, payload_bytes, quantize
+from zero_engine.zero.quantize import (BLOCK, dequantize, dequantize_shards, payload_bytes, quantize,
+                                       quantize_shards)
 
 from session_run import run_in_session
 
@@ -72,6 +73,24 @@ def test_zeros_stay_exact_and_non_finite_values_stay_non_finite():
     y = dequantize(quantize(x, 4), 3 * BLOCK, 4)
     # a block with inf/nan dequantizes to non-finite values (the engine's overflow check sees them); others exact-ish
     assert not torch.isfinite(y[0, :2 * BLOCK]).any() and torch.isfinite(y[0, 2 * BLOCK:]).all()
+
+
+def test_shards_quantized_together_read_as_each_quantized_alone():
+    """[Note: a shard's blocks are its own]: a shard's values do not depend on its neighbours in one gather, and the
+    bytes are those of each shard alone (the blocks' padding is not sent)."""
+    g = torch.Generator().manual_seed(0)
+    shards = [torch.randn(n, generator=g) * scale for n, scale in ((300, 1.0), (40, 100.0), (256, 0.01), (1, 3.0))]
+    together = quantize_shards(shards)
+    assert together.shape == (1, sum(payload_bytes(t.numel(), 8) for t in shards))
+    for shard, value in zip(shards, dequantize_shards(together, [t.numel() for t in shards])):
+        alone = dequantize(quantize(shard.view(1, -1), 8), shard.numel(), 8)
+        assert torch.equal(value, alone)
+    assert torch.equal(quantize_shards(shards[:1]), quantize(shards[0].view(1, -1), 8))  # one shard: quantize's row
+    # one row whose scales start at an offset not a multiple of 4 (a gather's last rank, or a shard of more than
+    # _DEQUANTIZE_CHUNK elements dequantized a row at a time): read through an aligned copy
+    assert together.shape[1] % 4 != 0
+    odd = torch.randn(1, 41, generator=g)
+    assert (dequantize(quantize(odd, 8), 41, 8) - odd).abs().max() <= odd.abs().max() / 254 + 1e-7
 
 
 def test_int4_packs_two_values_a_byte_and_int8_halves_bf16():
@@ -249,3 +268,39 @@ def test_demo_final_loss_within_2_percent_of_unquantized(tmp_path):
     config["zero_optimization"].update(zero_quantized_weights=False, zero_quantized_gradients=False)
     exact = _demo_final_loss(tmp_path, config, "exact")
     assert abs(quantized - exact) / exact < 0.02, (quantized, exact)
+
+
+# ---- resume ---------------------------------------------------------------------------------------------------------
+def _resume_body(save_dir: str, resume: bool):
+    """qwZ at world 2, 5 steps of 2 micro-steps; ``resume``: saved after step 1, loaded into an engine built from
+    another seed (whose first step records the module order again, so its gathers take other runs of parameters)."""
+    cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_embd=33, n_head=3)
+    config = ds_config(stage3_prefetch_bucket_size=10**6, stage3_param_persistence_threshold=0,
+                       stage3_max_reuse_distance=0, zero_quantized_weights=True, leaf_module={"classes": ["Block"]})
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        return zero_engine.initialize(model=GPT(cfg), config=config)[0]
+
+    engine = build(0)
+    batches = make_batches(cfg, 10, 2, seed=dist.get_rank())
+    losses = []
+    for step in range(5):
+        for x, y in batches[2 * step: 2 * step + 2]:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if resume and step == 1:
+            engine = resume_in_new_engine(engine, lambda: build(1), save_dir)
+    engine.destroy()
+    return losses
+
+
+def test_a_run_resumed_under_qwz_trains_bitwise_as_the_uninterrupted_one(tmp_path):
+    """[Note: a shard's blocks are its own] in quantize.py: before, a block's scale could span two parameters, so the
+    values a forward read depended on which parameters one gather took, and the resumed run (its first step records
+    the trace again, gathering on demand) trained to other losses than the uninterrupted one."""
+    straight = run_ranks(_resume_body, 2, str(tmp_path / "a"), False, timeout=TIMEOUT)
+    resumed = run_ranks(_resume_body, 2, str(tmp_path / "b"), True, timeout=TIMEOUT)
+    assert resumed == straight

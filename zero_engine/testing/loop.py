@@ -3,12 +3,12 @@ share, so every one of them feeds each rank the same rows for the same global ba
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["train_global_batch"]
+__all__ = ["train_global_batch", "resume_in_new_engine"]
 
 
 def train_global_batch(engine, x: torch.Tensor, y: torch.Tensor, gas: int, micro: int,
@@ -28,3 +28,14 @@ def train_global_batch(engine, x: torch.Tensor, y: torch.Tensor, gas: int, micro
             each_micro(engine, loss)
     dist.all_reduce(total)
     return total.item() / (world * gas)
+
+
+def resume_in_new_engine(engine, build: Callable[[], Any], checkpoint_dir: str, tag: str = "resume"):
+    """What a resumed run trains with: ``engine``'s checkpoint saved under ``tag``, ``engine`` destroyed, and a new
+    engine from ``build()`` (built from other initial values, so that only the checkpoint can make it equal) with
+    that checkpoint loaded."""
+    engine.save_checkpoint(checkpoint_dir, tag=tag)
+    engine.destroy()
+    resumed = build()
+    resumed.load_checkpoint(checkpoint_dir, tag=tag)
+    return resumed

@@ -22,6 +22,16 @@ magnitude. A row's payload is one uint8 tensor, the values then the scales' byte
 whole bucket is one collective. A block holding inf or nan gets a non-finite scale and dequantizes to non-finite
 values, so an overflowing gradient is still seen by the engine's non-finite check (the step is skipped).
 
+[Note: a shard's blocks are its own]
+A gather of several parameters quantizes their shards in one payload, but each shard starts a block of its own, so
+no scale spans two parameters (the blocks' padding is not sent: the bytes are those of quantizing each shard alone).
+A block's scale is its largest magnitude, so a block shared with a neighbour rounded a parameter's values by that
+neighbour's, and which neighbour a parameter has depends on which parameters one gather takes: the prefetch's
+choice, which differs between the step that records the trace and the steps that follow it. A run resumed from a
+checkpoint (whose first step records again) then read other weights than the uninterrupted run and trained to other
+losses (bench/combinations.py found it: 0.004 in an fp16 loss, 0.0015 in fp32). Now the values a forward reads
+depend on the weights alone.
+
 [Note: what stays exact]
 Persistent parameters (small, kept whole: biases, norms) are re-gathered after each step by the exact strategy, as
 is every ``GatheredParameters`` and checkpoint gather: user-visible values are the real ones. With hpZ
@@ -54,7 +64,8 @@ import torch.nn.functional as F
 from .gather import _runs
 from .partition import DIRECT_GATHER_NUMEL, ShardedParam
 
-__all__ = ["BLOCK", "QuantizedGather", "QuantizedReduceScatter", "dequantize", "payload_bytes", "quantize"]
+__all__ = ["BLOCK", "QuantizedGather", "QuantizedReduceScatter", "dequantize", "dequantize_shards", "payload_bytes",
+           "quantize", "quantize_shards"]
 
 BLOCK = 256  # elements per scale: 4 / 256 bytes of scale per element (1.6% of an int8 value, 3% of an int4 one)
 WEIGHT_BITS = 8
@@ -103,7 +114,8 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int = BLOCK)
     r = payload.shape[0]
     blocks = math.ceil(numel / block)
     values = _value_bytes(numel, bits)
-    scale = payload[:, values:].contiguous().view(torch.float32).view(r, blocks, 1)
+    # a copy of its own, 4-byte aligned: a single row's slice is already contiguous, at an odd offset
+    scale = payload[:, values:].clone(memory_format=torch.contiguous_format).view(torch.float32).view(r, blocks, 1)
     raw = payload[:, :values]
     x = torch.zeros(r, blocks * block, dtype=torch.float32, device=payload.device)
     if bits == 8:
@@ -114,11 +126,48 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int = BLOCK)
     return x.view(r, blocks * block)[:, :numel]
 
 
+def quantize_shards(shards: list[torch.Tensor], bits: int = 8, block: int = BLOCK) -> torch.Tensor:
+    """Several shards (1-D, any float dtype) -> uint8 [1, payload]: the shards' values back to back, then every
+    block's fp32 scale, each shard cut into blocks of its own (see [Note: a shard's blocks are its own]). One shard is
+    ``quantize``'s row. int8 only (qwZ)."""
+    if bits != 8:
+        raise ValueError(f"quantize_shards: bits={bits}; qwZ's shards are int8")
+    numels = [t.numel() for t in shards]
+    widths = [-(-n // block) * block for n in numels]
+    x = torch.zeros(sum(widths), dtype=torch.float32, device=shards[0].device)
+    torch._foreach_copy_([piece[:n] for piece, n in zip(x.split(widths), numels)], shards)
+    x = x.view(-1, block)
+    qmax = 2 ** (bits - 1) - 1
+    scale = x.abs().amax(dim=1, keepdim=True) / qmax  # inf / nan where the block is: see the format's Note
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.nan_to_num(x * inverse, nan=0.0, posinf=0.0, neginf=0.0).round_().clamp_(-qmax, qmax).view(-1)
+    total = sum(numels)
+    out = torch.empty(1, total + 4 * scale.numel(), dtype=torch.uint8, device=x.device)
+    out[0, :total] = torch.cat([piece[:n] for piece, n in zip(q.split(widths), numels)]).to(torch.int8).view(
+        torch.uint8)  # the blocks' padding is not sent
+    out[0, total:] = scale.view(-1).view(torch.uint8)
+    return out
+
+
+def dequantize_shards(payload: torch.Tensor, numels: list[int], bits: int = 8,
+                      block: int = BLOCK) -> list[torch.Tensor]:
+    """uint8 [r, payload] of ``quantize_shards`` -> one fp32 [r, n] per shard: the inverse (within half a step)."""
+    r, total = payload.shape[0], sum(numels)
+    widths = [-(-n // block) * block for n in numels]
+    scale = payload[:, total:].clone(memory_format=torch.contiguous_format).view(torch.float32).view(r, -1, 1)
+    x = torch.zeros(r, sum(widths), dtype=torch.float32, device=payload.device)
+    pieces = x.split(widths, dim=1)
+    torch._foreach_copy_([piece[:, :n] for piece, n in zip(pieces, numels)],
+                         list(payload[:, :total].view(torch.int8).split(numels, dim=1)))
+    x.view(r, -1, block).mul_(scale)
+    return [piece[:, :n] for piece, n in zip(pieces, numels)]
+
+
 # ---- qwZ: quantized all-gathers ---------------------------------------------------------------------------------------
 @dataclass
 class _QuantizedGatherWork:
-    """A quantized gather in flight: ``runs`` are (received payload [world, bytes], its parameters, elements per
-    rank); ``wait()`` dequantizes each into its parameters' storage (the GatherWork interface)."""
+    """A quantized gather in flight: ``runs`` are (received payload [world, bytes], its parameters); ``wait()``
+    dequantizes each into its parameters' storage (the GatherWork interface)."""
 
     params: list[ShardedParam]
     numel: int
@@ -130,21 +179,20 @@ class _QuantizedGatherWork:
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(t.numel() for t in self.keep_alive) + sum(recv.numel() for recv, _, _ in self.runs)
+        return sum(t.numel() for t in self.keep_alive) + sum(recv.numel() for recv, _ in self.runs)
 
     def wait(self) -> None:
         if self.done:
             return
         for handle in self.pending:
             handle.wait()
-        for recv, run, per_rank in self.runs:
-            world = recv.shape[0]
+        for recv, run in self.runs:
+            world, numels = recv.shape[0], [p.shard_numel for p in run]
             outs = [p.alloc_full().view(world, p.shard_numel) for p in run]
-            rows = max(1, _DEQUANTIZE_CHUNK // max(1, per_rank))
+            rows = max(1, _DEQUANTIZE_CHUNK // max(1, sum(numels)))
             for start in range(0, world, rows):
-                values = dequantize(recv[start: start + rows], per_rank, WEIGHT_BITS)
-                torch.split_with_sizes_copy(values.to(run[0].dtype), [p.shard_numel for p in run], dim=1,
-                                            out=[o[start: start + rows] for o in outs])
+                values = dequantize_shards(recv[start: start + rows], numels, WEIGHT_BITS)
+                torch._foreach_copy_([o[start: start + rows] for o in outs], values)
         if self.accounting is not None:
             self.accounting.add("comm_buffers", -self.buffer_bytes)
         self.runs.clear()
@@ -190,16 +238,12 @@ class QuantizedGather:
         return work
 
     def _gather(self, work: _QuantizedGatherWork, run: list[ShardedParam], name: str) -> None:
-        shards = run[0].bucket.run_view(run) if len(run) > 1 and run[0].bucket is not None else None
-        if shards is None:
-            shards = run[0].shard if len(run) == 1 else torch.cat([p.shard for p in run])
-        per_rank = shards.numel()
         # Quantized and allocated on the current stream, held by ``work`` until wait() (streams.py's rule for a
         # collective's buffers); only the collective runs on the all-gather stream.
-        send = quantize(shards.view(1, per_rank), WEIGHT_BITS)
+        send = quantize_shards([p.shard for p in run], WEIGHT_BITS)
         recv = torch.empty(self.comm.world_size, send.numel(), dtype=torch.uint8, device=send.device)
         work.keep_alive.append(send)
-        work.runs.append((recv, run, per_rank))
+        work.runs.append((recv, run))
 
         def issue():
             return self.comm.all_gather_into_tensor(recv, send, async_op=True, name=f"{name or run[0].fqn} (int8)")
