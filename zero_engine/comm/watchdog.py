@@ -326,12 +326,9 @@ class StallWatchdog:
 
     # ---- the wait ------------------------------------------------------------------------------------------------
     def wait(self, work, record: Optional[CollectiveRecord], held: bool = False) -> None:
-        """Wait for ``work`` in slices; diagnose a stall; turn a backend failure into a DistributedError.
-
-        ``held``: ``work`` is the check of ``record``, a collective this rank holds back until every rank is about
-        to issue the same one (the all-gather of ``Communicator._check_consistency``): ``record`` is not issued yet,
-        and a stall publishes it as an agreement does, so that ranks checking different collectives (on different
-        groups, where no check pairs with another) are told apart as a divergence."""
+        """Wait for ``work`` in slices; diagnose a stall; turn a backend failure into a DistributedError. ``held``:
+        ``work`` is the check of ``record`` (``Communicator._check_consistency``), not issued yet: a stall publishes
+        it as an agreement does, so ranks whose checks never pair (on different groups) are told apart."""
         started = time.monotonic()
         try:
             # The common case in this one call: a work whose wait honours a timeout completes within the first
