@@ -1,0 +1,216 @@
+"""Feature combinations drawn at random: each trains a few steps against stage 0 and resumes from a checkpoint.
+
+The parity tests pin one feature, or a chosen few, at a time; users turn on many at once. This draws configurations
+from the grid below (world 2-4; stage 1-3; fp32, bf16, fp16; accumulation; clipping; bucket, prefetch, live and
+reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload of parameters and optimizer; sub-groups;
+ZeRO++ qwZ, qgZ, hpZ; MiCS; and the test GPT's quirks: a frozen parameter, a block run twice, activation
+checkpointing, a branch taken on some steps, or on some ranks only) and for each one:
+
+- trains ``--steps`` steps on simulated ranks and compares the losses with stage 0 of the same precision,
+  accumulation, clipping and model (the largest relative difference; 16-bit losses differ by a rounding step where
+  the stages accumulate gradients in another order);
+- every third draw, trains again with a save at step 2, a new engine and a load: the losses after the load must be
+  the uninterrupted run's, bitwise;
+- with a branch on some ranks only, expects every rank to raise ``RankDivergenceError`` (no rank killed, none hung).
+
+Outcomes: ``ok``; ``refused`` (a combination we reject with "not supported yet"); ``diverged`` (the expected error);
+``BAD`` (losses off, or a resume not bitwise); ``ERROR`` (anything else). Exit status 1 if any is BAD or ERROR.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/combinations.py --draws 60 --seed 23 [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import zero_engine
+from zero_engine.testing import RankError, run_ranks
+from zero_engine.testing.loop import resume_in_new_engine
+from zero_engine.testing.models import GPT, GPTConfig, make_batches
+
+GRID = dict(
+    world=[2, 3, 4], stage=[1, 2, 3, 3, 3], precision=["fp32", "bf16", "fp16"], accumulation=[1, 2],
+    clipping=[0.0, 1.0], overlap_comm=[True, False], reduce_bucket=[3000, 500000], prefetch_bucket=[2000, 1000000],
+    persistence=[0, 100, 100000], max_live=[6000, 10**9], reuse_distance=[0, 10**9], leaf=[True, False],
+    sequential=[None, True, "auto"], offload_param=[None, None, "cpu", "nvme"],
+    offload_optimizer=[None, None, "cpu", "nvme"], sub_group=[None, 5000], communication_fp32=[False, True],
+    zeropp=[None, None, None, "qwZ", "qgZ", "hpZ", "MiCS"], frozen=[False, True], block_twice=[False, True],
+    checkpointing=[False, True], branch=[None, "some steps", "some steps", "some ranks"],
+)
+COMPARED_WITH_STAGE_0 = ("world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
+                         "block_twice", "checkpointing", "branch")
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a few rounding steps of a loss near 4.7
+QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
+SAVE_AT = 2
+
+
+def effective(draw: dict) -> dict:
+    """The draw with what its stage and world do not use turned off (None), so that it reads as what runs."""
+    draw = dict(draw)
+    if draw["stage"] != 3:
+        for name in ("prefetch_bucket", "persistence", "max_live", "reuse_distance", "leaf", "sequential",
+                     "offload_param", "zeropp"):
+            draw[name] = None
+    if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
+        draw["zeropp"] = None
+    return draw
+
+
+def ds_config(draw: dict, scratch: str) -> dict:
+    zero = {"stage": draw["stage"], "overlap_comm": draw["overlap_comm"], "reduce_bucket_size": draw["reduce_bucket"]}
+    if draw["stage"] and draw["sub_group"]:
+        zero["sub_group_size"] = draw["sub_group"]
+    if draw["stage"] == 3:
+        zero.update(stage3_prefetch_bucket_size=draw["prefetch_bucket"],
+                    stage3_param_persistence_threshold=draw["persistence"],
+                    stage3_max_live_parameters=draw["max_live"], stage3_max_reuse_distance=draw["reuse_distance"])
+        if draw["leaf"]:
+            zero["leaf_module"] = {"classes": ["Block"]}
+        if draw["sequential"] is not None:
+            zero["stage3_allgather_sequential"] = draw["sequential"]
+        if draw["offload_param"] == "cpu":
+            zero["offload_param"] = {"device": "cpu"}
+        elif draw["offload_param"] == "nvme":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(scratch, "params"),
+                                     "buffer_size": 4000, "buffer_count": 5, "max_in_cpu": 20000}
+        zeropp = draw["zeropp"]
+        if zeropp == "qwZ":
+            zero["zero_quantized_weights"] = True
+        elif zeropp == "qgZ":
+            zero["zero_quantized_gradients"] = True
+        elif zeropp == "hpZ" and draw["world"] == 4:
+            zero["zero_hpz_partition_size"] = 2
+        elif zeropp == "MiCS" and draw["world"] == 4:
+            zero["mics_shard_size"] = 2
+    if draw["stage"] and draw["offload_optimizer"]:
+        zero["offload_optimizer"] = ({"device": "cpu"} if draw["offload_optimizer"] == "cpu" else
+                                     {"device": "nvme", "nvme_path": os.path.join(scratch, "optimizer")})
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": draw["accumulation"],
+              "gradient_clipping": draw["clipping"], "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+    if draw["communication_fp32"]:
+        config["communication_data_type"] = "fp32"
+    if draw["precision"] == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif draw["precision"] == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return config
+
+
+def train(draw: dict, steps: int, checkpoint_dir: str | None) -> list[float]:
+    """On each rank: this rank's losses, micro-step by micro-step; with ``checkpoint_dir``, saved after step
+    ``SAVE_AT`` and loaded into a new engine built from another seed."""
+    rank = dist.get_rank()
+    with tempfile.TemporaryDirectory() as scratch:
+        os.makedirs(os.path.join(scratch, "params"))
+        os.makedirs(os.path.join(scratch, "optimizer"))
+        config = ds_config(draw, scratch)
+        shape = GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_embd=33, n_head=3, frozen_param=draw["frozen"],
+                          reuse_block=draw["block_twice"], optional_branch=draw["branch"] is not None,
+                          checkpoint_blocks=draw["checkpointing"])
+
+        def build(seed: int):
+            torch.manual_seed(seed)
+            return zero_engine.initialize(model=GPT(shape), config=config)[0]
+
+        engine = build(0)
+        batches = make_batches(shape, 8, 4, seed=rank)
+        accumulation = engine.gradient_accumulation_steps()
+        losses = []
+        for step in range(steps):
+            branch = (draw["branch"] == "some steps" and step % 2 == 0
+                      or draw["branch"] == "some ranks" and (step + rank) % 2 == 0)
+            for micro in range(step * accumulation, (step + 1) * accumulation):
+                x, y = batches[micro % len(batches)]
+                loss = engine(x, y, use_branch=branch)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            if step == 1:  # an evaluation forward between steps, as a real run has
+                engine.eval()
+                with torch.no_grad():
+                    engine(x, y)
+                engine.train()
+            if checkpoint_dir is not None and step == SAVE_AT:
+                engine = resume_in_new_engine(engine, lambda: build(1), checkpoint_dir)
+        engine.destroy()
+        return losses
+
+
+def run(draw: dict, steps: int, resume: bool = False) -> list[list[float]]:
+    with tempfile.TemporaryDirectory() as checkpoint_dir:
+        return run_ranks(train, draw["world"], draw, steps, checkpoint_dir if resume else None, timeout=240,
+                         grace_after_failure=60)
+
+
+def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
+    """One draw's outcome (see the module's docstring)."""
+    try:
+        if draw["branch"] == "some ranks" and draw["stage"] == 3:
+            try:
+                run(draw, steps)
+            except RankError as error:
+                messages = [f.exception for f in error.failures]
+                if len(messages) == draw["world"] and all("DivergenceError" in m or "MismatchError" in m
+                                                          for m in messages):
+                    return {"outcome": "diverged"}
+                raise
+            return {"outcome": "BAD", "error": "a branch on some ranks only trained without an error"}
+        key = tuple(draw[k] for k in COMPARED_WITH_STAGE_0)
+        if key not in references:
+            references[key] = run(dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None,
+                                       zeropp=None), steps)
+        losses = run(draw, steps)
+        reference = references[key]
+        deviation = max(abs(a - b) / abs(b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs))
+        resumed = max(abs(a - b) for mine, theirs in zip(run(draw, steps, resume=True), losses)
+                      for a, b in zip(mine, theirs)) if resume else None
+        quantized = draw["stage"] == 3 and draw["zeropp"] in ("qwZ", "qgZ")
+        tolerance = QUANTIZED_TOLERANCE if quantized else TOLERANCE[draw["precision"]]
+        good = deviation <= tolerance and resumed in (None, 0.0)
+        return {"outcome": "ok" if good else "BAD", "deviation": deviation, "tolerance": tolerance,
+                "resume_deviation": resumed}
+    except RankError as error:
+        messages = [f.exception for f in error.failures]
+        if all("not supported yet" in m for m in messages):
+            return {"outcome": "refused", "error": messages[0].splitlines()[-1][:300]}
+        return {"outcome": "ERROR", "error": " | ".join(m[-600:] for m in messages)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draws", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default="", help="write one JSON line per draw here")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    references: dict = {}
+    counts: collections.Counter = collections.Counter()
+    out = open(args.json, "w") if args.json else None
+    for i in range(args.draws):
+        draw = effective({name: rng.choice(values) for name, values in GRID.items()})
+        result = {"draw": i, **judge(draw, args.steps, references, resume=i % 3 == 0), **draw}
+        counts[result["outcome"]] += 1
+        line = json.dumps(result)
+        print(line if result["outcome"] in ("BAD", "ERROR") else
+              f"{i:3d} {result['outcome']:8s} " + " ".join(f"{k}={v}" for k, v in draw.items()
+                                                           if v is not None and v is not False), flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+    print("outcomes:", dict(counts))
+    return 1 if counts["BAD"] or counts["ERROR"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""bench/combinations.py draws configurations that say what they test: every value of its grid reaches the config
+it builds (or is turned off where its stage and world do not use it), and a short run of draws judges them."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_engine.config.loader import load_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import combinations  # noqa: E402
+
+BASE = {name: values[0] for name, values in combinations.GRID.items()}
+
+
+@pytest.mark.parametrize("name", sorted(combinations.GRID))
+def test_every_value_of_the_grid_loads_as_a_config_of_its_own(name, tmp_path):
+    for value in combinations.GRID[name]:
+        for world in (2, 4):
+            draw = combinations.effective({**BASE, "stage": 3, "world": world, name: value})
+            config = load_config(combinations.ds_config(draw, str(tmp_path)), world_size=world)
+            zero = config.zero_optimization
+            if name == "offload_param" and value:
+                assert zero.offload_param.device == value
+            if name == "zeropp" and value == "hpZ":
+                assert zero.zero_hpz_partition_size == (2 if world == 4 else 1)
+
+
+def test_what_a_stage_does_not_use_is_turned_off():
+    draw = combinations.effective(dict(BASE, stage=2, offload_param="nvme", zeropp="qwZ", leaf=True))
+    assert draw["offload_param"] is None and draw["zeropp"] is None and draw["leaf"] is None
+    assert "offload_param" not in combinations.ds_config(draw, "/tmp")["zero_optimization"]
+
+
+def test_a_few_draws_train_to_stage_0s_losses_and_resume_bitwise(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["combinations.py", "--draws", "3", "--seed", "23", "--steps", "3"])
+    assert combinations.main() == 0
+    out = capsys.readouterr().out
+    assert "outcomes:" in out and "BAD" not in out and "ERROR" not in out
