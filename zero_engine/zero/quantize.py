@@ -129,24 +129,16 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, block: int = BLOCK)
 def quantize_shards(shards: list[torch.Tensor], bits: int = 8, block: int = BLOCK) -> torch.Tensor:
     """Several shards (1-D, any float dtype) -> uint8 [1, payload]: the shards' values back to back, then every
     block's fp32 scale, each shard cut into blocks of its own (see [Note: a shard's blocks are its own]). One shard is
-    ``quantize``'s row. int8 only (qwZ)."""
+    ``quantize``'s row. int8 only (qwZ: a value a byte, so the blocks' padding can be cut out of the values)."""
     if bits != 8:
         raise ValueError(f"quantize_shards: bits={bits}; qwZ's shards are int8")
     numels = [t.numel() for t in shards]
     widths = [-(-n // block) * block for n in numels]
     x = torch.zeros(sum(widths), dtype=torch.float32, device=shards[0].device)
     torch._foreach_copy_([piece[:n] for piece, n in zip(x.split(widths), numels)], shards)
-    x = x.view(-1, block)
-    qmax = 2 ** (bits - 1) - 1
-    scale = x.abs().amax(dim=1, keepdim=True) / qmax  # inf / nan where the block is: see the format's Note
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.nan_to_num(x * inverse, nan=0.0, posinf=0.0, neginf=0.0).round_().clamp_(-qmax, qmax).view(-1)
-    total = sum(numels)
-    out = torch.empty(1, total + 4 * scale.numel(), dtype=torch.uint8, device=x.device)
-    out[0, :total] = torch.cat([piece[:n] for piece, n in zip(q.split(widths), numels)]).to(torch.int8).view(
-        torch.uint8)  # the blocks' padding is not sent
-    out[0, total:] = scale.view(-1).view(torch.uint8)
-    return out
+    padded = quantize(x.view(1, -1), bits, block)[0]  # whole blocks' values (the padding too), then the scales
+    values, scales = padded[: sum(widths)], padded[sum(widths):]
+    return torch.cat([piece[:n] for piece, n in zip(values.split(widths), numels)] + [scales]).view(1, -1)
 
 
 def dequantize_shards(payload: torch.Tensor, numels: list[int], bits: int = 8,
@@ -154,13 +146,12 @@ def dequantize_shards(payload: torch.Tensor, numels: list[int], bits: int = 8,
     """uint8 [r, payload] of ``quantize_shards`` -> one fp32 [r, n] per shard: the inverse (within half a step)."""
     r, total = payload.shape[0], sum(numels)
     widths = [-(-n // block) * block for n in numels]
-    scale = payload[:, total:].clone(memory_format=torch.contiguous_format).view(torch.float32).view(r, -1, 1)
-    x = torch.zeros(r, sum(widths), dtype=torch.float32, device=payload.device)
-    pieces = x.split(widths, dim=1)
-    torch._foreach_copy_([piece[:, :n] for piece, n in zip(pieces, numels)],
-                         list(payload[:, :total].view(torch.int8).split(numels, dim=1)))
-    x.view(r, -1, block).mul_(scale)
-    return [piece[:, :n] for piece, n in zip(pieces, numels)]
+    padded = payload.new_zeros(r, sum(widths) + payload.shape[1] - total)  # ``quantize``'s rows: padding put back
+    torch._foreach_copy_([piece[:, :n] for piece, n in zip(padded[:, : sum(widths)].split(widths, dim=1), numels)],
+                         list(payload[:, :total].split(numels, dim=1)))
+    padded[:, sum(widths):] = payload[:, total:]
+    x = dequantize(padded, sum(widths), bits, block)
+    return [piece[:, :n] for piece, n in zip(x.split(widths, dim=1), numels)]
 
 
 # ---- qwZ: quantized all-gathers ---------------------------------------------------------------------------------------
