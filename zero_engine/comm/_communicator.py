@@ -56,11 +56,12 @@ class Pending(NamedTuple):
     finalize: Optional[Callable[[], None]] = None
     record: Optional[CollectiveRecord] = None
     watchdog: Optional[StallWatchdog] = None
+    held: bool = False  # ``work`` is the check of ``record``, not issued yet (``StallWatchdog.wait``)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             if self.watchdog is not None and self.watchdog.watches_waits and not self.watchdog.stopped:
-                self.watchdog.wait(self.work, self.record)
+                self.watchdog.wait(self.work, self.record, self.held)
             else:
                 self.work.wait()
         if self.finalize is not None:
@@ -291,14 +292,11 @@ class Communicator:
         hashes = torch.empty(self.world_size, dtype=torch.int64, device=device)
         with record_function("zero3::debug_check"):
             work, _ = self._issuer.all_gather(hashes, mine)  # no finalize: the list form writes into `hashes`
-            if self.watchdog is not None and self.watchdog.watches_waits and not self.watchdog.stopped:
-                # A check that never completes (ranks checking on different groups) is a stall diagnosed with the
-                # record of the collective held back, as the next one will be numbered: not a wait without end.
-                held = CollectiveRecord(self.progress.seq + 1, record_kind or kind, descriptor.dtype, input_numel,
-                                        name, self.progress.phase, self.progress.step)
-                self.watchdog.wait(work, held, held=True)
-            else:
-                work.wait()
+            # A check that never completes (ranks checking on different groups) is a stall diagnosed with the
+            # record of the collective held back, as the next one will be numbered: not a wait without end.
+            held = CollectiveRecord(self.progress.seq + 1, record_kind or kind, descriptor.dtype, input_numel, name,
+                                    self.progress.phase, self.progress.step)
+            Pending(work, hashes, None, held, self.watchdog, held=True).wait()
         if not hashes_disagree(hashes):
             return
         descriptors: list = [None] * self.world_size
