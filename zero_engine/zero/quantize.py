@@ -133,11 +133,11 @@ def quantize_shards(shards: list[torch.Tensor], bits: int = 8, block: int = BLOC
     if bits != 8:
         raise ValueError(f"quantize_shards: bits={bits}; qwZ's shards are int8")
     numels = [t.numel() for t in shards]
-    widths = [-(-n // block) * block for n in numels]
-    x = torch.zeros(sum(widths), dtype=torch.float32, device=shards[0].device)
+    widths, padded_numel = _whole_blocks(numels, block)
+    x = torch.zeros(padded_numel, dtype=torch.float32, device=shards[0].device)
     torch._foreach_copy_([piece[:n] for piece, n in zip(x.split(widths), numels)], shards)
     padded = quantize(x.view(1, -1), bits, block)[0]  # whole blocks' values (the padding too), then the scales
-    values, scales = padded[: sum(widths)], padded[sum(widths):]
+    values, scales = padded[:padded_numel], padded[padded_numel:]
     return torch.cat([piece[:n] for piece, n in zip(values.split(widths), numels)] + [scales]).view(1, -1)
 
 
@@ -145,13 +145,19 @@ def dequantize_shards(payload: torch.Tensor, numels: list[int], bits: int = 8,
                       block: int = BLOCK) -> list[torch.Tensor]:
     """uint8 [r, payload] of ``quantize_shards`` -> one fp32 [r, n] per shard: the inverse (within half a step)."""
     r, total = payload.shape[0], sum(numels)
-    widths = [-(-n // block) * block for n in numels]
-    padded = payload.new_zeros(r, sum(widths) + payload.shape[1] - total)  # ``quantize``'s rows: padding put back
-    torch._foreach_copy_([piece[:, :n] for piece, n in zip(padded[:, : sum(widths)].split(widths, dim=1), numels)],
+    widths, padded_numel = _whole_blocks(numels, block)
+    padded = payload.new_zeros(r, padded_numel + payload.shape[1] - total)  # ``quantize``'s rows: padding put back
+    torch._foreach_copy_([piece[:, :n] for piece, n in zip(padded[:, :padded_numel].split(widths, dim=1), numels)],
                          list(payload[:, :total].split(numels, dim=1)))
-    padded[:, sum(widths):] = payload[:, total:]
-    x = dequantize(padded, sum(widths), bits, block)
+    padded[:, padded_numel:] = payload[:, total:]
+    x = dequantize(padded, padded_numel, bits, block)
     return [piece[:, :n] for piece, n in zip(x.split(widths, dim=1), numels)]
+
+
+def _whole_blocks(numels: list[int], block: int) -> tuple[list[int], int]:
+    """Each shard's elements rounded up to whole blocks, and their sum."""
+    widths = [-(-n // block) * block for n in numels]
+    return widths, sum(widths)
 
 
 # ---- qwZ: quantized all-gathers ---------------------------------------------------------------------------------------
