@@ -241,6 +241,30 @@ def test_zero_init_builds_partitioned_with_identical_weights_and_trains():
         assert peak_init <= full / world + 2.5 * largest_module, (peak_init, full)
 
 
+def _init_16bit_body(precision):
+    cfg = config(3, precision, gas=1)
+    torch.manual_seed(0)
+    expected = {n: p.detach().clone() for n, p in GPT(GPTConfig()).named_parameters()}
+    torch.manual_seed(0)
+    with Init(config_dict_or_path=cfg):
+        model = GPT(GPTConfig())  # its constructor re-initialises the partitioned blocks (self.apply(_init_weights))
+    dtypes = {sharded_param_of(p).shard.dtype for p in model.parameters()}
+    engine, *_ = zero_engine.initialize(model=model, config=cfg)
+    masters = masters_whole(engine)
+    engine.destroy()
+    return dtypes, [n for n, w in expected.items() if not torch.equal(masters[n], w)]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zero_init_in_16_bit_keeps_the_exact_fp32_values_as_masters(precision):
+    """The shards are 16-bit once the block exits, and the masters hold the fp32 values a build without Init gives,
+    bitwise: the parent's re-initialisation of its partitioned children ran in fp32, not on 16-bit gathers."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    for dtypes, differ in run_ranks(_init_16bit_body, 2, precision, timeout=TIMEOUT):
+        assert dtypes == {dtype}
+        assert differ == [], differ
+
+
 # ---- GatheredParameters ---------------------------------------------------------------------------------------------
 def _gathered_body(precision):
     rank = dist.get_rank()

@@ -76,7 +76,8 @@ class Init:
     * ``config_dict_or_path`` (or ``config``, its older name): the ds_config dict, path or JSON text. It is
       validated, and its precision picks the dtype of the shards (fp16/bf16 when enabled) unless ``dtype`` is given.
     * ``dtype``: torch.float32, torch.float16 or torch.bfloat16 for the shards. The engine casts to the config's
-      compute dtype in any case, so this matters only for memory while the model is built.
+      compute dtype in any case, so this matters only for memory between the block and initialize(). Inside the
+      block the shards keep the dtype the constructors made: see [Note: cast as the block exits].
     * ``enabled=False``: the block does nothing (the model is built whole).
     * ``remote_device``: None, or the device the parameters are built on ("cpu" on a CPU-only machine): shards stay
       there. Another device ("cpu" while building on CUDA, "nvme") would be parameter offload, which is set in the
@@ -102,6 +103,7 @@ class Init:
         self._handles = []
         self._mode: _GatherOnInitCall | None = None
         self._roots: list[nn.Module] = []
+        self._built: list[ShardedParam] = []  # partitioned in the block, cast to dtype as it exits
         self.dtype = None
         if not enabled:
             return
@@ -165,7 +167,10 @@ class Init:
         if exc_type is None:
             for module in self._roots:  # parameters registered on a module that never became anyone's child
                 self._partition(module)
+            for sp in self._built:
+                sp.cast_(self.dtype)
         self._roots.clear()
+        self._built.clear()
         return False
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
@@ -196,7 +201,17 @@ class Init:
                 sp = ShardedParam(param, name, -1, self.comm.rank, self.comm.world_size)
                 sp.release()
                 if self.dtype is not None and param.is_floating_point():
-                    sp.cast_(self.dtype)
+                    # [Note: cast as the block exits] A parent re-initialises its children after they were
+                    # partitioned (nanoGPT's self.apply(_init_weights), Hugging Face's post_init): that runs on a
+                    # gather of the shard, in the shard's dtype. Cast at once, a 16-bit gather would round the new
+                    # values before cast_ could keep them exact as the fp32 master, and training would start from
+                    # other masters than a build without Init (bench/combinations.py found it). So the cast waits
+                    # for the end of the block; the shards are fp32 until then: 4 bytes a parameter, against the
+                    # 16-bit shard and its exact fp32 copy (6) that the cast leaves.
+                    if self._mode is None:  # Init(module=...): built already, nothing re-initialises it
+                        sp.cast_(self.dtype)
+                    else:
+                        self._built.append(sp)
         finally:
             if self._mode is not None:
                 self._mode.active = True
