@@ -128,6 +128,32 @@ def test_parity_with_one_process(stage, seq, optimizer, how):
         assert one_over_k  # each parameter cut into shard_size pieces, not world pieces
 
 
+def _zero_init_body(precision):
+    config = ds_config(3, bf16=precision == "bf16")
+    cfg = GPTConfig(frozen_param=True)
+    runs = []
+    for use_init in (False, True):
+        torch.manual_seed(0)
+        with zero_engine.zero.Init(config_dict_or_path=config, enabled=use_init):
+            model = GPT(cfg)
+        engine, *_ = zero_engine.initialize(model=model, config=config)
+        losses = [train_global_batch(engine, x, y, 2, 2)
+                  for x, y in make_batches(cfg, 3, dist.get_world_size() * 4, seed=dist.get_rank())]
+        masters = shard_group_gather(engine, lambda sp: sp.master if sp.master is not None else sp.shard.float())
+        runs.append((losses, masters, {sp.shard_numel == -(-sp.numel // K) for sp in engine.sharded}))
+        engine.destroy()
+    (losses, masters, _), (init_losses, init_masters, one_over_k) = runs
+    return losses == init_losses, [n for n in masters if not torch.equal(masters[n], init_masters[n])], one_over_k
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_model_built_under_zero_init_trains_as_one_built_without_it(precision):
+    """zero.Init partitions over the world; MiCS shards over groups of K: the engine gathers each parameter whole
+    again at initialize (its fp32 values, in bf16 too) and shards it over its group. Losses and masters bitwise."""
+    for same_losses, differ, one_over_k in run_ranks(_zero_init_body, WORLD, precision, timeout=TIMEOUT):
+        assert same_losses and differ == [] and one_over_k == {True}, differ
+
+
 def _one_rank_branch_body(stage):
     """Only rank 0 (of shard group 0, replica 0) uses ``head.extra``: its gradient exists on one rank of four and is
     reduced on its own at the end of backward (see [Note: a gradient on some ranks only] in zero/presence.py), within

@@ -347,10 +347,20 @@ def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_mast
         sp = ShardedParam(param, name, index, comm.rank, comm.world_size, dtype=dtype, fp32_master=fp32_master)
         sp.group = group
         return sp
-    if sp.world_size != comm.world_size or sp.group is not group:
-        raise ValueError(f"{name} was partitioned by zero.Init over {sp.world_size} ranks; the engine shards it over "
-                         f"{comm.world_size} (mesh: {engine.mesh.describe()}"
-                         f"{'' if group is None else ', expert group ' + group.name}). Build the model without "
-                         "zero.Init, or without a hierarchical mesh (mics_shard_size) or expert parallelism")
-    sp.adopt(name, index, dtype, fp32_master)
-    return sp
+    if sp.world_size == comm.world_size and sp.group is group:
+        sp.adopt(name, index, dtype, fp32_master)
+        return sp
+    if group is not None:
+        raise NotImplementedError(
+            f"{name}: an expert parameter partitioned before initialize (by zero.Init, or by an engine destroyed "
+            "since): not supported yet. zero.Init holds one value for every rank (rank 0's), where each ep rank "
+            "holds experts of its own; build the MoE layers outside zero.Init")
+    # zero.Init partitioned it over the world; the engine shards it over a group of ranks (a hierarchical mesh's
+    # dp_shard): whole again, a parameter at a time, then sharded as if built without Init
+    if sp.world_size != engine.comm.world_size or sp.group is not None:
+        raise NotImplementedError(
+            f"{name} is partitioned over a group of {sp.world_size} ranks (by an engine destroyed since); the engine "
+            f"shards it over {comm.world_size} (mesh: {engine.mesh.describe()}): not supported yet. Gather it "
+            "whole first (destroy the first engine with the same mesh as this one, or build the model again)")
+    sp.unpartition(engine.comm)
+    return _sharded_param(engine, param, name, index, fp32_master)

@@ -350,6 +350,24 @@ class ShardedParam:
                 target.zero_()
                 target[: local.stop - local.start].copy_(self.full[local])
 
+    def unpartition(self, comm) -> None:
+        """Make the parameter whole and plain again, as it was before it was partitioned: the most exact values held
+        (the fp32 master if there is one), gathered over ``comm``, the group it is partitioned over. Collective. For
+        an engine that shards it over another group (wiring.py: zero.Init partitions over the world)."""
+        exact = self.master_init if self.master_init is not None else self.shard
+        if self.master is not None and not self.master_is_shard:  # a destroyed engine's master
+            exact = self.master
+        if self.status is not ParamStatus.NOT_AVAILABLE:
+            raise AssertionError(f"{self.fqn}: unpartitioned while {self.status.name} on rank {self.rank}")
+        exact = exact.to(self.shard.device)  # an offloaded master's values, on the parameter's device
+        whole = torch.empty(self.padded_numel, dtype=exact.dtype, device=exact.device)
+        comm.all_gather_into_tensor(whole, exact.contiguous(), name=f"unpartition {self.fqn}")
+        param = self.param
+        del param.__dict__[_STATE]
+        if type(param) is ZeroParameter:
+            param.__class__ = nn.Parameter
+        self.local.data = whole[: self.numel].view(self.shape)
+
     def adopt(self, fqn: str, index: int, dtype: torch.dtype, fp32_master: bool = True) -> None:
         """Become a new engine's: the state zero.Init made, or that of an engine destroyed since. A destroyed engine's
         separate fp32 master seeds the new one and, in another dtype, the new shard: a 16-bit model goes on from the
