@@ -3,8 +3,10 @@
 The parity tests pin one feature, or a chosen few, at a time; users turn on many at once. This draws configurations
 from the grid below (world 2-4; stage 1-3; fp32, bf16, fp16; accumulation; clipping; bucket, prefetch, live and
 reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload of parameters and optimizer; sub-groups;
-ZeRO++ qwZ, qgZ, hpZ; MiCS; and the test GPT's quirks: a frozen parameter, a block run twice, activation
-checkpointing, a branch taken on some steps, or on some ranks only) and for each one:
+ZeRO++ qwZ, qgZ, hpZ; MiCS; torch.compile (aot_eager, inductor, the traced mode); a model built under zero.Init; the
+config's optimizer or the client's torch AdamW; a WarmupLR schedule; an fp16 loss scale that overflows at first; and
+the test GPT's quirks: a frozen parameter, a block run twice, activation checkpointing, a branch taken on some steps,
+or on some ranks only) and for each one:
 
 - trains ``--steps`` steps on simulated ranks and compares the losses with stage 0 of the same precision,
   accumulation, clipping and model (the largest relative difference; 16-bit losses differ by a rounding step where
@@ -45,9 +47,11 @@ GRID = dict(
     offload_optimizer=[None, None, "cpu", "nvme"], sub_group=[None, 5000], communication_fp32=[False, True],
     zeropp=[None, None, None, "qwZ", "qgZ", "hpZ", "MiCS"], frozen=[False, True], block_twice=[False, True],
     checkpointing=[False, True], branch=[None, "some steps", "some steps", "some ranks"],
+    compile=[None, None, None, "aot_eager", "inductor", "traced"], zero_init=[False, True],
+    optimizer=["config", "client"], scheduler=[False, True], fp16_scale_power=[8, 16],
 )
 COMPARED_WITH_STAGE_0 = ("world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
-                         "block_twice", "checkpointing", "branch")
+                         "block_twice", "checkpointing", "branch", "optimizer", "scheduler", "fp16_scale_power")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a few rounding steps of a loss near 4.7
 QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
 SAVE_AT = 2
@@ -58,8 +62,12 @@ def effective(draw: dict) -> dict:
     draw = dict(draw)
     if draw["stage"] != 3:
         for name in ("prefetch_bucket", "persistence", "max_live", "reuse_distance", "leaf", "sequential",
-                     "offload_param", "zeropp"):
+                     "offload_param", "zeropp", "zero_init"):
             draw[name] = None
+        if draw["compile"] == "traced":
+            draw["compile"] = None
+    if draw["precision"] != "fp16":
+        draw["fp16_scale_power"] = None
     if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
         draw["zeropp"] = None
     return draw
@@ -96,13 +104,22 @@ def ds_config(draw: dict, scratch: str) -> dict:
                                      {"device": "nvme", "nvme_path": os.path.join(scratch, "optimizer")})
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": draw["accumulation"],
               "gradient_clipping": draw["clipping"], "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+              }
+    if draw["optimizer"] == "config":  # else the client's torch.optim.AdamW, passed to initialize (see train)
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
+    if draw["scheduler"]:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                              "warmup_num_steps": 3}}
+    if draw["compile"]:
+        config["compile"] = {"enabled": True, "backend": "aot_eager" if draw["compile"] == "aot_eager" else "inductor",
+                             "traced": draw["compile"] == "traced"}
     if draw["communication_fp32"]:
         config["communication_data_type"] = "fp32"
     if draw["precision"] == "bf16":
         config["bf16"] = {"enabled": True}
     elif draw["precision"] == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        # 2**16: the first steps overflow and are skipped, then the scale grows back every 2 steps
+        config["fp16"] = {"enabled": True, "initial_scale_power": draw["fp16_scale_power"], "loss_scale_window": 2}
     return config
 
 
@@ -120,7 +137,14 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None) -> list[float]:
 
         def build(seed: int):
             torch.manual_seed(seed)
-            return zero_engine.initialize(model=GPT(shape), config=config)[0]
+            if draw["zero_init"]:
+                with zero_engine.zero.Init(config_dict_or_path=config):
+                    model = GPT(shape)
+            else:
+                model = GPT(shape)
+            client = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+                      if draw["optimizer"] == "client" else None)
+            return zero_engine.initialize(model=model, optimizer=client, config=config)[0]
 
         engine = build(0)
         batches = make_batches(shape, 8, 4, seed=rank)
@@ -168,7 +192,7 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
         key = tuple(draw[k] for k in COMPARED_WITH_STAGE_0)
         if key not in references:
             references[key] = run(dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None,
-                                       zeropp=None), steps)
+                                       zeropp=None, zero_init=None, compile=None), steps)
         losses = run(draw, steps)
         reference = references[key]
         deviation = max(abs(a - b) / abs(b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs))

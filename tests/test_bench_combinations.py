@@ -26,11 +26,24 @@ def test_every_value_of_the_grid_loads_as_a_config_of_its_own(name, tmp_path):
                 assert zero.offload_param.device == value
             if name == "zeropp" and value == "hpZ":
                 assert zero.zero_hpz_partition_size == (2 if world == 4 else 1)
+            if name == "compile":
+                assert config.compile.enabled == (value is not None)
+                assert config.compile.traced == (value == "traced")
+            if name == "optimizer":
+                assert (config.optimizer is None) == (value == "client")
+            if name == "scheduler":
+                assert (config.scheduler is not None) == value
+            if name == "fp16_scale_power":
+                fp16 = load_config(combinations.ds_config(combinations.effective(
+                    {**BASE, "precision": "fp16", name: value}), str(tmp_path)), world_size=world).fp16
+                assert fp16.initial_scale_power == value
 
 
 def test_what_a_stage_does_not_use_is_turned_off():
-    draw = combinations.effective(dict(BASE, stage=2, offload_param="nvme", zeropp="qwZ", leaf=True))
+    draw = combinations.effective(dict(BASE, stage=2, offload_param="nvme", zeropp="qwZ", leaf=True, zero_init=True,
+                                       compile="traced", precision="bf16", fp16_scale_power=16))
     assert draw["offload_param"] is None and draw["zeropp"] is None and draw["leaf"] is None
+    assert draw["zero_init"] is None and draw["compile"] is None and draw["fp16_scale_power"] is None
     assert "offload_param" not in combinations.ds_config(draw, "/tmp")["zero_optimization"]
 
 
