@@ -89,8 +89,9 @@ def relative_l2(ours: dict, reference) -> float:
 
 
 # ---- parity with one process ----------------------------------------------------------------------------------------
-def _parity_body(stage, seq, optimizer, offload, replicas=1):
-    """``replicas`` 2: a ("dp_replicate", "dp_shard", "tp") mesh of 2 x 1 x 2 (HSDP replicas of the tp pieces)."""
+def _parity_body(stage, seq, optimizer, offload, replicas=1, precision="fp32"):
+    """``replicas`` 2: a ("dp_replicate", "dp_shard", "tp") mesh of 2 x 1 x 2 (HSDP replicas of the tp pieces);
+    ``precision`` "bf16" / "fp16": the engine computes in it, the reference in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = tp_mesh_2x2() if replicas == 1 else init_device_mesh(
@@ -100,6 +101,8 @@ def _parity_body(stage, seq, optimizer, offload, replicas=1):
     lr = 1e-3 if optimizer == "AdamW" else 0.05
     zero = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}
     config = ds_config(stage, seq, optimizer=optimizer, lr=lr, **zero)
+    if precision != "fp32":
+        config[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
     torch.manual_seed(0)
     model = GPT(cfg)
     reference = copy.deepcopy(model)
@@ -124,6 +127,16 @@ def _parity_body(stage, seq, optimizer, offload, replicas=1):
     groups = (engine.mesh.shard_size, engine.mesh.replicate_size, engine.mesh.tp_size)
     engine.destroy()
     return worst_loss, param_err, max(norms), clipped, local_shapes, groups
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "bf16"), (3, "bf16"), (3, "fp16")])
+def test_tp_in_16_bit_matches_one_process_within_its_rounding(stage, precision):
+    """A unit's (stage 3) or a bucket's (stage 1) gradients copied in together hold DTensor ones, which autograd
+    upcast to fp32 ([Note: a DTensor parameter's gradient dtype]), beside 16-bit plain ones: one dtype again."""
+    for loss_err, param_err, norm_err, clipped, _, _ in run_ranks(_parity_body, WORLD, stage, False, "SGD", False,
+                                                                 1, precision, timeout=TIMEOUT):
+        assert loss_err < 1e-2 and param_err < 1e-2 and norm_err < 2e-2 and clipped > 0, (loss_err, param_err,
+                                                                                          norm_err)
 
 
 PARITY = [(3, False, "SGD", False, 1), (3, True, "SGD", False, 1), (1, False, "SGD", False, 1),

@@ -54,13 +54,20 @@ def local_of(param: torch.Tensor) -> torch.Tensor:
 
 
 def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient as a tensor of the parameter's local shape: a DTensor gradient is first brought to its
-    parameter's placements (torch's redistribution: a Partial gradient is summed over tp)."""
+    """The gradient as a tensor of the parameter's local shape and compute dtype: a DTensor gradient is first brought
+    to its parameter's placements (torch's redistribution: a Partial gradient is summed over tp).
+
+    [Note: a DTensor parameter's gradient dtype] Autograd casts a gradient to the dtype its parameter reports, and a
+    DTensor parameter reports the dtype it was built with (fp32): ZeRO's cast to bf16/fp16 changes its local tensor,
+    not the wrapper (above). So a 16-bit model's DTensor gradients arrive in fp32, upcast exactly from the 16-bit
+    values the backward computed, beside 16-bit plain ones; one copy-in of a unit's gradients needs one dtype.
+    They go back to the local tensor's dtype here, after the redistribution (its sum over tp in fp32)."""
     if not isinstance(grad, DTensor):
         return grad
     if grad.placements != param.placements:
         grad = grad.redistribute(param.device_mesh, param.placements)
-    return grad._local_tensor
+    local = grad._local_tensor
+    return local if local.dtype == param._local_tensor.dtype else local.to(param._local_tensor.dtype)
 
 
 def grad_from_local(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
