@@ -59,7 +59,7 @@ import torch
 import torch._guards
 import torch.nn as nn
 
-from .tensor_parallel import local_of
+from .tensor_parallel import local_of, match_local_dtype
 
 __all__ = ["GatheredZeroParameter", "ParamStatus", "ShardBucket", "ShardedParam", "ZeroParameter", "DIRECT_GATHER_NUMEL", "flatten_shards",
            "runs", "shard_numel_for", "sharded_param_of"]
@@ -264,6 +264,7 @@ class ShardedParam:
         self.full[: self.numel].copy_(flat)
         self.full[self.numel:].zero_()
         self.local.data = self.full_view
+        self._match_local_dtype()
         self.status = ParamStatus.AVAILABLE
         param.__dict__[_STATE] = self
         if type(param) is nn.Parameter:  # subclasses of users' own are left as they are
@@ -402,8 +403,15 @@ class ShardedParam:
         self.full.untyped_storage().resize_(0)
         self._empty = torch.empty(0, dtype=dtype, device=self.shard.device)
         self.local.data = self._empty
+        self._match_local_dtype()
 
     # ---- views -------------------------------------------------------------------------------------------------
+    def _match_local_dtype(self) -> None:
+        """A DTensor parameter reports its local tensor's new dtype: [Note: a DTensor parameter's dtype]."""
+        if self.local is not self.param:
+            match_local_dtype(self.param)
+            self.local = local_of(self.param)
+
     @property
     def compute_device(self) -> torch.device:
         """Where the gathered parameter lives (the rank's compute device), also when ``offload_param`` keeps the

@@ -37,10 +37,11 @@ all-gathers outside the graph as ours are).
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["is_dtensor", "local_of", "local_grad", "grad_from_local", "splits_over_tp", "check_tp_params",
-           "norm_counted"]
+__all__ = ["is_dtensor", "local_of", "local_grad", "match_local_dtype", "grad_from_local", "splits_over_tp",
+           "check_tp_params", "norm_counted"]
 
 
 def is_dtensor(tensor) -> bool:
@@ -54,20 +55,39 @@ def local_of(param: torch.Tensor) -> torch.Tensor:
 
 
 def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient as a tensor of the parameter's local shape and compute dtype: a DTensor gradient is first brought
-    to its parameter's placements (torch's redistribution: a Partial gradient is summed over tp).
-
-    [Note: a DTensor parameter's gradient dtype] Autograd casts a gradient to the dtype its parameter reports, and a
-    DTensor parameter reports the dtype it was built with (fp32): ZeRO's cast to bf16/fp16 changes its local tensor,
-    not the wrapper (above). So a 16-bit model's DTensor gradients arrive in fp32, upcast exactly from the 16-bit
-    values the backward computed, beside 16-bit plain ones; one copy-in of a unit's gradients needs one dtype.
-    They go back to the local tensor's dtype here, after the redistribution (its sum over tp in fp32)."""
+    """The gradient as a tensor of the parameter's local shape: a DTensor gradient is first brought to its
+    parameter's placements (torch's redistribution: a Partial gradient is summed over tp)."""
     if not isinstance(grad, DTensor):
         return grad
     if grad.placements != param.placements:
         grad = grad.redistribute(param.device_mesh, param.placements)
-    local = grad._local_tensor
-    return local if local.dtype == param._local_tensor.dtype else local.to(param._local_tensor.dtype)
+    return grad._local_tensor
+
+
+def match_local_dtype(param: torch.Tensor) -> None:
+    """Make a DTensor parameter report its local tensor's dtype, once ZeRO has cast that tensor; the same Python
+    object (what the module, the optimizer and the user hold), its attributes kept.
+
+    [Note: a DTensor parameter's dtype] A DTensor is a wrapper whose dtype is fixed when it is made, and ZeRO's cast
+    to bf16/fp16 changes the local tensor's ``.data`` only. Left so, the wrapper says fp32 around a 16-bit tensor:
+    autograd casts each gradient to the dtype its parameter reports (fp32 DTensor gradients beside 16-bit plain
+    ones: one unit's copy-in needs one dtype), and Dynamo's fake copy of the parameter fails its metadata check
+    (``torch.float32 != torch.bfloat16``), so a compiled tp block did not run. A wrapper of the new dtype around
+    the same local storage takes its place in the same object (``torch.utils.swap_tensors``, as
+    ``nn.Module._apply`` changes a parameter's dtype in place); its local tensor is a new tensor object, which
+    ``ShardedParam.local`` then points to."""
+    if not isinstance(param, DTensor) or param.dtype == param._local_tensor.dtype:
+        return
+    retyped = DTensor.from_local(param._local_tensor, param.device_mesh, param.placements, run_check=False,
+                                 shape=param.shape, stride=param.stride())
+    retyped = nn.Parameter(retyped, requires_grad=param.requires_grad)
+    retyped.__dict__.update(param.__dict__)
+    try:
+        torch.utils.swap_tensors(param, retyped)
+    except RuntimeError as error:
+        raise RuntimeError(f"a DTensor parameter of shape {tuple(param.shape)} could not take its new dtype "
+                           f"{retyped.dtype} in place ({error}); hand initialize() the model before anything keeps "
+                           "a weak reference to its parameters (torch.compile it after initialize)") from error
 
 
 def grad_from_local(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
