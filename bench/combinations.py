@@ -4,15 +4,17 @@ The parity tests pin one feature, or a chosen few, at a time; users turn on many
 from the grid below (world 2-4; stage 1-3; fp32, bf16, fp16; accumulation; clipping; bucket, prefetch, live and
 reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload of parameters and optimizer; sub-groups;
 ZeRO++ qwZ, qgZ, hpZ; MiCS; torch.compile (aot_eager, inductor, the traced mode); a model built under zero.Init; the
-config's optimizer or the client's torch AdamW; a WarmupLR schedule; an fp16 loss scale that overflows at first; and
-the test GPT's quirks: a frozen parameter, a block run twice, activation checkpointing, a branch taken on some steps,
-or on some ranks only) and for each one:
+config's optimizer or the client's torch AdamW; a WarmupLR schedule; an fp16 loss scale that overflows at first; tensor
+parallelism (world 4 = dp 2 x tp 2, the MLPs split by parallelize_module); and the test GPT's quirks: a frozen
+parameter, a block run twice, activation checkpointing, a branch taken on some steps, or on some ranks only) and for
+each one:
 
 - trains ``--steps`` steps on simulated ranks and compares the losses with stage 0 of the same precision,
   accumulation, clipping and model (the largest relative difference; 16-bit losses differ by a rounding step where
-  the stages accumulate gradients in another order);
+  the stages accumulate gradients in another order; with tp, stage 0 runs on the dp ranks alone);
 - every third draw, trains again with a save at step 2, a new engine and a load: the losses after the load must be
-  the uninterrupted run's, bitwise;
+  the uninterrupted run's, bitwise; and loads the same checkpoint on another number of ranks (resharded): the losses
+  after the load must be within the tolerance of stage 0's doing the same;
 - with a branch on some ranks only, expects every rank to raise ``RankDivergenceError`` (no rank killed, none hung).
 
 Outcomes: ``ok``; ``refused`` (a combination we reject with "not supported yet"); ``diverged`` (the expected error);
@@ -32,7 +34,10 @@ import sys
 import tempfile
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import zero_engine
 from zero_engine.testing import RankError, run_ranks
@@ -48,13 +53,16 @@ GRID = dict(
     zeropp=[None, None, None, "qwZ", "qgZ", "hpZ", "MiCS"], frozen=[False, True], block_twice=[False, True],
     checkpointing=[False, True], branch=[None, "some steps", "some steps", "some ranks"],
     compile=[None, None, None, "aot_eager", "inductor", "traced"], zero_init=[False, True],
-    optimizer=["config", "client"], scheduler=[False, True], fp16_scale_power=[8, 16],
+    optimizer=["config", "client"], scheduler=[False, True], fp16_scale_power=[8, 16], tp=[False, False, True],
 )
 COMPARED_WITH_STAGE_0 = ("world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
-                         "block_twice", "checkpointing", "branch", "optimizer", "scheduler", "fp16_scale_power")
+                         "block_twice", "checkpointing", "branch", "optimizer", "scheduler", "fp16_scale_power", "tp")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a few rounding steps of a loss near 4.7
 QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
 SAVE_AT = 2
+TP = 2  # the tp size of a draw with tp: the last mesh dim, the test GPT's MLPs split as Megatron does
+TP_WIDTH = 132  # their width then (the test GPT's odd default, 133, is not split evenly)
+RESHARD_TO = {2: 3, 3: 2, 4: 2}  # the number of ranks a checkpoint is loaded on, by the number it was saved on
 
 
 def effective(draw: dict) -> dict:
@@ -68,6 +76,10 @@ def effective(draw: dict) -> dict:
             draw["compile"] = None
     if draw["precision"] != "fp16":
         draw["fp16_scale_power"] = None
+    if draw["world"] != 4 or not draw["stage"]:  # tp: world 4 = dp 2 x tp 2; stage 0 with tp is not supported
+        draw["tp"] = None
+    if draw["tp"]:
+        draw["zero_init"] = None  # parallelize_module splits whole weights
     if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
         draw["zeropp"] = None
     return draw
@@ -123,17 +135,24 @@ def ds_config(draw: dict, scratch: str) -> dict:
     return config
 
 
-def train(draw: dict, steps: int, checkpoint_dir: str | None) -> list[float]:
-    """On each rank: this rank's losses, micro-step by micro-step; with ``checkpoint_dir``, saved after step
-    ``SAVE_AT`` and loaded into a new engine built from another seed."""
+def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None = None) -> list[float]:
+    """On each rank: this rank's losses, micro-step by micro-step. With ``checkpoint_dir``: ``part`` None saves after
+    step ``SAVE_AT`` and loads into a new engine built from another seed, on the same ranks; "save" trains to
+    ``SAVE_AT`` and saves; "load" builds from another seed, loads, and trains the steps after ``SAVE_AT`` (on
+    another number of ranks: the checkpoint is resharded)."""
     rank = dist.get_rank()
+    dp_rank = rank // TP if draw["tp"] else rank  # the tp ranks of one dp rank read the same rows
     with tempfile.TemporaryDirectory() as scratch:
         os.makedirs(os.path.join(scratch, "params"))
         os.makedirs(os.path.join(scratch, "optimizer"))
         config = ds_config(draw, scratch)
         shape = GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_embd=33, n_head=3, frozen_param=draw["frozen"],
                           reuse_block=draw["block_twice"], optional_branch=draw["branch"] is not None,
-                          checkpoint_blocks=draw["checkpointing"])
+                          checkpoint_blocks=draw["checkpointing"],
+                          mlp_hidden=TP_WIDTH if draw["tp"] or draw.get("tp_width") else None)
+
+        if draw["compile"]:  # each draw compiles its own model: not against Dynamo's cache limit of earlier draws'
+            torch._dynamo.reset()
 
         def build(seed: int):
             torch.manual_seed(seed)
@@ -142,17 +161,24 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None) -> list[float]:
                     model = GPT(shape)
             else:
                 model = GPT(shape)
+            mesh = None
+            if draw["tp"]:
+                mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, TP), mesh_dim_names=("dp", "tp"))
+                for block in model.blocks:
+                    parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
             client = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
                       if draw["optimizer"] == "client" else None)
-            return zero_engine.initialize(model=model, optimizer=client, config=config)[0]
+            return zero_engine.initialize(model=model, optimizer=client, config=config, mesh=mesh)[0]
 
-        engine = build(0)
-        batches = make_batches(shape, 8, 4, seed=rank)
+        engine = build(1 if part == "load" else 0)
+        if part == "load":
+            engine.load_checkpoint(checkpoint_dir)
+        batches = make_batches(shape, 8, 4, seed=dp_rank)
         accumulation = engine.gradient_accumulation_steps()
         losses = []
-        for step in range(steps):
+        for step in range(SAVE_AT + 1 if part == "load" else 0, SAVE_AT + 1 if part == "save" else steps):
             branch = (draw["branch"] == "some steps" and step % 2 == 0
-                      or draw["branch"] == "some ranks" and (step + rank) % 2 == 0)
+                      or draw["branch"] == "some ranks" and (step + dp_rank) % 2 == 0)
             for micro in range(step * accumulation, (step + 1) * accumulation):
                 x, y = batches[micro % len(batches)]
                 loss = engine(x, y, use_branch=branch)
@@ -164,7 +190,9 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None) -> list[float]:
                 with torch.no_grad():
                     engine(x, y)
                 engine.train()
-            if checkpoint_dir is not None and step == SAVE_AT:
+            if part == "save" and step == SAVE_AT:
+                engine.save_checkpoint(checkpoint_dir)
+            elif checkpoint_dir is not None and part is None and step == SAVE_AT:
                 engine = resume_in_new_engine(engine, lambda: build(1), checkpoint_dir)
         engine.destroy()
         return losses
@@ -174,6 +202,34 @@ def run(draw: dict, steps: int, resume: bool = False) -> list[list[float]]:
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         return run_ranks(train, draw["world"], draw, steps, checkpoint_dir if resume else None, timeout=240,
                          grace_after_failure=60)
+
+
+def run_resharded(draw: dict, steps: int, world: int) -> list[list[float]]:
+    """The losses after the load, on ``world`` ranks, of a run saved on ``draw["world"]`` ranks."""
+    with tempfile.TemporaryDirectory() as checkpoint_dir:
+        run_ranks(train, draw["world"], draw, steps, checkpoint_dir, "save", timeout=240, grace_after_failure=60)
+        return run_ranks(train, world, draw, steps, checkpoint_dir, "load", timeout=240, grace_after_failure=60)
+
+
+def resharded_deviation(draw: dict, steps: int, references: dict, key: tuple, reference_draw: dict) -> float | str:
+    """How far the losses after a load on another number of ranks are from stage 0's doing the same; "refused"
+    where we refuse that with "not supported yet"."""
+    world = RESHARD_TO[draw["world"]]
+    if (key, world) not in references:
+        references[key, world] = run_resharded(reference_draw, steps, world // TP if draw["tp"] else world)
+    try:
+        losses = run_resharded(draw, steps, world)
+    except RankError as error:
+        if all("not supported yet" in f.exception for f in error.failures):
+            return "refused"
+        raise
+    return max(abs(a - b) / abs(b) for mine, theirs in zip(losses, per_rank(references[key, world], draw))
+               for a, b in zip(mine, theirs))
+
+
+def per_rank(reference: list[list[float]], draw: dict) -> list[list[float]]:
+    """Stage 0's losses for each rank of the draw: with tp, each tp rank has its dp rank's."""
+    return [losses for losses in reference for _ in range(TP if draw["tp"] else 1)]
 
 
 def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
@@ -190,19 +246,24 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
                 raise
             return {"outcome": "BAD", "error": "a branch on some ranks only trained without an error"}
         key = tuple(draw[k] for k in COMPARED_WITH_STAGE_0)
+        # stage 0 of the same model on the dp ranks alone (tp computes the same sums in another order)
+        reference_draw = dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None, zeropp=None,
+                              zero_init=None, compile=None, tp=None, tp_width=draw["tp"],
+                              world=draw["world"] // TP if draw["tp"] else draw["world"])
         if key not in references:
-            references[key] = run(dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None,
-                                       zeropp=None, zero_init=None, compile=None), steps)
+            references[key] = run(reference_draw, steps)
         losses = run(draw, steps)
-        reference = references[key]
+        reference = per_rank(references[key], draw)
         deviation = max(abs(a - b) / abs(b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs))
         resumed = max(abs(a - b) for mine, theirs in zip(run(draw, steps, resume=True), losses)
                       for a, b in zip(mine, theirs)) if resume else None
+        resharded = resharded_deviation(draw, steps, references, key, reference_draw) if resume else None
         quantized = draw["stage"] == 3 and draw["zeropp"] in ("qwZ", "qgZ")
         tolerance = QUANTIZED_TOLERANCE if quantized else TOLERANCE[draw["precision"]]
-        good = deviation <= tolerance and resumed in (None, 0.0)
+        good = (deviation <= tolerance and resumed in (None, 0.0)
+                and (resharded in (None, "refused") or resharded <= tolerance))
         return {"outcome": "ok" if good else "BAD", "deviation": deviation, "tolerance": tolerance,
-                "resume_deviation": resumed}
+                "resume_deviation": resumed, "resharded_deviation": resharded}
     except RankError as error:
         messages = [f.exception for f in error.failures]
         if all("not supported yet" in m for m in messages):
@@ -217,6 +278,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default="", help="write one JSON line per draw here")
     args = parser.parse_args()
+    if args.steps < SAVE_AT + 2:
+        parser.error(f"--steps {args.steps}: a resumed run needs a step after the save at step {SAVE_AT}; use "
+                     f"{SAVE_AT + 2} or more")
     rng = random.Random(args.seed)
     references: dict = {}
     counts: collections.Counter = collections.Counter()

@@ -44,11 +44,19 @@ def test_what_a_stage_does_not_use_is_turned_off():
                                        compile="traced", precision="bf16", fp16_scale_power=16))
     assert draw["offload_param"] is None and draw["zeropp"] is None and draw["leaf"] is None
     assert draw["zero_init"] is None and draw["compile"] is None and draw["fp16_scale_power"] is None
+    assert combinations.effective(dict(BASE, world=2, tp=True))["tp"] is None  # tp 2 needs dp 2: world 4
+    assert combinations.effective(dict(BASE, world=4, tp=True, stage=0))["tp"] is None
+    assert combinations.effective(dict(BASE, world=4, tp=True, stage=3, zero_init=True))["zero_init"] is None
     assert "offload_param" not in combinations.ds_config(draw, "/tmp")["zero_optimization"]
 
 
+def test_stage_0_runs_a_tp_draw_on_its_dp_ranks_and_each_tp_rank_compares_with_its_dp_rank():
+    assert combinations.per_rank([[1.0], [2.0]], dict(BASE, tp=True)) == [[1.0], [1.0], [2.0], [2.0]]
+    assert combinations.per_rank([[1.0], [2.0]], dict(BASE, tp=False)) == [[1.0], [2.0]]
+
+
 def test_a_few_draws_train_to_stage_0s_losses_and_resume_bitwise(capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["combinations.py", "--draws", "3", "--seed", "23", "--steps", "3"])
+    monkeypatch.setattr(sys, "argv", ["combinations.py", "--draws", "3", "--seed", "23", "--steps", "4"])
     assert combinations.main() == 0
     out = capsys.readouterr().out
     assert "outcomes:" in out and "BAD" not in out and "ERROR" not in out
