@@ -238,12 +238,14 @@ def _check_compiled(results, cases, loss_tol, param_tol):
 
 # (how, stage, sequential gathering, activation checkpointing, backend)
 COMPILED = [("config", 3, False, False, "aot_eager"), ("method", 3, True, True, "aot_eager"),
-            ("autotp", 3, False, False, "aot_eager"), ("config", 1, False, False, "aot_eager")]
+            ("autotp", 3, False, False, "aot_eager"), ("config", 1, False, False, "aot_eager"),
+            ("config", 1, False, True, "aot_eager")]
 
 
 def test_compiled_tp_blocks_match_one_process_with_one_graph():
-    """ZeRO-3 (coalesced; sequential with checkpointing; AutoTP's attention split) and ZeRO-1 (the whole model
-    compiled, as DeepSpeed does below stage 3), one world for all four cases: one process start, four compiles."""
+    """ZeRO-3 (coalesced; sequential with checkpointing; AutoTP's attention split) and ZeRO-1 (with and without
+    checkpointing: the blocks compiled, not the whole model, see [Note: compiled regions with tp]), one world for all
+    five cases: one process start, five compiles."""
     _check_compiled(run_ranks(_compiled_body, WORLD, COMPILED, timeout=240), COMPILED, 1e-5, 1e-5)
 
 

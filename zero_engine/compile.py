@@ -115,16 +115,24 @@ def refresh_units_if_compiled(engine) -> None:
                  "each compiled module below the root is one unit of its whole subtree", len(engine.coordinator.units))
 
 
-def compile_regions(model: nn.Module, stage: int) -> list[tuple[str, nn.Module]]:
+def compile_regions(model: nn.Module, stage: int, tp: bool = False) -> list[tuple[str, nn.Module]]:
     """What ``engine.compile()`` compiles, each with its own ``module.compile()``:
 
-    * stages 0-2 (parameters whole, no hooks): the whole model, as DeepSpeed does;
+    * stages 0-2 (parameters whole, no hooks): the whole model, as DeepSpeed does; with tensor parallelism (``tp``),
+      the regions of stage 3 instead: see [Note: compiled regions with tp];
     * stage 3: the leaf modules if the model has some (a leaf is already one unit); else the *blocks*: each module
       with parameters held in an ``nn.ModuleList`` / ``nn.Sequential`` that has children of its own (a transformer
       block, torchtitan's regions); else each unit's module. The rest of the model (embeddings, final norm, head)
       runs eagerly between the regions.
+
+    [Note: compiled regions with tp] torch (2.13) cannot compile a whole model with DTensor parameters and
+    activation checkpointing inside it: AOTAutograd's forward saves a DeviceMesh among the tensors it checks
+    ("expected all tensors_saved_with_vc_check to be Tensors"), reproduced without zero_engine (a test GPT, MLPs
+    split by parallelize_module, torch.utils.checkpoint around each block, ``model.compile()``), while the same
+    model with each block compiled trains. Hugging Face's gradient checkpointing with AutoTP is that case. So with
+    a tp dim every stage compiles the blocks, as torchtitan does.
     """
-    if stage < 3:
+    if stage < 3 and not tp:
         return [("<root>", model)]
     named = list(model.named_modules())
     leaves = [(n, m) for n, m in named if n and z3_leaf_module(m)]
@@ -148,7 +156,7 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
         kwargs["backend"] = backend
     if "backend" not in kwargs:
         kwargs["backend"] = "inductor"
-    regions = compile_regions(engine.module, engine.stage)
+    regions = compile_regions(engine.module, engine.stage, tp=engine.mesh.tp_size > 1)
     if traced:
         _compile_traced(engine, regions, kwargs)
         return
