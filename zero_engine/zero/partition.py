@@ -355,12 +355,9 @@ class ShardedParam:
         """Make the parameter whole and plain again, as it was before it was partitioned: the most exact values held
         (the fp32 master if there is one), gathered over ``comm``, the group it is partitioned over. Collective. For
         an engine that shards it over another group (wiring.py: zero.Init partitions over the world)."""
-        exact = self.master_init if self.master_init is not None else self.shard
-        if self.master is not None and not self.master_is_shard:  # a destroyed engine's master
-            exact = self.master
         if self.status is not ParamStatus.NOT_AVAILABLE:
             raise AssertionError(f"{self.fqn}: unpartitioned while {self.status.name} on rank {self.rank}")
-        exact = exact.to(self.shard.device)  # an offloaded master's values, on the parameter's device
+        exact = self._most_exact().to(self.shard.device)  # an offloaded master's values, on the parameter's device
         whole = torch.empty(self.padded_numel, dtype=exact.dtype, device=exact.device)
         comm.all_gather_into_tensor(whole, exact.contiguous(), name=f"unpartition {self.fqn}")
         param = self.param
@@ -369,12 +366,22 @@ class ShardedParam:
             param.__class__ = nn.Parameter
         self.local.data = whole[: self.numel].view(self.shape)
 
+    def _most_exact(self) -> torch.Tensor:
+        """The most exact values held: the fp32 master (zero.Init's exact copy, or the separate master of an engine
+        destroyed since), else the shard."""
+        if self.master_init is not None:
+            return self.master_init
+        if self.master is not None and not self.master_is_shard:
+            return self.master
+        return self.shard
+
     def adopt(self, fqn: str, index: int, dtype: torch.dtype, fp32_master: bool = True) -> None:
         """Become a new engine's: the state zero.Init made, or that of an engine destroyed since. A destroyed engine's
         separate fp32 master seeds the new one and, in another dtype, the new shard: a 16-bit model goes on from the
         exact fp32 values, also as an fp32 model (bf16 -> fp32 keeps the master's bits, not their bf16 rounding)."""
-        if self.master_init is None and self.master is not None and not self.master_is_shard:
-            self.master_init = self.master
+        exact = self._most_exact()
+        if exact is not self.shard:
+            self.master_init = exact
         self.master, self.master_is_shard = None, False
         self.fqn, self.index = fqn, index
         self.gather_sequential = False
