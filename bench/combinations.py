@@ -14,7 +14,9 @@ each one:
   the stages accumulate gradients in another order; with tp, stage 0 runs on the dp ranks alone);
 - every third draw, trains again with a save at step 2, a new engine and a load: the losses after the load must be
   the uninterrupted run's, bitwise; and loads the same checkpoint on another number of ranks (resharded): the losses
-  after the load must be within the tolerance of stage 0's doing the same;
+  after the load must be within the tolerance of stage 0's doing the same, and the checkpoint's weights as the
+  offline converter reads them (``get_fp32_state_dict_from_zero_checkpoint``, what ``zero-engine to-fp32`` writes)
+  within ``WEIGHT_TOLERANCE`` of stage 0's;
 - with a branch on some ranks only, expects every rank to raise ``RankDivergenceError`` (no rank killed, none hung).
 
 Outcomes: ``ok``; ``refused`` (a combination we reject with "not supported yet"); ``diverged`` (the expected error);
@@ -40,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import zero_engine
+from zero_engine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from zero_engine.testing import RankError, run_ranks
 from zero_engine.testing.loop import resume_in_new_engine
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
@@ -59,6 +62,8 @@ COMPARED_WITH_STAGE_0 = ("world", "precision", "accumulation", "clipping", "comm
                          "block_twice", "checkpointing", "branch", "optimizer", "scheduler", "fp16_scale_power", "tp")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a few rounding steps of a loss near 4.7
 QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
+# the weights after 3 steps, relative L2: AdamW's division by sqrt(v) amplifies a rounding of a near-zero gradient
+WEIGHT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 SAVE_AT = 2
 TP = 2  # the tp size of a draw with tp: the last mesh dim, the test GPT's MLPs split as Megatron does
 TP_WIDTH = 132  # their width then (the test GPT's odd default, 133, is not split evenly)
@@ -204,27 +209,45 @@ def run(draw: dict, steps: int, resume: bool = False) -> list[list[float]]:
                          grace_after_failure=60)
 
 
-def run_resharded(draw: dict, steps: int, world: int) -> list[list[float]]:
-    """The losses after the load, on ``world`` ranks, of a run saved on ``draw["world"]`` ranks."""
+def run_resharded(draw: dict, steps: int, world: int) -> tuple[list[list[float]], dict | str]:
+    """The losses after the load, on ``world`` ranks, of a run saved on ``draw["world"]`` ranks; and the saved
+    checkpoint's weights as the offline converter reads them (whole, fp32; "refused" where it says "not supported
+    yet")."""
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         run_ranks(train, draw["world"], draw, steps, checkpoint_dir, "save", timeout=240, grace_after_failure=60)
-        return run_ranks(train, world, draw, steps, checkpoint_dir, "load", timeout=240, grace_after_failure=60)
+        try:
+            weights = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir)
+        except Exception as error:  # noqa: BLE001 -- a refusal is an outcome; anything else is raised again
+            if "not supported yet" not in str(error):
+                raise
+            weights = "refused"
+        losses = run_ranks(train, world, draw, steps, checkpoint_dir, "load", timeout=240, grace_after_failure=60)
+        return losses, weights
 
 
-def resharded_deviation(draw: dict, steps: int, references: dict, key: tuple, reference_draw: dict) -> float | str:
-    """How far the losses after a load on another number of ranks are from stage 0's doing the same; "refused"
-    where we refuse that with "not supported yet"."""
+def resharded_deviation(draw: dict, steps: int, references: dict, key: tuple,
+                        reference_draw: dict) -> tuple[float | str, float | str]:
+    """How far the losses after a load on another number of ranks are from stage 0's doing the same, and how far
+    the checkpoint's weights read offline are from stage 0's (relative L2 over the model); "refused" where we refuse
+    that with "not supported yet"."""
     world = RESHARD_TO[draw["world"]]
     if (key, world) not in references:
         references[key, world] = run_resharded(reference_draw, steps, world // TP if draw["tp"] else world)
+    reference_losses, reference_weights = references[key, world]
     try:
-        losses = run_resharded(draw, steps, world)
+        losses, weights = run_resharded(draw, steps, world)
     except RankError as error:
         if all("not supported yet" in f.exception for f in error.failures):
-            return "refused"
+            return "refused", "refused"
         raise
-    return max(abs(a - b) / abs(b) for mine, theirs in zip(losses, per_rank(references[key, world], draw))
-               for a, b in zip(mine, theirs))
+    deviation = max(abs(a - b) / abs(b) for mine, theirs in zip(losses, per_rank(reference_losses, draw))
+                    for a, b in zip(mine, theirs))
+    if weights == "refused":
+        return deviation, "refused"
+    if weights.keys() != reference_weights.keys():
+        return deviation, f"other names: {sorted(weights.keys() ^ reference_weights.keys())[:4]}"
+    difference = sum((weights[n].float() - reference_weights[n].float()).pow(2).sum() for n in weights)
+    return deviation, (difference / sum(w.float().pow(2).sum() for w in reference_weights.values())).sqrt().item()
 
 
 def per_rank(reference: list[list[float]], draw: dict) -> list[list[float]]:
@@ -257,13 +280,16 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
         deviation = max(abs(a - b) / abs(b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs))
         resumed = max(abs(a - b) for mine, theirs in zip(run(draw, steps, resume=True), losses)
                       for a, b in zip(mine, theirs)) if resume else None
-        resharded = resharded_deviation(draw, steps, references, key, reference_draw) if resume else None
+        resharded, weights = (resharded_deviation(draw, steps, references, key, reference_draw) if resume
+                              else (None, None))
         quantized = draw["stage"] == 3 and draw["zeropp"] in ("qwZ", "qgZ")
         tolerance = QUANTIZED_TOLERANCE if quantized else TOLERANCE[draw["precision"]]
+        weight_tolerance = QUANTIZED_TOLERANCE if quantized else WEIGHT_TOLERANCE[draw["precision"]]
         good = (deviation <= tolerance and resumed in (None, 0.0)
-                and (resharded in (None, "refused") or resharded <= tolerance))
+                and (resharded in (None, "refused") or resharded <= tolerance)
+                and (weights in (None, "refused") or isinstance(weights, float) and weights <= weight_tolerance))
         return {"outcome": "ok" if good else "BAD", "deviation": deviation, "tolerance": tolerance,
-                "resume_deviation": resumed, "resharded_deviation": resharded}
+                "resume_deviation": resumed, "resharded_deviation": resharded, "weights_deviation": weights}
     except RankError as error:
         messages = [f.exception for f in error.failures]
         if all("not supported yet" in m for m in messages):
