@@ -195,6 +195,10 @@ class _Stack(nn.Module):
 def _build_peak(use_init: bool):
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD: big tensors come from mmap and go back on free (RSS tracks them)
+    # Free chunks an earlier test of this rank process left in the heap (allocated while glibc's threshold was higher)
+    # would be reused without a page fault, and the build would not show in RSS (peak_plain read 0 in some orders of
+    # the suite): malloc_trim hands their pages back first.
+    libc.malloc_trim(0)
     from zero_engine.memory import reset_rss_peak, rss_bytes, rss_peak_bytes
 
     torch.manual_seed(0)
