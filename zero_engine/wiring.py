@@ -216,6 +216,13 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     elif zc.allgather_sequential == "auto":
         _choose_gather_per_bucket(engine)
     engine.refresh_gatherer = gatherer
+    # Persistent parameters are whole from here on and gathered exactly ([Note: what stays exact] in quantize.py):
+    # those that arrive partitioned (built under zero.Init, streamed into their shards, or a destroyed engine's) are
+    # gathered now, as the refresh after a step gathers them, not at their first use by the coordinator's gatherer
+    # (qwZ's int8 one)
+    partitioned = [sp for sp in engine.sharded if sp.is_persistent and not sp.is_available]
+    if partitioned:
+        gatherer.issue(partitioned, name="persistent params", refresh=True).wait()
     build_gathering(engine, model)
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
