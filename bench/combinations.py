@@ -156,8 +156,8 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
                           checkpoint_blocks=draw["checkpointing"],
                           mlp_hidden=TP_WIDTH if draw["tp"] or draw.get("tp_width") else None)
 
-        if draw["compile"]:  # each draw compiles its own model: not against Dynamo's cache limit of earlier draws'
-            torch._dynamo.reset()
+        if draw["compile"]:  # the rank processes outlive draws: earlier draws' models would use up Dynamo's
+            torch._dynamo.reset()  # recompile limit, and this draw would run eagerly
 
         def build(seed: int):
             torch.manual_seed(seed)
