@@ -167,9 +167,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
             sp.is_persistent = True
         engine.refresh_gatherer = CoalescedGather(gather_comm, zc.allgather_bucket_size, engine.accounting,
                                                   engine.streams)
-        partitioned = [sp for sp in engine.sharded if not sp.is_available]  # built under zero.Init
-        if partitioned:
-            engine.refresh_gatherer.issue(partitioned, name="whole params for stage < 3").wait()
+        _gather_persistent(engine)
         return unit_groups
 
     for sp in engine.sharded:  # persistence was decided before the layout
@@ -216,13 +214,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     elif zc.allgather_sequential == "auto":
         _choose_gather_per_bucket(engine)
     engine.refresh_gatherer = gatherer
-    # Persistent parameters are whole from here on and gathered exactly ([Note: what stays exact] in quantize.py):
-    # those that arrive partitioned (built under zero.Init, streamed into their shards, or a destroyed engine's) are
-    # gathered now, as the refresh after a step gathers them, not at their first use by the coordinator's gatherer
-    # (qwZ's int8 one)
-    partitioned = [sp for sp in engine.sharded if sp.is_persistent and not sp.is_available]
-    if partitioned:
-        gatherer.issue(partitioned, name="persistent params", refresh=True).wait()
+    _gather_persistent(engine)
     build_gathering(engine, model)
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
@@ -342,6 +334,16 @@ def _autotp(engine, model: nn.Module, mesh, mpu):
     apply_autotp(model, device_mesh["tp"])
     log.info("rank %d: AutoTP split the model over tp %d (mesh %s)", engine.comm.rank, k, device_mesh)
     return device_mesh
+
+
+def _gather_persistent(engine) -> None:
+    """Persistent parameters (all of them below stage 3) are whole from initialize on, gathered exactly as the refresh
+    after a step gathers them: those that arrive partitioned (built under zero.Init, streamed into their shards, or a
+    destroyed engine's) are gathered now, not at their first use by the coordinator's gatherer, which under qwZ is
+    the int8 one ([Note: what stays exact] in zero/quantize.py)."""
+    partitioned = [sp for sp in engine.sharded if sp.is_persistent and not sp.is_available]
+    if partitioned:
+        engine.refresh_gatherer.issue(partitioned, name="persistent params", refresh=True).wait()
 
 
 def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_master: bool) -> ShardedParam:
