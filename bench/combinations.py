@@ -240,14 +240,18 @@ def resharded_deviation(draw: dict, steps: int, references: dict, key: tuple,
         if all("not supported yet" in f.exception for f in error.failures):
             return "refused", "refused"
         raise
-    deviation = max(abs(a - b) / abs(b) for mine, theirs in zip(losses, per_rank(reference_losses, draw))
-                    for a, b in zip(mine, theirs))
+    deviation = largest_relative_difference(losses, per_rank(reference_losses, draw))
     if weights == "refused":
         return deviation, "refused"
     if weights.keys() != reference_weights.keys():
         return deviation, f"other names: {sorted(weights.keys() ^ reference_weights.keys())[:4]}"
     difference = sum((weights[n].float() - reference_weights[n].float()).pow(2).sum() for n in weights)
     return deviation, (difference / sum(w.float().pow(2).sum() for w in reference_weights.values())).sqrt().item()
+
+
+def largest_relative_difference(losses: list[list[float]], reference: list[list[float]]) -> float:
+    """Over every rank and micro-step: |loss - stage 0's| / |stage 0's|, the largest."""
+    return max(abs(a - b) / abs(b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs))
 
 
 def per_rank(reference: list[list[float]], draw: dict) -> list[list[float]]:
@@ -276,8 +280,7 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
         if key not in references:
             references[key] = run(reference_draw, steps)
         losses = run(draw, steps)
-        reference = per_rank(references[key], draw)
-        deviation = max(abs(a - b) / abs(b) for mine, theirs in zip(losses, reference) for a, b in zip(mine, theirs))
+        deviation = largest_relative_difference(losses, per_rank(references[key], draw))
         resumed = max(abs(a - b) for mine, theirs in zip(run(draw, steps, resume=True), losses)
                       for a, b in zip(mine, theirs)) if resume else None
         resharded, weights = (resharded_deviation(draw, steps, references, key, reference_draw) if resume
