@@ -125,28 +125,51 @@ def compile_regions(model: nn.Module, stage: int, tp: bool = False) -> list[tupl
       block, torchtitan's regions); else each unit's module. The rest of the model (embeddings, final norm, head)
       runs eagerly between the regions.
 
-    [Note: compiled regions with tp] torch (2.13) cannot compile a whole model with DTensor parameters and
-    activation checkpointing inside it: AOTAutograd's forward saves a DeviceMesh among the tensors it checks
-    ("expected all tensors_saved_with_vc_check to be Tensors"), reproduced without zero_engine (a test GPT, MLPs
-    split by parallelize_module, torch.utils.checkpoint around each block, ``model.compile()``), while the same
-    model with each block compiled trains. Hugging Face's gradient checkpointing with AutoTP is that case. So with
-    a tp dim every stage compiles the blocks, as torchtitan does.
+    [Note: compiled regions with tp] torch (2.13) cannot compile a region with DTensor parameters and activation
+    checkpointing inside it: AOTAutograd's forward saves a DeviceMesh among the tensors it checks ("expected all
+    tensors_saved_with_vc_check to be Tensors"), reproduced without zero_engine (a test GPT, MLPs split by
+    parallelize_module, torch.utils.checkpoint around each block, ``model.compile()``; or a transformers Llama
+    whose decoder layers, each checkpointing inside its forward as Hugging Face's gradient checkpointing does,
+    are compiled one by one), while the same models with the checkpoint outside every compiled region train. So
+    with a tp dim every stage compiles the blocks, as torchtitan does, and a block that checkpoints inside its
+    forward (``checkpoints_inside``) is not compiled itself: its children are, and the checkpoint around them runs
+    eagerly (its recomputation calls the same compiled children, so it saves what the forward saved). The block
+    stays one unit, as it would be compiled: it is marked a leaf. Its children as units of their own did not
+    recompute what they saved (torch's CheckpointError: a split attention weight saved whole, recomputed
+    partitioned), and the whole block is what the recomputation in the backward reads anyway.
     """
     if stage < 3 and not tp:
         return [("<root>", model)]
     named = list(model.named_modules())
-    leaves = [(n, m) for n, m in named if n and z3_leaf_module(m)]
-    if leaves:
-        return leaves
-    blocks = []
-    for name, container in named:
-        if isinstance(container, (nn.ModuleList, nn.Sequential)):
-            for child_name, child in container.named_children():
-                if next(child.children(), None) is not None and next(child.parameters(), None) is not None:
-                    blocks.append((f"{name}.{child_name}" if name else child_name, child))
-    if blocks:
-        return blocks
-    return [(name, module) for name, module, _ in gather_units(model) if name]
+    regions = [(n, m) for n, m in named if n and z3_leaf_module(m)]
+    if not regions:
+        for name, container in named:
+            if isinstance(container, (nn.ModuleList, nn.Sequential)):
+                for child_name, child in container.named_children():
+                    if next(child.children(), None) is not None and next(child.parameters(), None) is not None:
+                        regions.append((f"{name}.{child_name}" if name else child_name, child))
+    if not regions:
+        regions = [(name, module) for name, module, _ in gather_units(model) if name]
+    if tp:
+        regions = [region for name, module in regions for region in
+                   (_children_as_regions(name, module) if checkpoints_inside(module) else [(name, module)])]
+    return regions
+
+
+def checkpoints_inside(module: nn.Module) -> bool:
+    """Does ``module``'s forward run activation checkpointing around its body: torch's ``checkpoint_wrapper``, or a
+    Hugging Face layer with gradient checkpointing on (transformers 5 checkpoints inside each decoder layer's
+    forward)?"""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper) or getattr(module, "gradient_checkpointing", False) is True
+
+
+def _children_as_regions(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of a block that checkpoints inside, compiled in its place; the block made one unit (a leaf)."""
+    module._z3_leaf = True
+    return [(f"{name}.{child_name}", child) for child_name, child in module.named_children()
+            if next(child.parameters(), None) is not None]
 
 
 def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = None, traced: bool = False) -> None:
