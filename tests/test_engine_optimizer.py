@@ -102,6 +102,38 @@ def test_amsgrad_is_refused_clearly():
         run_ranks(_amsgrad_body, 1, timeout=120)
 
 
+def _foreign_params_body(stage, what):
+    """An optimizer holding a parameter the model does not have: refused. One holding frozen parameters of the model
+    (``model.parameters()`` with some frozen): they are left out, and training goes on."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(frozen_param=True))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+    params = list(model.parameters())
+    if what == "foreign":
+        params.append(torch.nn.Parameter(torch.zeros(3, 5)))  # e.g. a loss module's, or another model's
+    if what == "model_parameters":
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+        engine, *_ = zero_engine.initialize(model=model, model_parameters=params + [torch.nn.Parameter(torch.ones(7))],
+                                            config=config)
+    else:
+        engine, *_ = zero_engine.initialize(model=model, optimizer=torch.optim.SGD(params, lr=0.1), config=config)
+    x, y = make_batches(model.cfg, 1, 2)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_optimizer_over_parameters_the_model_does_not_have_is_refused(stage):
+    """Before, the engine left them out without a word, and they were never updated (a client optimizer built before
+    torch's parallelize_module replaced the split weights trained the rest of the model only)."""
+    for what, shape in (("foreign", r"\(3, 5\)"), ("model_parameters", r"\(7,\)")):
+        with pytest.raises(RankError, match=r"optimizer: 1 of the parameters to optimize \(the first of shape "
+                                            rf"{shape}\) are not trainable parameters of the model"):
+            run_ranks(_foreign_params_body, 2, stage, what, timeout=120)
+    run_ranks(_foreign_params_body, 2, stage, "frozen", timeout=120)
+
+
 def _fp32_grads_body():
     from torch.utils._python_dispatch import TorchDispatchMode
 

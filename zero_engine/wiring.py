@@ -41,7 +41,9 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
     """Everything ``ZeroEngine.__init__`` builds after it claimed the model, in order; if a step raises, __init__
     undoes what came before (guards.undo_failed_initialize)."""
     zc = engine.config.zero_optimization
-    mesh = _autotp(engine, model, mesh, mpu)  # tensor_parallel.autotp_size: the model split, its ("dp", "tp") mesh
+    # tensor_parallel.autotp_size: the model split, its ("dp", "tp") mesh; the split parameters are new objects,
+    # so a client optimizer and model_parameters built before initialize() are pointed at them
+    mesh, optimizer, model_parameters = _autotp(engine, model, mesh, mpu, optimizer, model_parameters)
     engine.mesh = resolve_mesh(zc, engine.device.type, mesh, mpu)  # collective when it creates groups
     engine.shard_comm, engine.replicate_comm = mesh_communicators(engine.mesh, engine.comm)
     engine.hpz_comm = hpz_communicator(engine.mesh, engine.comm)
@@ -306,14 +308,19 @@ def _choose_gather_per_bucket(engine) -> None:
                                                           engine.comm, budget.source)
 
 
-def _autotp(engine, model: nn.Module, mesh, mpu):
+def _autotp(engine, model: nn.Module, mesh, mpu, optimizer, model_parameters):
     """``tensor_parallel.autotp_size`` k > 1: split the model with AutoTP's plan (autotp.py) over the tp dim of a new
     ("dp", "tp") mesh, which the engine then uses as if it had been given. The model is first made equal on every
     rank (one broadcast over the world): the split keeps each tp group's first rank's values, and from then on the
-    ranks of a tp group hold different slices, which only the dp groups can broadcast."""
+    ranks of a tp group hold different slices, which only the dp groups can broadcast.
+
+    torch's ``parallelize_module`` puts a new Parameter (a DTensor) in place of each weight it splits; a client
+    optimizer and ``model_parameters``, built on the model before, still hold the old ones. They are pointed at the
+    new ones (the optimizer's groups in place, as the engine re-points them at its masters later). Returns the
+    mesh, the optimizer and the parameters."""
     k = engine.config.tensor_parallel.size
     if k <= 1:
-        return mesh
+        return mesh, optimizer, model_parameters
     if mesh is not None or mpu is not None:
         given = "mesh" if mesh is not None else "mpu"
         raise ValueError(f"tensor_parallel.autotp_size: {k} together with initialize({given}=...): give one of the "
@@ -331,9 +338,22 @@ def _autotp(engine, model: nn.Module, mesh, mpu):
 
     device_mesh = autotp_mesh(engine.comm.world_size, k, engine.device.type)
     broadcast_initial_state(model, [engine.comm])
+    before = list(model.named_parameters())
     apply_autotp(model, device_mesh["tp"])
     log.info("rank %d: AutoTP split the model over tp %d (mesh %s)", engine.comm.rank, k, device_mesh)
-    return device_mesh
+    after = dict(model.named_parameters())
+    split = {id(old): after[name] for name, old in before if after.get(name) is not old}
+
+    def new(params):
+        return [split.get(id(p), p) for p in params]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = new(group["params"])
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)
+        model_parameters = ([dict(g, params=new(g["params"])) for g in model_parameters]
+                            if model_parameters and isinstance(model_parameters[0], dict) else new(model_parameters))
+    return device_mesh, optimizer, model_parameters
 
 
 def _gather_persistent(engine) -> None:

@@ -94,7 +94,14 @@ def bind_optimizer(optimizer, opt_config, groups: list[dict], substitute: dict[i
     ``optimizer`` is None (built from the config block), a torch.optim.Optimizer (its groups are re-pointed in
     place, so a scheduler already built on it keeps working), or a callable/class taking param groups.
     """
-    def swap(params):
+    def swap(params):  # frozen parameters are left out: they never have a gradient
+        unknown = [p for p in params if id(p) not in substitute and p.requires_grad]
+        if unknown:
+            raise ValueError(
+                f"optimizer: {len(unknown)} of the parameters to optimize (the first of shape "
+                f"{tuple(unknown[0].shape)}) are not trainable parameters of the model given to initialize(), so the "
+                "engine would never update them; build the optimizer (or model_parameters) from that model's "
+                "parameters, after anything that replaces them (e.g. torch's parallelize_module)")
         return [substitute[id(p)] for p in params if id(p) in substitute]
 
     if isinstance(optimizer, torch.optim.Optimizer):
