@@ -1,22 +1,28 @@
 """Feature combinations drawn at random: each trains a few steps against stage 0 and resumes from a checkpoint.
 
 The parity tests pin one feature, or a chosen few, at a time; users turn on many at once. This draws configurations
-from the grid below (world 2-4; stage 1-3; fp32, bf16, fp16; accumulation; clipping; bucket, prefetch, live and
-reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload of parameters and optimizer; sub-groups;
-ZeRO++ qwZ, qgZ, hpZ; MiCS; torch.compile (aot_eager, inductor, the traced mode); a model built under zero.Init; the
-config's optimizer or the client's torch AdamW; a WarmupLR schedule; an fp16 loss scale that overflows at first; tensor
-parallelism (world 4 = dp 2 x tp 2, the MLPs split by parallelize_module); and the test GPT's quirks: a frozen
-parameter, a block run twice, activation checkpointing, a branch taken on some steps, or on some ranks only) and for
-each one:
+from the grid below (the test GPT or a transformers Llama; world 2-4; stage 1-3; fp32, bf16, fp16; accumulation;
+clipping; bucket, prefetch, live and reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload of
+parameters and optimizer; sub-groups; ZeRO++ qwZ, qgZ, hpZ; MiCS; torch.compile (aot_eager, inductor, the traced
+mode); a model built under zero.Init; the config's AdamW, Adam with L2 decay (either on CPUAdam or torch's kernel) or
+SGD with momentum, or the client's torch AdamW; a WarmupLR, WarmupDecayLR or WarmupCosineLR schedule; an fp16 loss
+scale that overflows at first; tensor parallelism (world 4 = dp 2 x tp 2: the GPT's MLPs split by
+parallelize_module, or a Llama split by the config's AutoTP); MoE layers in place of the GPT's MLPs, with every
+expert on every rank or split over ep 2; a frozen copy of the initial model in a second engine without an
+optimizer, evaluated between each forward and its backward (TRL's DPO reference model); a frozen parameter;
+activation checkpointing (Hugging Face's for the Llama); and the test GPT's quirks: a block run twice, a branch taken
+on some steps, or on some ranks only) and for each one:
 
 - trains ``--steps`` steps on simulated ranks and compares the losses with stage 0 of the same precision,
   accumulation, clipping and model (the largest relative difference; 16-bit losses differ by a rounding step where
-  the stages accumulate gradients in another order; with tp, stage 0 runs on the dp ranks alone);
+  the stages accumulate gradients in another order; with tp, stage 0 runs on the dp ranks alone; with experts split
+  over ep ranks, stage 0 holds every expert on every rank);
 - every third draw, trains again with a save at step 2, a new engine and a load: the losses after the load must be
   the uninterrupted run's, bitwise; and loads the same checkpoint on another number of ranks (resharded): the losses
   after the load must be within the tolerance of stage 0's doing the same, and the checkpoint's weights as the
-  offline converter reads them (``get_fp32_state_dict_from_zero_checkpoint``, what ``zero-engine to-fp32`` writes)
-  within ``WEIGHT_TOLERANCE`` of stage 0's;
+  offline converter reads them (``get_fp32_state_dict_from_zero_checkpoint``, what ``zero-engine to-fp32`` writes),
+  and those ``save_16bit_model`` wrote at the same step, within ``WEIGHT_TOLERANCE`` of stage 0's (experts split
+  over ep ranks cannot be saved yet: their checkpoint is "not supported yet", and not tried);
 - with a branch on some ranks only, expects every rank to raise ``RankDivergenceError`` (no rank killed, none hung).
 
 Outcomes: ``ok``; ``refused`` (a combination we reject with "not supported yet"); ``diverged`` (the expected error);
@@ -43,12 +49,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import zero_engine
 from zero_engine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+from zero_engine.moe import MoE, expert_parallel_groups
 from zero_engine.testing import RankError, run_ranks
 from zero_engine.testing.loop import resume_in_new_engine
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 GRID = dict(
-    world=[2, 3, 4], stage=[1, 2, 3, 3, 3], precision=["fp32", "bf16", "fp16"], accumulation=[1, 2],
+    model=["gpt", "gpt", "gpt", "llama"], world=[2, 3, 4], stage=[1, 2, 3, 3, 3], precision=["fp32", "bf16", "fp16"],
+    accumulation=[1, 2],
     clipping=[0.0, 1.0], overlap_comm=[True, False], reduce_bucket=[3000, 500000], prefetch_bucket=[2000, 1000000],
     persistence=[0, 100, 100000], max_live=[6000, 10**9], reuse_distance=[0, 10**9], leaf=[True, False],
     sequential=[None, True, "auto"], offload_param=[None, None, "cpu", "nvme"],
@@ -56,10 +64,14 @@ GRID = dict(
     zeropp=[None, None, None, "qwZ", "qgZ", "hpZ", "MiCS"], frozen=[False, True], block_twice=[False, True],
     checkpointing=[False, True], branch=[None, "some steps", "some steps", "some ranks"],
     compile=[None, None, None, "aot_eager", "inductor", "traced"], zero_init=[False, True],
-    optimizer=["config", "client"], scheduler=[False, True], fp16_scale_power=[8, 16], tp=[False, False, True],
+    optimizer=["AdamW", "AdamW", "Adam (L2)", "SGD", "client"], torch_adam=[False, True],
+    scheduler=[None, None, "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"], fp16_scale_power=[8, 16],
+    tp=[False, False, "parallelize_module", "autotp"], experts=[None, None, None, None, 1, 2],
+    frozen_copy=[False, False, True],
 )
-COMPARED_WITH_STAGE_0 = ("world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
-                         "block_twice", "checkpointing", "branch", "optimizer", "scheduler", "fp16_scale_power", "tp")
+COMPARED_WITH_STAGE_0 = ("model", "world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
+                         "block_twice", "checkpointing", "branch", "optimizer", "torch_adam", "scheduler",
+                         "fp16_scale_power", "tp", "experts", "frozen_copy")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a few rounding steps of a loss near 4.7
 QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
 # the weights after 3 steps, relative L2: AdamW's division by sqrt(v) amplifies a rounding of a near-zero gradient
@@ -67,6 +79,7 @@ WEIGHT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 SAVE_AT = 2
 TP = 2  # the tp size of a draw with tp: the last mesh dim, the test GPT's MLPs split as Megatron does
 TP_WIDTH = 132  # their width then (the test GPT's odd default, 133, is not split evenly)
+NUM_EXPERTS = 4  # of a draw with MoE layers
 RESHARD_TO = {2: 3, 3: 2, 4: 2}  # the number of ranks a checkpoint is loaded on, by the number it was saved on
 
 
@@ -81,10 +94,25 @@ def effective(draw: dict) -> dict:
             draw["compile"] = None
     if draw["precision"] != "fp16":
         draw["fp16_scale_power"] = None
+    if draw["optimizer"] in ("SGD", "client"):  # torch_adam picks the kernel of an Adam built from the config
+        draw["torch_adam"] = None
     if draw["world"] != 4 or not draw["stage"]:  # tp: world 4 = dp 2 x tp 2; stage 0 with tp is not supported
         draw["tp"] = None
     if draw["tp"]:
         draw["zero_init"] = None  # parallelize_module splits whole weights
+    if draw["experts"] == 2 and (draw["stage"] != 3 or draw["world"] % 2):
+        draw["experts"] = 1  # expert parallelism runs at stage 3, its ep size dividing the world
+    if draw["experts"] and draw["tp"]:  # the tp plans split the dense MLPs
+        draw["experts"] = None
+    if draw["model"] == "llama":  # the quirks below are the test GPT's forward; AutoTP splits a Llama
+        draw["block_twice"] = draw["branch"] = draw["experts"] = None
+        draw["tp"] = draw["tp"] and "autotp"
+    elif draw["tp"] == "autotp":  # the test GPT's 3 heads cannot be split in 2
+        draw["tp"] = "parallelize_module"
+    if draw["tp"]:  # a frozen copy at stage 0 (the trained model's below 3) cannot take the tp plan
+        draw["frozen_copy"] = None
+    if draw["tp"] == "parallelize_module" and draw["zeropp"] == "MiCS":
+        draw["zeropp"] = None  # the mesh given to initialize says how ranks group (a ConfigError says so)
     if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
         draw["zeropp"] = None
     return draw
@@ -99,7 +127,7 @@ def ds_config(draw: dict, scratch: str) -> dict:
                     stage3_param_persistence_threshold=draw["persistence"],
                     stage3_max_live_parameters=draw["max_live"], stage3_max_reuse_distance=draw["reuse_distance"])
         if draw["leaf"]:
-            zero["leaf_module"] = {"classes": ["Block"]}
+            zero["leaf_module"] = {"classes": ["LlamaDecoderLayer" if draw["model"] == "llama" else "Block"]}
         if draw["sequential"] is not None:
             zero["stage3_allgather_sequential"] = draw["sequential"]
         if draw["offload_param"] == "cpu":
@@ -119,14 +147,14 @@ def ds_config(draw: dict, scratch: str) -> dict:
     if draw["stage"] and draw["offload_optimizer"]:
         zero["offload_optimizer"] = ({"device": "cpu"} if draw["offload_optimizer"] == "cpu" else
                                      {"device": "nvme", "nvme_path": os.path.join(scratch, "optimizer")})
+    if draw["stage"] == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # save_16bit_model writes nothing without it
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": draw["accumulation"],
               "gradient_clipping": draw["clipping"], "zero_optimization": zero,
               }
-    if draw["optimizer"] == "config":  # else the client's torch.optim.AdamW, passed to initialize (see train)
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
-    if draw["scheduler"]:
-        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
-                                                              "warmup_num_steps": 3}}
+    config.update(optimizer_and_scheduler(draw))
+    if draw["tp"] == "autotp":
+        config["tensor_parallel"] = {"autotp_size": TP}
     if draw["compile"]:
         config["compile"] = {"enabled": True, "backend": "aot_eager" if draw["compile"] == "aot_eager" else "inductor",
                              "traced": draw["compile"] == "traced"}
@@ -138,6 +166,59 @@ def ds_config(draw: dict, scratch: str) -> dict:
         # 2**16: the first steps overflow and are skipped, then the scale grows back every 2 steps
         config["fp16"] = {"enabled": True, "initial_scale_power": draw["fp16_scale_power"], "loss_scale_window": 2}
     return config
+
+
+def optimizer_and_scheduler(draw: dict) -> dict:
+    """The config's optimizer (none for the client's torch.optim.AdamW, passed to initialize; see train) and
+    scheduler sections of a draw."""
+    sections = {}
+    if draw["optimizer"] == "SGD":
+        sections["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
+    elif draw["optimizer"] != "client":
+        params = {"lr": 1e-3, "weight_decay": 0.1, "torch_adam": draw["torch_adam"]}
+        if draw["optimizer"] == "Adam (L2)":
+            params["adam_w_mode"] = False  # weight decay added to the gradient, as torch.optim.Adam does
+        sections["optimizer"] = {"type": "Adam" if draw["optimizer"] == "Adam (L2)" else "AdamW", "params": params}
+    lr = 0.05 if draw["optimizer"] == "SGD" else 1e-3
+    if draw["scheduler"] == "WarmupLR":
+        params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": 3}
+    elif draw["scheduler"] == "WarmupDecayLR":
+        params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": 2, "total_num_steps": 8}
+    elif draw["scheduler"] == "WarmupCosineLR":
+        params = {"warmup_min_ratio": 0.1, "warmup_num_steps": 2, "total_num_steps": 8, "cos_min_ratio": 0.01}
+    if draw["scheduler"]:
+        sections["scheduler"] = {"type": draw["scheduler"], "params": params}
+    return sections
+
+
+def build_model(draw: dict, shape: GPTConfig) -> torch.nn.Module:
+    """The test GPT of ``shape`` (its MLPs MoE layers of ``NUM_EXPERTS`` experts, top 2, with ``draw["experts"]``
+    as the ep size), or a transformers Llama of about its size (4 heads, 2 key/value heads, tied
+    embeddings; a frozen final norm and Hugging Face's gradient checkpointing where the draw has them)."""
+    if draw["model"] == "gpt":
+        model = GPT(shape)
+        if draw["experts"]:  # the same weights whatever the ep size, for a given seed (zero_engine/moe.py)
+            for block in model.blocks:
+                block.mlp = MoE(shape.n_embd, 40, NUM_EXPERTS, top_k=2, groups=expert_parallel_groups(draw["experts"]))
+        return model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=shape.n_layer,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=shape.block_size,
+        tie_word_embeddings=True))
+    if draw["frozen"]:
+        model.model.norm.weight.requires_grad_(False)
+    if draw["checkpointing"]:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def forward(engine, draw: dict, x: torch.Tensor, y: torch.Tensor, branch: bool = False) -> torch.Tensor:
+    """The loss of one micro-batch (a Llama shifts the labels itself: it is given the inputs)."""
+    if draw["model"] == "llama":
+        return engine(input_ids=x, labels=x).loss
+    return engine(x, y, use_branch=branch)
 
 
 def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None = None) -> list[float]:
@@ -159,25 +240,29 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
         if draw["compile"]:  # the rank processes outlive draws: earlier draws' models would use up Dynamo's
             torch._dynamo.reset()  # recompile limit, and this draw would run eagerly
 
-        def build(seed: int):
+        def build(seed: int, config: dict = config):
             torch.manual_seed(seed)
             if draw["zero_init"]:
                 with zero_engine.zero.Init(config_dict_or_path=config):
-                    model = GPT(shape)
+                    model = build_model(draw, shape)
             else:
-                model = GPT(shape)
+                model = build_model(draw, shape)
             mesh = None
-            if draw["tp"]:
+            if draw["tp"] == "parallelize_module":
                 mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, TP), mesh_dim_names=("dp", "tp"))
                 for block in model.blocks:
                     parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
             client = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-                      if draw["optimizer"] == "client" else None)
+                      if draw["optimizer"] == "client" and "optimizer" not in config else None)
             return zero_engine.initialize(model=model, optimizer=client, config=config, mesh=mesh)[0]
 
         engine = build(1 if part == "load" else 0)
         if part == "load":
             engine.load_checkpoint(checkpoint_dir)
+        frozen = None
+        if draw.get("frozen_copy"):  # the initial model, evaluated at every micro-step, in an engine of its own
+            frozen = build(0, frozen_copy_config(config))
+            frozen.eval()
         batches = make_batches(shape, 8, 4, seed=dp_rank)
         accumulation = engine.gradient_accumulation_steps()
         losses = []
@@ -186,21 +271,37 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
                       or draw["branch"] == "some ranks" and (step + dp_rank) % 2 == 0)
             for micro in range(step * accumulation, (step + 1) * accumulation):
                 x, y = batches[micro % len(batches)]
-                loss = engine(x, y, use_branch=branch)
+                loss = forward(engine, draw, x, y, branch)
+                if frozen is not None:  # between the forward and its backward, as a DPO step reads its reference
+                    with torch.no_grad():
+                        losses.append(forward(frozen, draw, x, y).item())
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
             if step == 1:  # an evaluation forward between steps, as a real run has
                 engine.eval()
                 with torch.no_grad():
-                    engine(x, y)
+                    forward(engine, draw, x, y)
                 engine.train()
             if part == "save" and step == SAVE_AT:
                 engine.save_checkpoint(checkpoint_dir)
+                engine.save_16bit_model(os.path.join(checkpoint_dir, "model16"))
             elif checkpoint_dir is not None and part is None and step == SAVE_AT:
                 engine = resume_in_new_engine(engine, lambda: build(1), checkpoint_dir)
         engine.destroy()
+        if frozen is not None:
+            frozen.destroy()
         return losses
+
+
+def frozen_copy_config(config: dict) -> dict:
+    """The config of a frozen copy's engine, as TRL prepares a DPO reference model for DeepSpeed: no optimizer,
+    ZeRO-3 kept (its parameters sharded as the trained model's), a lower stage turned into stage 0."""
+    config = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
+    zero = config["zero_optimization"]
+    config["zero_optimization"] = ({k: v for k, v in zero.items() if k != "offload_optimizer"} if zero["stage"] == 3
+                                   else {"stage": 0})
+    return config
 
 
 def run(draw: dict, steps: int, resume: bool = False) -> list[list[float]]:
@@ -209,10 +310,10 @@ def run(draw: dict, steps: int, resume: bool = False) -> list[list[float]]:
                          grace_after_failure=60)
 
 
-def run_resharded(draw: dict, steps: int, world: int) -> tuple[list[list[float]], dict | str]:
-    """The losses after the load, on ``world`` ranks, of a run saved on ``draw["world"]`` ranks; and the saved
+def run_resharded(draw: dict, steps: int, world: int) -> tuple[list[list[float]], dict | str, dict]:
+    """The losses after the load, on ``world`` ranks, of a run saved on ``draw["world"]`` ranks; the saved
     checkpoint's weights as the offline converter reads them (whole, fp32; "refused" where it says "not supported
-    yet")."""
+    yet"); and the weights that ``save_16bit_model`` wrote beside it (compute dtype)."""
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         run_ranks(train, draw["world"], draw, steps, checkpoint_dir, "save", timeout=240, grace_after_failure=60)
         try:
@@ -221,32 +322,37 @@ def run_resharded(draw: dict, steps: int, world: int) -> tuple[list[list[float]]
             if "not supported yet" not in str(error):
                 raise
             weights = "refused"
+        weights16 = torch.load(os.path.join(checkpoint_dir, "model16", "pytorch_model.bin"), weights_only=True)
         losses = run_ranks(train, world, draw, steps, checkpoint_dir, "load", timeout=240, grace_after_failure=60)
-        return losses, weights
+        return losses, weights, weights16
 
 
 def resharded_deviation(draw: dict, steps: int, references: dict, key: tuple,
-                        reference_draw: dict) -> tuple[float | str, float | str]:
-    """How far the losses after a load on another number of ranks are from stage 0's doing the same, and how far
-    the checkpoint's weights read offline are from stage 0's (relative L2 over the model); "refused" where we refuse
-    that with "not supported yet"."""
+                        reference_draw: dict) -> tuple[float | str, float | str, float | str]:
+    """How far the losses after a load on another number of ranks are from stage 0's doing the same; and how far
+    the checkpoint's weights read offline, and those save_16bit_model wrote, are from stage 0's (relative L2 over
+    the model); "refused" where we refuse that with "not supported yet"."""
     world = RESHARD_TO[draw["world"]]
     if (key, world) not in references:
         references[key, world] = run_resharded(reference_draw, steps, world // TP if draw["tp"] else world)
-    reference_losses, reference_weights = references[key, world]
+    reference_losses, reference_weights, reference_weights16 = references[key, world]
     try:
-        losses, weights = run_resharded(draw, steps, world)
+        losses, weights, weights16 = run_resharded(draw, steps, world)
     except RankError as error:
         if all("not supported yet" in f.exception for f in error.failures):
-            return "refused", "refused"
+            return "refused", "refused", "refused"
         raise
     deviation = largest_relative_difference(losses, per_rank(reference_losses, draw))
-    if weights == "refused":
-        return deviation, "refused"
-    if weights.keys() != reference_weights.keys():
-        return deviation, f"other names: {sorted(weights.keys() ^ reference_weights.keys())[:4]}"
-    difference = sum((weights[n].float() - reference_weights[n].float()).pow(2).sum() for n in weights)
-    return deviation, (difference / sum(w.float().pow(2).sum() for w in reference_weights.values())).sqrt().item()
+    return (deviation, "refused" if weights == "refused" else relative_l2(weights, reference_weights),
+            relative_l2(weights16, reference_weights16))
+
+
+def relative_l2(weights: dict, reference: dict) -> float | str:
+    """|weights - reference| / |reference| over the whole model (fp32 arithmetic)."""
+    if weights.keys() != reference.keys():
+        return f"other names: {sorted(weights.keys() ^ reference.keys())[:4]}"
+    difference = sum((weights[n].float() - reference[n].float()).pow(2).sum() for n in weights)
+    return (difference / sum(w.float().pow(2).sum() for w in reference.values())).sqrt().item()
 
 
 def largest_relative_difference(losses: list[list[float]], reference: list[list[float]]) -> float:
@@ -276,23 +382,30 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
         # stage 0 of the same model on the dp ranks alone (tp computes the same sums in another order)
         reference_draw = dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None, zeropp=None,
                               zero_init=None, compile=None, tp=None, tp_width=draw["tp"],
+                              experts=draw["experts"] and 1,  # every expert on every rank
                               world=draw["world"] // TP if draw["tp"] else draw["world"])
         if key not in references:
             references[key] = run(reference_draw, steps)
         losses = run(draw, steps)
         deviation = largest_relative_difference(losses, per_rank(references[key], draw))
-        resumed = max(abs(a - b) for mine, theirs in zip(run(draw, steps, resume=True), losses)
-                      for a, b in zip(mine, theirs)) if resume else None
-        resharded, weights = (resharded_deviation(draw, steps, references, key, reference_draw) if resume
-                              else (None, None))
+        if resume and draw["experts"] == 2:  # save_checkpoint with expert-parallel parameters: "not supported yet"
+            resumed = resharded = weights = weights16 = "refused"
+        elif resume:
+            resumed = max(abs(a - b) for mine, theirs in zip(run(draw, steps, resume=True), losses)
+                          for a, b in zip(mine, theirs))
+            resharded, weights, weights16 = resharded_deviation(draw, steps, references, key, reference_draw)
+        else:
+            resumed = resharded = weights = weights16 = None
         quantized = draw["stage"] == 3 and draw["zeropp"] in ("qwZ", "qgZ")
         tolerance = QUANTIZED_TOLERANCE if quantized else TOLERANCE[draw["precision"]]
         weight_tolerance = QUANTIZED_TOLERANCE if quantized else WEIGHT_TOLERANCE[draw["precision"]]
-        good = (deviation <= tolerance and resumed in (None, 0.0)
+        good = (deviation <= tolerance and resumed in (None, 0.0, "refused")
                 and (resharded in (None, "refused") or resharded <= tolerance)
-                and (weights in (None, "refused") or isinstance(weights, float) and weights <= weight_tolerance))
+                and all(w in (None, "refused") or isinstance(w, float) and w <= weight_tolerance
+                        for w in (weights, weights16)))
         return {"outcome": "ok" if good else "BAD", "deviation": deviation, "tolerance": tolerance,
-                "resume_deviation": resumed, "resharded_deviation": resharded, "weights_deviation": weights}
+                "resume_deviation": resumed, "resharded_deviation": resharded, "weights_deviation": weights,
+                "weights16_deviation": weights16}
     except RankError as error:
         messages = [f.exception for f in error.failures]
         if all("not supported yet" in m for m in messages):

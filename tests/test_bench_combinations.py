@@ -31,8 +31,15 @@ def test_every_value_of_the_grid_loads_as_a_config_of_its_own(name, tmp_path):
                 assert config.compile.traced == (value == "traced")
             if name == "optimizer":
                 assert (config.optimizer is None) == (value == "client")
+                if value != "client":
+                    assert config.optimizer.type == value.split()[0].lower()
+                    assert config.optimizer.adam_w_mode == (value != "Adam (L2)")
+            if name == "torch_adam":
+                assert config.optimizer.torch_adam == value
             if name == "scheduler":
-                assert (config.scheduler is not None) == value
+                assert (config.scheduler is None) == (value is None)
+                if value:
+                    assert config.scheduler.type.lower() == value.lower()
             if name == "fp16_scale_power":
                 fp16 = load_config(combinations.ds_config(combinations.effective(
                     {**BASE, "precision": "fp16", name: value}), str(tmp_path)), world_size=world).fp16
@@ -48,6 +55,28 @@ def test_what_a_stage_does_not_use_is_turned_off():
     assert combinations.effective(dict(BASE, world=4, tp=True, stage=0))["tp"] is None
     assert combinations.effective(dict(BASE, world=4, tp=True, stage=3, zero_init=True))["zero_init"] is None
     assert "offload_param" not in combinations.ds_config(draw, "/tmp")["zero_optimization"]
+    llama = combinations.effective(dict(BASE, model="llama", world=4, tp="parallelize_module", block_twice=True,
+                                        branch="some ranks"))
+    assert (llama["tp"], llama["block_twice"], llama["branch"]) == ("autotp", None, None)
+    assert combinations.ds_config(llama, "/tmp")["tensor_parallel"] == {"autotp_size": combinations.TP}
+    gpt = combinations.effective(dict(BASE, world=4, tp="autotp"))  # its 3 heads: the MLPs alone are split
+    assert gpt["tp"] == "parallelize_module" and "tensor_parallel" not in combinations.ds_config(gpt, "/tmp")
+    assert combinations.effective(dict(BASE, stage=3, world=4, tp="parallelize_module", zeropp="MiCS"))["zeropp"] \
+        is None
+    assert combinations.effective(dict(BASE, stage=2, experts=2))["experts"] == 1  # ep runs at stage 3
+    assert combinations.effective(dict(BASE, stage=3, world=3, experts=2))["experts"] == 1  # ep 2 divides the world
+    assert combinations.effective(dict(BASE, stage=3, world=4, experts=2))["experts"] == 2
+    assert combinations.effective(dict(BASE, world=4, experts=2, tp="parallelize_module"))["experts"] is None
+    assert combinations.effective(dict(BASE, model="llama", experts=1))["experts"] is None
+    assert combinations.effective(dict(BASE, world=4, tp="autotp", frozen_copy=True))["frozen_copy"] is None
+    for stage, frozen_stage in ((1, 0), (2, 0), (3, 3)):  # as TRL prepares a DPO reference model
+        config = combinations.ds_config(dict(BASE, stage=stage, offload_optimizer="cpu"), "/tmp")
+        frozen = combinations.frozen_copy_config(config)
+        assert "optimizer" not in frozen and frozen["zero_optimization"]["stage"] == frozen_stage
+        assert "offload_optimizer" not in frozen["zero_optimization"]
+        assert "offload_optimizer" in config["zero_optimization"]  # the trained model's config is left as it was
+    for optimizer in ("SGD", "client"):  # torch_adam picks the kernel of an Adam from the config
+        assert combinations.effective(dict(BASE, optimizer=optimizer, torch_adam=True))["torch_adam"] is None
 
 
 def test_stage_0_runs_a_tp_draw_on_its_dp_ranks_and_each_tp_rank_compares_with_its_dp_rank():
