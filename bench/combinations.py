@@ -76,6 +76,9 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a fe
 QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
 # the weights after 3 steps, relative L2: AdamW's division by sqrt(v) amplifies a rounding of a near-zero gradient
 WEIGHT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+# with tp, stage 0 (no tp) sums in another order, and Adam turns that rounding of a near-zero gradient into an update
+# of up to lr: tests/test_autotp.py's bound for Adam-family weights against one process (SGD stays within 2.5e-9)
+TP_ADAM_WEIGHT_TOLERANCE = 2e-4
 SAVE_AT = 2
 TP = 2  # the tp size of a draw with tp: the last mesh dim, the test GPT's MLPs split as Megatron does
 TP_WIDTH = 132  # their width then (the test GPT's odd default, 133, is not split evenly)
@@ -399,13 +402,15 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
         quantized = draw["stage"] == 3 and draw["zeropp"] in ("qwZ", "qgZ")
         tolerance = QUANTIZED_TOLERANCE if quantized else TOLERANCE[draw["precision"]]
         weight_tolerance = QUANTIZED_TOLERANCE if quantized else WEIGHT_TOLERANCE[draw["precision"]]
+        if draw["tp"] and draw["optimizer"] != "SGD":
+            weight_tolerance = max(weight_tolerance, TP_ADAM_WEIGHT_TOLERANCE)
         good = (deviation <= tolerance and resumed in (None, 0.0, "refused")
                 and (resharded in (None, "refused") or resharded <= tolerance)
                 and all(w in (None, "refused") or isinstance(w, float) and w <= weight_tolerance
                         for w in (weights, weights16)))
         return {"outcome": "ok" if good else "BAD", "deviation": deviation, "tolerance": tolerance,
                 "resume_deviation": resumed, "resharded_deviation": resharded, "weights_deviation": weights,
-                "weights16_deviation": weights16}
+                "weights16_deviation": weights16, "weight_tolerance": weight_tolerance}
     except RankError as error:
         messages = [f.exception for f in error.failures]
         if all("not supported yet" in m for m in messages):
