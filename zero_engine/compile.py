@@ -137,6 +137,13 @@ def compile_regions(model: nn.Module, stage: int, tp: bool = False) -> list[tupl
     stays one unit, as it would be compiled: it is marked a leaf. Its children as units of their own did not
     recompute what they saved (torch's CheckpointError: a split attention weight saved whole, recomputed
     partitioned), and the whole block is what the recomputation in the backward reads anyway.
+
+    Nor can torch (2.13) compile DTensor parameters with dynamic shapes: a second sequence length, which makes
+    Dynamo recompile with the length dynamic, raised "RecursionError: maximum recursion depth exceeded" from the
+    aot_eager backend (reproduced without zero_engine: a Llama split by parallelize_module, its layers compiled,
+    lengths 16, 11, 7). So with a tp dim the regions compile with ``dynamic=False`` unless the compile kwargs say
+    otherwise: each new length compiles once, up to Dynamo's recompile limit (8), after which new lengths run
+    eagerly with Dynamo's warning; pad lengths to a few sizes to stay compiled.
     """
     if stage < 3 and not tp:
         return [("<root>", model)]
@@ -179,7 +186,10 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
         kwargs["backend"] = backend
     if "backend" not in kwargs:
         kwargs["backend"] = "inductor"
-    regions = compile_regions(engine.module, engine.stage, tp=engine.mesh.tp_size > 1)
+    tp = engine.mesh.tp_size > 1
+    regions = compile_regions(engine.module, engine.stage, tp=tp)
+    if tp:  # see [Note: compiled regions with tp]
+        kwargs.setdefault("dynamic", False)
     if traced:
         _compile_traced(engine, regions, kwargs)
         return
