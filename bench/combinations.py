@@ -2,16 +2,16 @@
 
 The parity tests pin one feature, or a chosen few, at a time; users turn on many at once. This draws configurations
 from the grid below (the test GPT or a transformers Llama; world 2-4; stage 1-3; fp32, bf16, fp16; accumulation;
-clipping; bucket, prefetch, live and reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload of
-parameters and optimizer; sub-groups; ZeRO++ qwZ, qgZ, hpZ; MiCS; torch.compile (aot_eager, inductor, the traced
-mode); a model built under zero.Init; the config's AdamW, Adam with L2 decay (either on CPUAdam or torch's kernel) or
-SGD with momentum, or the client's torch AdamW; a WarmupLR, WarmupDecayLR or WarmupCosineLR schedule; an fp16 loss
-scale that overflows at first; tensor parallelism (world 4 = dp 2 x tp 2: the GPT's MLPs split by
-parallelize_module, or a Llama split by the config's AutoTP); MoE layers in place of the GPT's MLPs, with every
-expert on every rank or split over ep 2; a frozen copy of the initial model in a second engine without an
-optimizer, evaluated between each forward and its backward (TRL's DPO reference model); a frozen parameter;
-activation checkpointing (Hugging Face's for the Llama); and the test GPT's quirks: a block run twice, a branch taken
-on some steps, or on some ranks only) and for each one:
+clipping; bucket, prefetch, live and reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload
+of parameters and optimizer; sub-groups; ZeRO++ qwZ, qgZ, hpZ; MiCS; torch.compile (aot_eager, inductor, the traced
+mode); a model built under zero.Init; the config's AdamW, Adam with L2 decay (either on CPUAdam or torch's kernel)
+or SGD with momentum, or the client's torch AdamW; a WarmupLR, WarmupDecayLR or WarmupCosineLR schedule; an fp16
+loss scale that overflows at first; sequence lengths that vary from micro-step to micro-step; tensor parallelism
+(world 4 = dp 2 x tp 2: the GPT's MLPs split by parallelize_module, or a Llama split by the config's AutoTP); MoE
+layers in place of the GPT's MLPs, with every expert on every rank or split over ep 2; a frozen copy of the initial
+model in a second engine without an optimizer, evaluated between each forward and its backward (TRL's DPO reference
+model); a frozen parameter; activation checkpointing (Hugging Face's for the Llama); and the test GPT's quirks: a
+block run twice, a branch taken on some steps, or on some ranks only) and for each one:
 
 - trains ``--steps`` steps on simulated ranks and compares the losses with stage 0 of the same precision,
   accumulation, clipping and model (the largest relative difference; 16-bit losses differ by a rounding step where
@@ -67,11 +67,11 @@ GRID = dict(
     optimizer=["AdamW", "AdamW", "Adam (L2)", "SGD", "client"], torch_adam=[False, True],
     scheduler=[None, None, "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"], fp16_scale_power=[8, 16],
     tp=[False, False, "parallelize_module", "autotp"], experts=[None, None, None, None, 1, 2],
-    frozen_copy=[False, False, True],
+    frozen_copy=[False, False, True], lengths=["fixed", "varying"],
 )
 COMPARED_WITH_STAGE_0 = ("model", "world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
                          "block_twice", "checkpointing", "branch", "optimizer", "torch_adam", "scheduler",
-                         "fp16_scale_power", "tp", "experts", "frozen_copy")
+                         "fp16_scale_power", "tp", "experts", "frozen_copy", "lengths")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a few rounding steps of a loss near 4.7
 QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
 # the weights after 3 steps, relative L2: AdamW's division by sqrt(v) amplifies a rounding of a near-zero gradient
@@ -80,6 +80,7 @@ WEIGHT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 # of up to lr: tests/test_autotp.py's bound for Adam-family weights against one process (SGD stays within 2.5e-9)
 TP_ADAM_WEIGHT_TOLERANCE = 2e-4
 SAVE_AT = 2
+LENGTHS = (16, 11, 7, 13)  # the sequence length of micro-step i, i modulo 4, in a draw whose lengths vary
 TP = 2  # the tp size of a draw with tp: the last mesh dim, the test GPT's MLPs split as Megatron does
 TP_WIDTH = 132  # their width then (the test GPT's odd default, 133, is not split evenly)
 NUM_EXPERTS = 4  # of a draw with MoE layers
@@ -274,6 +275,9 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
                       or draw["branch"] == "some ranks" and (step + dp_rank) % 2 == 0)
             for micro in range(step * accumulation, (step + 1) * accumulation):
                 x, y = batches[micro % len(batches)]
+                if draw.get("lengths") == "varying":  # as packed or unpadded batches are: torch.compile goes dynamic
+                    length = LENGTHS[micro % len(LENGTHS)]
+                    x, y = x[:, :length].contiguous(), y[:, :length].contiguous()
                 loss = forward(engine, draw, x, y, branch)
                 if frozen is not None:  # between the forward and its backward, as a DPO step reads its reference
                     with torch.no_grad():
