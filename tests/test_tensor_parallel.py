@@ -69,6 +69,17 @@ def train_dp_rows(engine, x, y, gas, micro, dp_rank, dp_size) -> float:
     return total.item() / (dist.get_world_size() * gas)
 
 
+def reference_step(reference, optimizer, loss_of) -> float:
+    """One step of the one-process reference on the whole batch, clipped at 1.0 as ``ds_config``; its loss.
+    ``loss_of(reference)`` is the loss."""
+    optimizer.zero_grad()
+    loss = loss_of(reference)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
+
 def whole_values(engine, tensor_of=lambda sp: sp.shard) -> dict[str, torch.Tensor]:
     """Every parameter's whole value, put together by the test itself: the dp shards all-gathered over the engine's
     shard group into the tp-local tensor, then a DTensor's pieces all-gathered over tp (torch's full_tensor)."""
@@ -203,13 +214,9 @@ def _compiled_case(how, stage, seq, ckpt, backend, precision="fp32"):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     dp_rank, worst, warm = dist.get_rank() // TP, 0.0, None
     for step, (x, y) in enumerate(make_batches(cfg, 3, DP * 2 * 2)):
-        ref_opt.zero_grad()
-        ref_loss = reference(x, y)
-        ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        ref_opt.step()
+        ref_loss = reference_step(reference, ref_opt, lambda model: model(x, y))
         ours = train_dp_rows(engine, x, y, 2, 2, dp_rank, DP)
-        worst = max(worst, abs(ours - ref_loss.item()) / abs(ref_loss.item()))
+        worst = max(worst, abs(ours - ref_loss) / abs(ref_loss))
         if step == 0:
             warm = {key: dict(value) for key, value in counters.items() if value}
     final = {key: dict(value) for key, value in counters.items() if value}
@@ -301,11 +308,7 @@ def _checkpointing_inside_case(kind, stage):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     dp_rank, worst, warm = dist.get_rank() // TP, 0.0, None
     for step, (x, y) in enumerate(make_batches(shape, 3, DP * 2 * 2)):
-        ref_opt.zero_grad()
-        ref_loss = loss_of(reference, x, y)
-        ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        ref_opt.step()
+        ref_loss = reference_step(reference, ref_opt, lambda module: loss_of(module, x, y))
         total = torch.zeros(())
         for m in range(2):  # this dp rank's rows of the global batch, 2 micro-steps
             lo = (m * DP + dp_rank) * 2
@@ -314,7 +317,7 @@ def _checkpointing_inside_case(kind, stage):
             engine.step()
             total += loss.detach()
         dist.all_reduce(total)
-        worst = max(worst, abs(total.item() / (dist.get_world_size() * 2) - ref_loss.item()) / ref_loss.item())
+        worst = max(worst, abs(total.item() / (dist.get_world_size() * 2) - ref_loss) / ref_loss)
         if step == 0:
             warm = {key: dict(value) for key, value in counters.items() if value}
     final = {key: dict(value) for key, value in counters.items() if value}
@@ -367,13 +370,9 @@ def _varying_lengths_body(stage):
     dp_rank, worst = dist.get_rank() // TP, 0.0
     for (x, y), length in zip(make_batches(cfg, 3, DP * 2 * 2), (16, 11, 7)):
         x, y = x[:, :length].contiguous(), y[:, :length].contiguous()
-        ref_opt.zero_grad()
-        ref_loss = reference(x, y)
-        ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        ref_opt.step()
+        ref_loss = reference_step(reference, ref_opt, lambda model: model(x, y))
         ours = train_dp_rows(engine, x, y, 2, 2, dp_rank, DP)
-        worst = max(worst, abs(ours - ref_loss.item()) / abs(ref_loss.item()))
+        worst = max(worst, abs(ours - ref_loss) / abs(ref_loss))
     param_err = relative_l2(whole_values(engine), reference)
     graphs = counters["stats"]["unique_graphs"]
     engine.destroy()

@@ -349,10 +349,8 @@ def _autotp(engine, model: nn.Module, mesh, mpu, optimizer, model_parameters):
     if isinstance(optimizer, torch.optim.Optimizer):
         for group in optimizer.param_groups:
             group["params"] = new(group["params"])
-    if model_parameters is not None:
-        model_parameters = list(model_parameters)
-        model_parameters = ([dict(g, params=new(g["params"])) for g in model_parameters]
-                            if model_parameters and isinstance(model_parameters[0], dict) else new(model_parameters))
+    if model_parameters is not None:  # as param groups, one of the forms initialize() takes
+        model_parameters = [dict(g, params=new(g["params"])) for g in param_groups_of(model, model_parameters)]
     return device_mesh, optimizer, model_parameters
 
 
