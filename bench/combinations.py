@@ -244,10 +244,12 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
         if draw["compile"]:  # the rank processes outlive draws: earlier draws' models would use up Dynamo's
             torch._dynamo.reset()  # recompile limit, and this draw would run eagerly
 
-        def build(seed: int, config: dict = config):
+        def build(seed: int, frozen_copy: bool = False):
+            """The trained model's engine; or, ``frozen_copy``, the initial model's without an optimizer."""
+            engine_config = frozen_copy_config(config) if frozen_copy else config
             torch.manual_seed(seed)
             if draw["zero_init"]:
-                with zero_engine.zero.Init(config_dict_or_path=config):
+                with zero_engine.zero.Init(config_dict_or_path=engine_config):
                     model = build_model(draw, shape)
             else:
                 model = build_model(draw, shape)
@@ -257,15 +259,15 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
                 for block in model.blocks:
                     parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
             client = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-                      if draw["optimizer"] == "client" and "optimizer" not in config else None)
-            return zero_engine.initialize(model=model, optimizer=client, config=config, mesh=mesh)[0]
+                      if draw["optimizer"] == "client" and not frozen_copy else None)
+            return zero_engine.initialize(model=model, optimizer=client, config=engine_config, mesh=mesh)[0]
 
         engine = build(1 if part == "load" else 0)
         if part == "load":
             engine.load_checkpoint(checkpoint_dir)
         frozen = None
-        if draw.get("frozen_copy"):  # the initial model, evaluated at every micro-step, in an engine of its own
-            frozen = build(0, frozen_copy_config(config))
+        if draw["frozen_copy"]:  # the initial model, evaluated at every micro-step, in an engine of its own
+            frozen = build(0, frozen_copy=True)
             frozen.eval()
         batches = make_batches(shape, 8, 4, seed=dp_rank)
         accumulation = engine.gradient_accumulation_steps()
@@ -275,7 +277,7 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
                       or draw["branch"] == "some ranks" and (step + dp_rank) % 2 == 0)
             for micro in range(step * accumulation, (step + 1) * accumulation):
                 x, y = batches[micro % len(batches)]
-                if draw.get("lengths") == "varying":  # as packed or unpadded batches are: torch.compile goes dynamic
+                if draw["lengths"] == "varying":  # as packed or unpadded batches are: torch.compile goes dynamic
                     length = LENGTHS[micro % len(LENGTHS)]
                     x, y = x[:, :length].contiguous(), y[:, :length].contiguous()
                 loss = forward(engine, draw, x, y, branch)

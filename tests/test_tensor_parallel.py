@@ -55,13 +55,13 @@ def ds_config(stage, seq=False, optimizer="SGD", lr=0.05, gas=2, micro=2, **zero
             "optimizer": {"type": optimizer, "params": params}, "zero_optimization": zero_section}
 
 
-def train_dp_rows(engine, x, y, gas, micro, dp_rank, dp_size) -> float:
+def train_dp_rows(engine, x, y, gas, micro, dp_rank, dp_size, loss_of=lambda module, x, y: module(x, y)) -> float:
     """One optimizer step on this dp rank's rows of the global batch (both tp ranks of a dp rank read the same
-    rows); the mean loss over every rank and micro-step."""
+    rows); the mean loss over every rank and micro-step. ``loss_of(engine, x, y)`` is a micro-step's loss."""
     total = torch.zeros(())
     for m in range(gas):
         lo = (m * dp_size + dp_rank) * micro
-        loss = engine(x[lo: lo + micro], y[lo: lo + micro])
+        loss = loss_of(engine, x[lo: lo + micro], y[lo: lo + micro])
         engine.backward(loss)
         engine.step()
         total += loss.detach()
@@ -309,15 +309,8 @@ def _checkpointing_inside_case(kind, stage):
     dp_rank, worst, warm = dist.get_rank() // TP, 0.0, None
     for step, (x, y) in enumerate(make_batches(shape, 3, DP * 2 * 2)):
         ref_loss = reference_step(reference, ref_opt, lambda module: loss_of(module, x, y))
-        total = torch.zeros(())
-        for m in range(2):  # this dp rank's rows of the global batch, 2 micro-steps
-            lo = (m * DP + dp_rank) * 2
-            loss = loss_of(engine, x[lo: lo + 2], y[lo: lo + 2])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        worst = max(worst, abs(total.item() / (dist.get_world_size() * 2) - ref_loss) / ref_loss)
+        ours = train_dp_rows(engine, x, y, 2, 2, dp_rank, DP, loss_of)
+        worst = max(worst, abs(ours - ref_loss) / ref_loss)
         if step == 0:
             warm = {key: dict(value) for key, value in counters.items() if value}
     final = {key: dict(value) for key, value in counters.items() if value}

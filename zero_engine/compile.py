@@ -116,7 +116,8 @@ def refresh_units_if_compiled(engine) -> None:
 
 
 def compile_regions(model: nn.Module, stage: int, tp: bool = False) -> list[tuple[str, nn.Module]]:
-    """What ``engine.compile()`` compiles, each with its own ``module.compile()``:
+    """What ``engine.compile()`` compiles, each with its own ``module.compile()`` (with ``tp``, a block compiled as
+    its children is marked a leaf here: see the Note below):
 
     * stages 0-2 (parameters whole, no hooks): the whole model, as DeepSpeed does; with tensor parallelism (``tp``),
       the regions of stage 3 instead: see [Note: compiled regions with tp];
