@@ -1,7 +1,7 @@
 """Feature combinations drawn at random: each trains a few steps against stage 0 and resumes from a checkpoint.
 
 The parity tests pin one feature, or a chosen few, at a time; users turn on many at once. This draws configurations
-from the grid below (the test GPT or a transformers Llama; world 2-4; stage 1-3; fp32, bf16, fp16; accumulation;
+from the grid below (the test GPT or a transformers Llama; world 1-4; stage 1-3; fp32, bf16, fp16; accumulation;
 clipping; bucket, prefetch, live and reuse budgets; leaf units; sequential or "auto" gathers; CPU and NVMe offload
 of parameters and optimizer; sub-groups; ZeRO++ qwZ, qgZ, hpZ; MiCS; torch.compile (aot_eager, inductor, the traced
 mode); a model built under zero.Init; the config's AdamW, Adam with L2 decay (either on CPUAdam or torch's kernel)
@@ -10,7 +10,8 @@ loss scale that overflows at first; sequence lengths that vary from micro-step t
 (world 4 = dp 2 x tp 2: the GPT's MLPs split by parallelize_module, or a Llama split by the config's AutoTP); MoE
 layers in place of the GPT's MLPs, with every expert on every rank or split over ep 2; a frozen copy of the initial
 model in a second engine without an optimizer, evaluated between each forward and its backward (TRL's DPO reference
-model); a frozen parameter; activation checkpointing (Hugging Face's for the Llama); and the test GPT's quirks: a
+model); the Llama's ``generate`` between steps (TRL's online trainers; its greedy tokens compared with stage 0's in
+fp32); a frozen parameter; activation checkpointing (Hugging Face's for the Llama); and the test GPT's quirks: a
 block run twice, a branch taken on some steps, or on some ranks only) and for each one:
 
 - trains ``--steps`` steps on simulated ranks and compares the losses with stage 0 of the same precision,
@@ -29,6 +30,10 @@ Outcomes: ``ok``; ``refused`` (a combination we reject with "not supported yet")
 ``BAD`` (losses off, or a resume not bitwise); ``ERROR`` (anything else). Exit status 1 if any is BAD or ERROR.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/combinations.py --draws 60 --seed 23 [--json FILE]
+
+One draw, the grid's first values with those given (repeat ``--draw`` for more; ``--resume`` resumes each too):
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/combinations.py --draw '{"model": "llama", "generate": true}'
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ from zero_engine.testing.loop import resume_in_new_engine
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 
 GRID = dict(
-    model=["gpt", "gpt", "gpt", "llama"], world=[2, 3, 4], stage=[1, 2, 3, 3, 3], precision=["fp32", "bf16", "fp16"],
-    accumulation=[1, 2],
+    model=["gpt", "gpt", "gpt", "llama"], world=[1, 2, 2, 3, 4, 4], stage=[1, 2, 3, 3, 3],
+    precision=["fp32", "bf16", "fp16"], accumulation=[1, 2],
     clipping=[0.0, 1.0], overlap_comm=[True, False], reduce_bucket=[3000, 500000], prefetch_bucket=[2000, 1000000],
     persistence=[0, 100, 100000], max_live=[6000, 10**9], reuse_distance=[0, 10**9], leaf=[True, False],
     sequential=[None, True, "auto"], offload_param=[None, None, "cpu", "nvme"],
@@ -67,11 +72,11 @@ GRID = dict(
     optimizer=["AdamW", "AdamW", "Adam (L2)", "SGD", "client"], torch_adam=[False, True],
     scheduler=[None, None, "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"], fp16_scale_power=[8, 16],
     tp=[False, False, "parallelize_module", "autotp"], experts=[None, None, None, None, 1, 2],
-    frozen_copy=[False, False, True], lengths=["fixed", "varying"],
+    frozen_copy=[False, False, True], lengths=["fixed", "varying"], generate=[False, True],
 )
 COMPARED_WITH_STAGE_0 = ("model", "world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
                          "block_twice", "checkpointing", "branch", "optimizer", "torch_adam", "scheduler",
-                         "fp16_scale_power", "tp", "experts", "frozen_copy", "lengths")
+                         "fp16_scale_power", "tp", "experts", "frozen_copy", "lengths", "generate")
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}  # relative; 16-bit: a few rounding steps of a loss near 4.7
 QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
 # the weights after 3 steps, relative L2: AdamW's division by sqrt(v) amplifies a rounding of a near-zero gradient
@@ -84,7 +89,8 @@ LENGTHS = (16, 11, 7, 13)  # the sequence length of micro-step i, i modulo 4, in
 TP = 2  # the tp size of a draw with tp: the last mesh dim, the test GPT's MLPs split as Megatron does
 TP_WIDTH = 132  # their width then (the test GPT's odd default, 133, is not split evenly)
 NUM_EXPERTS = 4  # of a draw with MoE layers
-RESHARD_TO = {2: 3, 3: 2, 4: 2}  # the number of ranks a checkpoint is loaded on, by the number it was saved on
+RESHARD_TO = {1: 2, 2: 3, 3: 2, 4: 2}  # the number of ranks a checkpoint is loaded on, by the number it was saved on
+GENERATE = (5, 6)  # a Llama draw that generates: from the first 5 tokens of each row, 6 more, greedily
 
 
 def effective(draw: dict) -> dict:
@@ -108,11 +114,15 @@ def effective(draw: dict) -> dict:
         draw["experts"] = 1  # expert parallelism runs at stage 3, its ep size dividing the world
     if draw["experts"] and draw["tp"]:  # the tp plans split the dense MLPs
         draw["experts"] = None
+    if draw["world"] == 1 and draw["branch"] == "some ranks":  # one rank always agrees with itself
+        draw["branch"] = "some steps"
     if draw["model"] == "llama":  # the quirks below are the test GPT's forward; AutoTP splits a Llama
         draw["block_twice"] = draw["branch"] = draw["experts"] = None
         draw["tp"] = draw["tp"] and "autotp"
-    elif draw["tp"] == "autotp":  # the test GPT's 3 heads cannot be split in 2
-        draw["tp"] = "parallelize_module"
+    else:
+        draw["generate"] = None  # Hugging Face's
+        if draw["tp"] == "autotp":  # the test GPT's 3 heads cannot be split in 2
+            draw["tp"] = "parallelize_module"
     if draw["tp"]:  # a frozen copy at stage 0 (the trained model's below 3) cannot take the tp plan
         draw["frozen_copy"] = None
     if draw["tp"] == "parallelize_module" and draw["zeropp"] == "MiCS":
@@ -291,11 +301,20 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
                 engine.eval()
                 with torch.no_grad():
                     forward(engine, draw, x, y)
+                if draw["generate"]:  # as TRL's online trainers generate between steps; tokens checked in fp32 only
+                    prompt, new = GENERATE
+                    tokens = engine.generate(input_ids=x[:, :prompt].contiguous(), max_new_tokens=new,
+                                             attention_mask=torch.ones_like(x[:, :prompt]), pad_token_id=0,
+                                             do_sample=False)
+                    if draw["precision"] == "fp32":  # 16-bit logits of a random model tie: argmax may differ
+                        losses.extend(float(t) + 1.0 for t in tokens[:, prompt:].flatten().tolist())
                 engine.train()
             if part == "save" and step == SAVE_AT:
                 engine.save_checkpoint(checkpoint_dir)
                 engine.save_16bit_model(os.path.join(checkpoint_dir, "model16"))
             elif checkpoint_dir is not None and part is None and step == SAVE_AT:
+                if draw["compile"]:  # a resumed run is a new process, its Dynamo empty: here, generate's shapes
+                    torch._dynamo.reset()  # would make the new engine's graphs dynamic, their kernels round otherwise
                 engine = resume_in_new_engine(engine, lambda: build(1), checkpoint_dir)
         engine.destroy()
         if frozen is not None:
@@ -424,12 +443,25 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
         return {"outcome": "ERROR", "error": " | ".join(m[-600:] for m in messages)}
 
 
+def given_draw(text: str) -> dict:
+    """A draw from ``--draw``: the grid's first values, with the JSON object's in their place."""
+    values = json.loads(text)
+    unknown = sorted(set(values) - set(GRID))
+    if unknown:
+        raise SystemExit(f"--draw {text}: {unknown} are not dimensions of the grid; they are {sorted(GRID)}")
+    return effective({**{name: choices[0] for name, choices in GRID.items()}, **values})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default="", help="write one JSON line per draw here")
+    parser.add_argument("--draw", action="append", default=[], metavar="JSON",
+                        help="judge this draw instead of random ones (repeatable): the grid's first values, with "
+                             "those given here, e.g. '{\"model\": \"llama\", \"stage\": 3, \"generate\": true}'")
+    parser.add_argument("--resume", action="store_true", help="with --draw: resume each one from a checkpoint too")
     args = parser.parse_args()
     if args.steps < SAVE_AT + 2:
         parser.error(f"--steps {args.steps}: a resumed run needs a step after the save at step {SAVE_AT}; use "
@@ -438,9 +470,11 @@ def main() -> int:
     references: dict = {}
     counts: collections.Counter = collections.Counter()
     out = open(args.json, "w") if args.json else None
-    for i in range(args.draws):
-        draw = effective({name: rng.choice(values) for name, values in GRID.items()})
-        result = {"draw": i, **judge(draw, args.steps, references, resume=i % 3 == 0), **draw}
+    given = [given_draw(text) for text in args.draw]
+    for i in range(len(given) or args.draws):
+        draw = given[i] if given else effective({name: rng.choice(values) for name, values in GRID.items()})
+        resume = args.resume if given else i % 3 == 0
+        result = {"draw": i, **judge(draw, args.steps, references, resume=resume), **draw}
         counts[result["outcome"]] += 1
         line = json.dumps(result)
         print(line if result["outcome"] in ("BAD", "ERROR") else

@@ -77,6 +77,11 @@ def test_what_a_stage_does_not_use_is_turned_off():
         assert "offload_optimizer" in config["zero_optimization"]  # the trained model's config is left as it was
     for optimizer in ("SGD", "client"):  # torch_adam picks the kernel of an Adam from the config
         assert combinations.effective(dict(BASE, optimizer=optimizer, torch_adam=True))["torch_adam"] is None
+    assert combinations.effective(dict(BASE, world=1, branch="some ranks"))["branch"] == "some steps"
+    assert combinations.effective(dict(BASE, world=2, branch="some ranks"))["branch"] == "some ranks"
+    assert set(combinations.GRID["world"]) <= set(combinations.RESHARD_TO)  # every world is loaded on another
+    assert combinations.effective(dict(BASE, model="gpt", generate=True))["generate"] is None  # Hugging Face's
+    assert combinations.effective(dict(BASE, model="llama", generate=True))["generate"] is True
 
 
 def test_stage_0_runs_a_tp_draw_on_its_dp_ranks_and_each_tp_rank_compares_with_its_dp_rank():
