@@ -307,6 +307,7 @@ def train(draw: dict, steps: int, checkpoint_dir: str | None, part: str | None =
                                              attention_mask=torch.ones_like(x[:, :prompt]), pad_token_id=0,
                                              do_sample=False)
                     if draw["precision"] == "fp32":  # 16-bit logits of a random model tie: argmax may differ
+                        # judged with the losses, relative to stage 0's: + 1, as a token may be 0
                         losses.extend(float(t) + 1.0 for t in tokens[:, prompt:].flatten().tolist())
                 engine.train()
             if part == "save" and step == SAVE_AT:

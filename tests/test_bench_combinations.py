@@ -84,6 +84,14 @@ def test_what_a_stage_does_not_use_is_turned_off():
     assert combinations.effective(dict(BASE, model="llama", generate=True))["generate"] is True
 
 
+def test_a_given_draw_is_the_grids_first_values_with_those_given():
+    draw = combinations.given_draw('{"model": "llama", "world": 4, "tp": "parallelize_module", "generate": true}')
+    assert draw == combinations.effective(dict(BASE, model="llama", world=4, tp="parallelize_module", generate=True))
+    assert draw["tp"] == "autotp"  # and turned into what runs, as a random draw is
+    with pytest.raises(SystemExit, match=r"\['modle'\] are not dimensions of the grid"):
+        combinations.given_draw('{"modle": "llama"}')
+
+
 def test_stage_0_runs_a_tp_draw_on_its_dp_ranks_and_each_tp_rank_compares_with_its_dp_rank():
     assert combinations.per_rank([[1.0], [2.0]], dict(BASE, tp=True)) == [[1.0], [1.0], [2.0], [2.0]]
     assert combinations.per_rank([[1.0], [2.0]], dict(BASE, tp=False)) == [[1.0], [2.0]]
