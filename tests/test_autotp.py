@@ -316,9 +316,10 @@ def test_config_section_takes_autotp_size_and_the_batch_rule_counts_data_paralle
 ENGINE_WORLD, ENGINE_DP = 4, 2
 
 
-def _engine_body(family, stage, optimizer):
+def _engine_body(family, stage, optimizer, zero_extra=None):
     """``optimizer`` "SGD" / "AdamW": the config's; "client SGD" / "client AdamW": a torch optimizer built on the model
-    before initialize(), so over the parameters AutoTP then replaces with split ones."""
+    before initialize(), so over the parameters AutoTP then replaces with split ones. ``zero_extra``: more
+    zero_optimization keys."""
     import zero_engine
     from zero_engine.utils import safe_get_full_fp32_param, tp_full_tensor
 
@@ -328,7 +329,7 @@ def _engine_body(family, stage, optimizer):
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
               "optimizer": {"type": optimizer, "params": params_cfg}, "tensor_parallel": {"autotp_size": TP},
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": 500}}
+                                    "reduce_bucket_size": 500, **(zero_extra or {})}}
     torch.manual_seed(dist.get_rank())  # different on every rank: the engine makes them equal before the split
     model = _model(family, "eager") if family != "gpt" else GPT(TINY_GPT)
     torch.manual_seed(0)
@@ -396,6 +397,15 @@ def test_initialize_with_autotp_size_matches_one_process(family, stage, optimize
         assert loss_err < 1e-5 and norm_err < 1e-5 and param_err < tolerance, (loss_err, norm_err, param_err)
     rows = [result[-1] for result in results]
     assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2], rows
+
+
+def test_mics_shard_size_of_every_dp_rank_is_flat_with_autotp():
+    """mics_shard_size equal to the dp ranks (the world over tp) is flat ZeRO, as mics_shard_size equal to the world
+    is without tp: the same run bitwise. Before, AutoTP's own mesh made it a ConfigError blaming an
+    initialize(mesh=...) the user never passed (bench/combinations.py, seed 43)."""
+    flat = run_ranks(_engine_body, ENGINE_WORLD, "llama", 3, "SGD", timeout=TIMEOUT)
+    mics = run_ranks(_engine_body, ENGINE_WORLD, "llama", 3, "SGD", {"mics_shard_size": ENGINE_DP}, timeout=TIMEOUT)
+    assert mics == flat
 
 
 def _corpus_body(path):

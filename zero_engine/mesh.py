@@ -209,15 +209,15 @@ def _with_two_step_gather(found: ZeroMesh, device_type: str) -> ZeroMesh:
 def _resolve_dp(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     k = zero_config.mics_shard_size
-    if (mesh is not None or mpu is not None) and k not in (-1, world):
-        given = "mesh=" if mesh is not None else "mpu="
-        raise ConfigError(f"zero_optimization.mics_shard_size: {k} given together with initialize({given}...); the "
-                          f"mesh already says how ranks are grouped: remove mics_shard_size (or set -1), or drop "
-                          f"{given}")
-    if mesh is not None:
-        return _from_device_mesh(mesh, world, rank)
-    if mpu is not None:
-        return _from_mpu(mpu, world, rank)
+    if mesh is not None or mpu is not None:
+        found = _from_device_mesh(mesh, world, rank) if mesh is not None else _from_mpu(mpu, world, rank)
+        # the size the mesh's shard groups have is no contradiction: with tp (AutoTP's mesh too), the dp ranks
+        if k not in (-1, found.shard_size):
+            given = "mesh=" if mesh is not None else "mpu="
+            raise ConfigError(f"zero_optimization.mics_shard_size: {k} given together with initialize({given}...), "
+                              f"whose shard groups have {found.shard_size} ranks; the mesh already says how ranks are "
+                              f"grouped: remove mics_shard_size (or set -1), or drop {given}")
+        return found
     if k in (-1, world):
         return flat_mesh(world, rank, "flat" if k == -1 else "mics_shard_size = world: flat")
     if k < 1 or world % k:
