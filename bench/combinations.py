@@ -125,8 +125,9 @@ def effective(draw: dict) -> dict:
             draw["tp"] = "parallelize_module"
     if draw["tp"]:  # a frozen copy at stage 0 (the trained model's below 3) cannot take the tp plan
         draw["frozen_copy"] = None
-    if draw["tp"] == "parallelize_module" and draw["zeropp"] == "MiCS":
-        draw["zeropp"] = None  # the mesh given to initialize says how ranks group (a ConfigError says so)
+    if draw["tp"] and draw["zeropp"] == "MiCS":  # parallelize_module: the mesh given to initialize says how ranks
+        # group (a ConfigError says so); AutoTP: MiCS over the dp 2 is flat, and no size fits the resharded load (dp 1)
+        draw["zeropp"] = None
     if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
         draw["zeropp"] = None
     return draw

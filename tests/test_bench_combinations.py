@@ -61,8 +61,9 @@ def test_what_a_stage_does_not_use_is_turned_off():
     assert combinations.ds_config(llama, "/tmp")["tensor_parallel"] == {"autotp_size": combinations.TP}
     gpt = combinations.effective(dict(BASE, world=4, tp="autotp"))  # its 3 heads: the MLPs alone are split
     assert gpt["tp"] == "parallelize_module" and "tensor_parallel" not in combinations.ds_config(gpt, "/tmp")
-    assert combinations.effective(dict(BASE, stage=3, world=4, tp="parallelize_module", zeropp="MiCS"))["zeropp"] \
-        is None
+    for tp in ("parallelize_module", "autotp"):
+        assert combinations.effective(dict(BASE, model="llama", stage=3, world=4, tp=tp, zeropp="MiCS"))["zeropp"] \
+            is None
     assert combinations.effective(dict(BASE, stage=2, experts=2))["experts"] == 1  # ep runs at stage 3
     assert combinations.effective(dict(BASE, stage=3, world=3, experts=2))["experts"] == 1  # ep 2 divides the world
     assert combinations.effective(dict(BASE, stage=3, world=4, experts=2))["experts"] == 2
