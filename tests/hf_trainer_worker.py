@@ -254,6 +254,26 @@ def suite_compile(work):
     close(history(zero), history(plain), 1e-4, "torch_compile log history")
 
 
+def suite_neftune(work):
+    """NEFTune (neftune_noise_alpha) at stage 3: uniform noise added to the input embeddings' output in training,
+    drawn from each rank's generator as under DDP, so the losses are the plain Trainer's (the first one bitwise: the
+    same weights, batch and noise); the hook is gone after train()."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    quiet = Trainer(model=tiny_llama(), args=training_args(f"{work}/neftune-quiet", max_steps=3),
+                    train_dataset=Tokens(22))
+    quiet.train()
+    plain, zero = plain_and_zero(work, "neftune", STAGE3, max_steps=3, neftune_noise_alpha=5.0)
+    zero.train()  # the Trainer seeds the generator at construction: nothing else may draw from it before this
+    close(history(zero), history(plain), 1e-4, "NEFTune log history")
+    first, noisy, without = history(zero)[0]["loss"], history(plain)[0]["loss"], history(quiet)[0]["loss"]
+    check(first == noisy, f"NEFTune: first loss {first}, the plain Trainer's {noisy}")
+    check(abs(first - without) > 1e-3, f"NEFTune: the first loss {first} is the noiseless {without}")
+    embeddings = zero.model.get_input_embeddings()
+    left = [hook for hook in embeddings._forward_hooks.values() if hook is neftune_post_forward_hook]
+    check(not hasattr(embeddings, "neftune_noise_alpha") and not left, "NEFTune: its hook is left after train()")
+
+
 def suite_best(work):
     """load_best_model_at_end (here the eval loss rises: the best is the first step's, not the last)."""
     best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, max_steps=3,

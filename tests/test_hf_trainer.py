@@ -52,12 +52,13 @@ def test_stage3_matches_ddp_trainer_eval_predict_generate_save_resume(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_stages_1_2_bf16_fp16_overflow_best_model_compile_lora(tmp_path):
+def test_stages_1_2_bf16_fp16_overflow_best_model_compile_neftune_lora(tmp_path):
     """Stages 1 and 2; bf16 against the Trainer's bf16 autocast; fp16 whose first steps overflow (the schedule
-    stays put); load_best_model_at_end; torch_compile (each decoder layer compiled by the engine); PEFT LoRA (base
-    weights partitioned and frozen, transformers' default non-reentrant activation checkpointing) with the adapter
-    saved and reloaded by PEFT."""
-    suites = "stages12,precision,best,compile"
+    stays put); load_best_model_at_end; torch_compile (each decoder layer compiled by the engine); NEFTune at stage 3
+    (the same noisy losses as the plain Trainer's, bitwise; its hook removed after train); PEFT LoRA (base weights
+    partitioned and frozen, transformers' default non-reentrant activation checkpointing) with the adapter saved and
+    reloaded by PEFT."""
+    suites = "stages12,precision,best,compile,neftune"
     if importlib.util.find_spec("peft") is not None:
         suites += ",peft"
     _assert_ok(suites, tmp_path)

@@ -55,7 +55,6 @@ _REFUSED_ARGS = {
     "fsdp": "FSDP and ZeRO both partition the model: use one (zero_config's zero_optimization.stage 3)",
     "auto_find_batch_size": "the engine is built once for one micro-batch size",
     "use_liger_kernel": "Liger's fused kernels read weights outside their modules' forward; not supported yet",
-    "neftune_noise_alpha": "not supported yet with ZeroTrainer",
     # TRL's SFTConfig: its offloading context wraps training_step, which ZeroTrainerMixin replaces
     "activation_offloading": "not supported yet with ZeroTrainerMixin (it replaces training_step)",
     # evaluation_loop casts the model (model.to(dtype)) outside the engine, whose shards and fp32 masters stay
