@@ -259,6 +259,65 @@ def test_load_at_another_world_size_reshards_parameters_and_optimizer_states(tmp
             assert relative_l2(final, ref_final, "param/") < 2e-4, world
 
 
+def _stage_change_load_body(stage, save_dir):
+    """The checkpoint of ``_reshard_save_body`` resumed at ``stage``: at the boundary, and mid-accumulation (its
+    gradients, or the refusal and then a load without them)."""
+    world = dist.get_world_size()
+    engine, *_ = zero_engine.initialize(model=tiny_gpt(seed=7), config=_reshard_config(stage, world))
+    engine.load_checkpoint(save_dir)
+    at_load, summary = gathered(engine), engine_summary(engine)
+    batches = rank_micro_batches(engine.module.cfg, STEPS, 1, GLOBAL_BATCH // world)
+    losses = train(engine, batches, engine.micro_steps, STEPS)
+    accumulating, *_ = zero_engine.initialize(model=tiny_gpt(7), config=config(stage, gas=2))
+    try:
+        accumulating.load_checkpoint(save_dir, tag="mid")
+        mid = gathered_grads(accumulating) if stage >= 2 else {
+            name: p.grad.clone() for name, p in accumulating.module.named_parameters() if p.grad is not None}
+    except CheckpointError as error:
+        accumulating.load_checkpoint(save_dir, tag="mid", load_optimizer_states=False)
+        mid = str(error)
+    return at_load, summary, mean_over_ranks(losses), gathered(engine), mid, accumulating.micro_steps
+
+
+def _local_grads_body(stage, save_dir):
+    """Stages 0-1 mid-accumulation: each rank's own unreduced gradients, as its parameters' .grad."""
+    engine, *_ = zero_engine.initialize(model=tiny_gpt(0), config=config(stage, gas=2))
+    train(engine, rank_micro_batches(engine.module.cfg, 1, 2, MICRO), 0, 1)
+    engine.save_checkpoint(save_dir, tag="mid", save_latest=False)
+    return {name: p.grad.clone() for name, p in engine.module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("saved,loaded", [(3, 1), (1, 3), (0, 3), (3, 0), (2, 3), (3, 2), (1, 0)])
+def test_a_checkpoint_resumes_at_another_stage_with_its_optimizer_states(tmp_path, saved, loaded):
+    """[Note: resuming at another stage] in checkpoint/_load.py: the loaded parameters, masters and Adam moments are
+    the saved bytes; the counters, LR and training continue as the uninterrupted run (the tolerances of another world
+    size: the stages reduce in another order); mid-accumulation gradients load where both stages keep them alike
+    (stages 2-3: reduced shards; 0-1: each rank's own) and are refused by name otherwise."""
+    [at_save, ref_losses, ref_final, grads], _ = run_ranks(_reshard_save_body, 2, saved, str(tmp_path),
+                                                            timeout=TIMEOUT)
+    if saved < 2:  # the save body's mid-accumulation checkpoint holds reduced shards at stages 2-3 only
+        grads = run_ranks(_local_grads_body, 2, saved, str(tmp_path), timeout=TIMEOUT)
+    ref_summary = {"counters": (SAVE_STEP, SAVE_STEP, SAVE_STEP * GLOBAL_BATCH, 0)}
+    for rank, (at_load, summary, losses, final, mid, micro_steps) in enumerate(run_ranks(
+            _stage_change_load_body, 2, loaded, str(tmp_path), timeout=TIMEOUT)):
+        if 0 in (saved, loaded):  # stage 0 in fp32 has no master apart from the parameter
+            at_save = {k: v for k, v in at_save.items() if not k.startswith("master/")}
+            at_load = {k: v for k, v in at_load.items() if not k.startswith("master/")}
+        assert any(k.startswith("optim/exp_avg_sq/") for k in at_load)
+        assert diff_keys(at_load, at_save) == [], diff_keys(at_load, at_save)
+        assert summary["counters"] == ref_summary["counters"], summary
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        assert worst < 1e-5, (losses, ref_losses)
+        assert relative_l2(final, ref_final, "param/") < 2e-4
+        assert micro_steps == 1
+        if (saved >= 2) == (loaded >= 2):
+            expected = grads if saved >= 2 else grads[rank]
+            assert isinstance(mid, dict) and mid and diff_keys(mid, expected) == [], mid
+        else:
+            assert f"middle of gradient accumulation at stage {saved}" in mid and f"stage {loaded} keeps" in mid
+            assert "load_optimizer_states=False" in mid
+
+
 def _stage1_mid_save_body(save_dir):
     engine, *_ = zero_engine.initialize(model=tiny_gpt(0), config=config(1))
     train(engine, rank_micro_batches(engine.module.cfg, 1, GAS, MICRO), 0, 1)
@@ -342,8 +401,7 @@ def test_corrupt_missing_and_mismatched_checkpoints_are_refused_naming_what_diff
     assert files_fingerprint(tmp_path) == fingerprint, "loading modified a checkpoint"
     expected = {
         "other_shapes": ["blocks.0.ln_1.weight is [33] in the checkpoint and [36] in the model", "does not fit"],
-        "other_stage": ["ZeRO stage 3 (this engine: 2)", "load_module_only=True"],
-        "other_dtype": ["dtype bf16 (this engine: fp16)"],
+        "other_dtype": ["dtype bf16 (this engine: fp16)", "load_module_only=True"],
         "truncated": ["truncated/rank_00001.safetensors is truncated or damaged"],
         "bit_flip": ["bit_flip/rank_00000.safetensors is corrupt"],
         "missing": ["missing/rank_00001.safetensors is missing"],
@@ -352,6 +410,8 @@ def test_corrupt_missing_and_mismatched_checkpoints_are_refused_naming_what_diff
     }
     for rank, results in enumerate(outcomes):
         assert results["ok"][0] == "loaded" and diff_keys(results["ok"][1], saved) == []
+        # another stage resumes (see test_a_checkpoint_resumes_at_another_stage_with_its_optimizer_states)
+        assert results["other_stage"][0] == "loaded" and diff_keys(results["other_stage"][1], saved) == []
         message, loaded = results["module_only_other_stage_and_dtype"]
         assert message == "loaded"  # fp32 stage 2 engine: its weights are the saved fp32 masters exactly
         assert all(torch.equal(loaded[f"param/{n}"], saved[f"master/{n}"]) for n in

@@ -2,7 +2,7 @@
 
 Order (every check is agreed across ranks before anything in the engine changes, so a refused checkpoint leaves
 the engine as it was):
-1. find the directory (``latest`` or the tag) and read ``metadata.json``; check stage, dtype, parameter and buffer
+1. find the directory (``latest`` or the tag) and read ``metadata.json``; check dtype, parameter and buffer
    names and shapes, optimizer type and param groups against this engine;
 2. verify every file's size and SHA-256 (the files are split across ranks, each hashed once);
 3. read this rank's range of every parameter, master and optimizer-state tensor (see _partition.py): at the same
@@ -43,14 +43,15 @@ ADAM_STATE_ALIKE = {"Adam", "AdamW", "CPUAdam", "FusedAdam"}
 
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False, missing_ok: bool = False):
-    """Collective: restore a checkpoint saved by save_checkpoint, at this or another world size.
+    """Collective: restore a checkpoint saved by save_checkpoint, at this or another world size or ZeRO stage (see
+    [Note: resuming at another stage]).
 
     Returns ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and ``load_dir`` has no ``latest``
     (nothing saved yet, as DeepSpeed does). A ``load_dir`` that does not exist raises CheckpointError (a typo in a
     resume path must not silently train from scratch) unless ``missing_ok=True``: then it is ``(None, None)`` too,
     DeepSpeed's behaviour for a first run whose save_dir was not created yet. ``load_module_only``: weights (fp32 masters when saved) and buffers only,
-    for fine-tuning: optimizer, scheduler, counters and RNG keep this engine's values, and the stage and dtype may
-    differ from the saved ones. ``load_optimizer_states=False``: weights, scheduler and counters, fresh optimizer.
+    for fine-tuning: optimizer, scheduler, counters and RNG keep this engine's values, and the dtype may differ
+    from the saved one. ``load_optimizer_states=False``: weights, scheduler and counters, fresh optimizer.
     Raises CheckpointError on every rank, naming the file or parameter, when the checkpoint is missing, corrupt or
     does not fit this engine, or when ranks would load different checkpoints (different tags, or a ``latest`` that
     differs between nodes); the engine is then unchanged. ``load_dir`` None or empty is a ValueError.
@@ -132,11 +133,9 @@ def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: b
             f"({engine.mesh.describe()}). Loading at another tp size is not supported yet (the files hold each tp "
             f"rank's pieces); load it at tp size {meta.tp_size} (the data-parallel size may differ)")
     ours = engine.config.compute_dtype_name
-    if not module_only and (meta.stage, meta.compute_dtype) != (engine.stage, ours):
-        what = [f"ZeRO stage {meta.stage} (this engine: {engine.stage})" if meta.stage != engine.stage else "",
-                f"dtype {meta.compute_dtype} (this engine: {ours})" if meta.compute_dtype != ours else ""]
-        raise CheckpointError(f"checkpoint {path} was saved with {' and '.join(w for w in what if w)}; resuming "
-                              "needs the same stage and dtype. Pass load_module_only=True to take the weights only "
+    if not module_only and meta.compute_dtype != ours:
+        raise CheckpointError(f"checkpoint {path} was saved with dtype {meta.compute_dtype} (this engine: {ours}); "
+                              "resuming needs the same dtype. Pass load_module_only=True to take the weights only "
                               "(optimizer states, scheduler and counters are then not restored)")
     check_params_match(meta, [(v.info.name, v.info.shape) for v in views], path)
     check_buffers_match(meta, [(info.name, info.shape) for info, _ in buffer_items(engine.module)], path)
@@ -146,6 +145,7 @@ def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: b
         if meta.optimizer != ours_opt and not {meta.optimizer, ours_opt} <= ADAM_STATE_ALIKE:
             raise CheckpointError(f"checkpoint {path} holds {meta.optimizer} state; this engine's optimizer is "
                                   f"{ours_opt}. Use the same optimizer, or load_optimizer_states=False")
+        _check_gradients_fit(engine, meta, path)
         if meta.gradients == GRADS_LOCAL and meta.world_size != engine.comm.world_size:
             raise CheckpointError(
                 f"checkpoint {path} was saved in the middle of gradient accumulation at stage {meta.stage} on "
@@ -155,6 +155,25 @@ def _read_and_check(engine, views: list[ParamView], path: str, with_optimizer: b
         if engine.loss_scaler is not None and engine_state["loss_scaler"] is not None:
             copy.copy(engine.loss_scaler).load_state_dict(engine_state["loss_scaler"])  # raises if incompatible
     return meta, engine_state
+
+
+def _check_gradients_fit(engine, meta: CheckpointMeta, path: str) -> None:
+    """[Note: resuming at another stage] The files are one format at every stage: each parameter, master and
+    optimizer state is saved by name, split over ``partition_world_size`` ranks (1 at stage 0), and a load reads
+    this rank's range of each, as at another world size. So a checkpoint resumes at another stage (with its optimizer
+    states, scheduler, counters and loss scale), except in the middle of gradient accumulation when the two stages
+    keep the window's gradients in another form: reduced shards at stages 2-3, each rank's own unreduced gradients at
+    stages 0-1."""
+    if meta.gradients == GRADS_NONE or meta.stage == engine.stage:
+        return
+    sharded_here = engine.stage >= 2
+    if (meta.gradients == GRADS_SHARDED) != sharded_here:
+        saved = "reduced gradient shards" if meta.gradients == GRADS_SHARDED else "each rank's unreduced gradients"
+        kept = "reduced gradient shards" if sharded_here else "each rank's unreduced gradients"
+        raise CheckpointError(
+            f"checkpoint {path} was saved in the middle of gradient accumulation at stage {meta.stage}, with "
+            f"{saved}; stage {engine.stage} keeps {kept}. Save at an accumulation boundary, or load with "
+            "load_optimizer_states=False (the partial accumulation is then dropped)")
 
 
 def load_engine_state(path: str, meta: CheckpointMeta) -> dict:
@@ -258,7 +277,7 @@ def _reset_gradients(engine, views: list[ParamView]) -> None:
 
 def _load_gradients(engine, views: list[ParamView], reader: CheckpointReader, meta: CheckpointMeta) -> None:
     if meta.gradients == GRADS_SHARDED:
-        if engine.stage < 2:  # stages match unless load_module_only, which does not come here
+        if engine.stage < 2:  # _check_gradients_fit refused it
             raise AssertionError(f"sharded gradients in a stage-{meta.stage} checkpoint loaded at stage {engine.stage}")
         by_name = {v.info.name: v for v in views}
         for bucket in engine.reducer.buckets:

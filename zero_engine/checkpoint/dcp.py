@@ -222,7 +222,8 @@ def from_dcp(dcp_dir, save_dir, config, tag: str | None = None, model: nn.Module
         save_dir: the directory to give load_checkpoint; ``latest`` is pointed at the new tag unless
             ``save_latest=False``.
         config: the ds_config (path or dict) of the run that will load it: its ZeRO stage, dtype and gradient
-            accumulation are recorded as that run's (load_checkpoint requires the same stage and dtype).
+            accumulation are recorded as that run's (load_checkpoint requires the same dtype;
+            another stage resumes too).
         tag: default ``global_step<N>`` with N the training step (torchtitan's ``train_state.step``, else Adam's
             ``step``, else 0).
         model: the model (on the meta device is enough): tells buffers from parameters and tied names. Without it
