@@ -19,8 +19,9 @@ block run twice, a branch taken on some steps, or on some ranks only) and for ea
   the stages accumulate gradients in another order; with tp, stage 0 runs on the dp ranks alone; with experts split
   over ep ranks, stage 0 holds every expert on every rank);
 - every third draw, trains again with a save at step 2, a new engine and a load: the losses after the load must be
-  the uninterrupted run's, bitwise; and loads the same checkpoint on another number of ranks (resharded): the losses
-  after the load must be within the tolerance of stage 0's doing the same, and the checkpoint's weights as the
+  the uninterrupted run's, bitwise; and loads the same checkpoint on another number of ranks (resharded; at another
+  ZeRO stage too where the draw has a ``load_stage``): the losses after the load must be within the tolerance of
+  stage 0's doing the same, and the checkpoint's weights as the
   offline converter reads them (``get_fp32_state_dict_from_zero_checkpoint``, what ``zero-engine to-fp32`` writes),
   and those ``save_16bit_model`` wrote at the same step, within ``WEIGHT_TOLERANCE`` of stage 0's (experts split
   over ep ranks cannot be saved yet: their checkpoint is "not supported yet", and not tried);
@@ -73,7 +74,10 @@ GRID = dict(
     scheduler=[None, None, "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"], fp16_scale_power=[8, 16],
     tp=[False, False, "parallelize_module", "autotp"], experts=[None, None, None, None, 1, 2],
     frozen_copy=[False, False, True], lengths=["fixed", "varying"], generate=[False, True],
+    load_stage=[None, None, 0, 1, 2, 3],
 )
+STAGE_3_ONLY = ("prefetch_bucket", "persistence", "max_live", "reuse_distance", "leaf", "sequential", "offload_param",
+                "zeropp", "zero_init")
 COMPARED_WITH_STAGE_0 = ("model", "world", "precision", "accumulation", "clipping", "communication_fp32", "frozen",
                          "block_twice", "checkpointing", "branch", "optimizer", "torch_adam", "scheduler",
                          "fp16_scale_power", "tp", "experts", "frozen_copy", "lengths", "generate")
@@ -97,8 +101,7 @@ def effective(draw: dict) -> dict:
     """The draw with what its stage and world do not use turned off (None), so that it reads as what runs."""
     draw = dict(draw)
     if draw["stage"] != 3:
-        for name in ("prefetch_bucket", "persistence", "max_live", "reuse_distance", "leaf", "sequential",
-                     "offload_param", "zeropp", "zero_init"):
+        for name in STAGE_3_ONLY:
             draw[name] = None
         if draw["compile"] == "traced":
             draw["compile"] = None
@@ -130,7 +133,18 @@ def effective(draw: dict) -> dict:
         draw["zeropp"] = None
     if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
         draw["zeropp"] = None
+    if draw["load_stage"] == draw["stage"] or draw["tp"] and draw["load_stage"] == 0 or draw["experts"] == 2:
+        draw["load_stage"] = None  # the same stage; stage 0 with tp is not supported; ep 2 saves no checkpoint
     return draw
+
+
+def loading_draw(draw: dict) -> dict:
+    """The draw that the resharded load runs: at ``load_stage`` where the draw has one (a checkpoint resumes at
+    another ZeRO stage); the stage-3 settings that a lower stage turned off take the grid's first values there."""
+    if draw["load_stage"] is None:
+        return draw
+    filled = {name: GRID[name][0] if draw[name] is None else draw[name] for name in STAGE_3_ONLY}
+    return effective({**draw, **filled, "stage": draw["load_stage"], "load_stage": None})
 
 
 def ds_config(draw: dict, scratch: str) -> dict:
@@ -353,7 +367,8 @@ def run_resharded(draw: dict, steps: int, world: int) -> tuple[list[list[float]]
                 raise
             weights = "refused"
         weights16 = torch.load(os.path.join(checkpoint_dir, "model16", "pytorch_model.bin"), weights_only=True)
-        losses = run_ranks(train, world, draw, steps, checkpoint_dir, "load", timeout=240, grace_after_failure=60)
+        losses = run_ranks(train, world, loading_draw(draw), steps, checkpoint_dir, "load", timeout=240,
+                           grace_after_failure=60)
         return losses, weights, weights16
 
 
@@ -413,6 +428,7 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
         reference_draw = dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None, zeropp=None,
                               zero_init=None, compile=None, tp=None, tp_width=draw["tp"],
                               experts=draw["experts"] and 1,  # every expert on every rank
+                              load_stage=None,  # stage 0 loads at stage 0
                               world=draw["world"] // TP if draw["tp"] else draw["world"])
         if key not in references:
             references[key] = run(reference_draw, steps)

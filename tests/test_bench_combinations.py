@@ -93,14 +93,29 @@ def test_a_given_draw_is_the_grids_first_values_with_those_given():
         combinations.given_draw('{"modle": "llama"}')
 
 
+def test_the_resharded_load_runs_at_the_draws_load_stage():
+    up = combinations.effective(dict(BASE, stage=1, load_stage=3, offload_optimizer="cpu"))
+    loading = combinations.loading_draw(up)
+    assert loading["stage"] == 3 and loading["load_stage"] is None and loading["offload_optimizer"] == "cpu"
+    assert all(loading[name] == combinations.GRID[name][0] for name in combinations.STAGE_3_ONLY)
+    down = combinations.loading_draw(combinations.effective(dict(BASE, stage=3, load_stage=2, offload_param="cpu",
+                                                                  zeropp="qwZ", compile="traced")))
+    assert down["stage"] == 2 and down["offload_param"] is None and down["zeropp"] is None and not down["compile"]
+    same = combinations.effective(dict(BASE, stage=3, load_stage=3))
+    assert same["load_stage"] is None and combinations.loading_draw(same) is same
+    tp = combinations.effective(dict(BASE, world=4, stage=2, tp="parallelize_module", load_stage=0))
+    assert tp["load_stage"] is None  # stage 0 with tp is not supported
+
+
 def test_stage_0_runs_a_tp_draw_on_its_dp_ranks_and_each_tp_rank_compares_with_its_dp_rank():
     assert combinations.per_rank([[1.0], [2.0]], dict(BASE, tp=True)) == [[1.0], [1.0], [2.0], [2.0]]
     assert combinations.per_rank([[1.0], [2.0]], dict(BASE, tp=False)) == [[1.0], [2.0]]
 
 
 def test_a_few_draws_train_to_stage_0s_losses_and_resume_bitwise(capsys, monkeypatch):
-    # seed 11: a Llama with AutoTP, qgZ and generate at world 4, a Llama on one rank with NVMe optimizer offload and
-    # generate, the GPT on one rank at stage 3 (25 s; no compile, whose first step costs the most)
+    # seed 11: a Llama with AutoTP, qgZ and generate at world 4, resumed and loaded at stage 1 on 2 ranks; the GPT
+    # with MoE layers and a frozen copy at stage 1, world 4; a branch on some ranks at stage 3 (diverged, as it must)
+    # (23 s; no compile, whose first step costs the most)
     monkeypatch.setattr(sys, "argv", ["combinations.py", "--draws", "3", "--seed", "11", "--steps", "4"])
     assert combinations.main() == 0
     out = capsys.readouterr().out
