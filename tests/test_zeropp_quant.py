@@ -37,6 +37,8 @@ from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import resume_in_new_engine, train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.testing.shards import whole_from_shards
+from zero_engine.utils import safe_get_full_fp32_param
+from zero_engine.zero import GatheredParameters
 from zero_engine.zero.quantize import (BLOCK, dequantize, dequantize_shards, payload_bytes, quantize,
                                        quantize_shards)
 
@@ -304,6 +306,45 @@ def test_a_run_resumed_under_qwz_trains_bitwise_as_the_uninterrupted_one(tmp_pat
     straight = run_ranks(_resume_body, 2, str(tmp_path / "a"), False, timeout=TIMEOUT)
     resumed = run_ranks(_resume_body, 2, str(tmp_path / "b"), True, timeout=TIMEOUT)
     assert resumed == straight
+
+
+def _offload_body(scratch: str, offload: str | None, precision: str):
+    """qwZ at world 2, 3 steps of 2 micro-steps, the parameters' shards on the device, on the host or on NVMe."""
+    cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=3, n_embd=33, n_head=3, frozen_param=True)
+    zero = dict(stage3_param_persistence_threshold=40, zero_quantized_weights=True)
+    if offload == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": scratch, "buffer_size": 4000, "buffer_count": 5,
+                                 "max_in_cpu": 20000}  # a few buckets in memory at a time: read in step after step
+    elif offload == "cpu":
+        zero["offload_param"] = {"device": "cpu"}
+    config = ds_config(**zero)
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    torch.manual_seed(0)
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+    losses = [train_global_batch(engine, x, y, 2, 2) for x, y in make_batches(cfg, 3, 8, seed=3)]
+    named = list(engine.module.named_parameters())
+    with GatheredParameters([p for _, p in named]):  # reads the shards in from wherever they are
+        whole = {name: p.detach().clone() for name, p in named}
+    whole.update({f"fp32/{name}": safe_get_full_fp32_param(p) for name, p in named if p.requires_grad})
+    reads = engine.param_swapper.reads if engine.param_swapper is not None else 0
+    engine.destroy()
+    return losses, whole, reads
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_qwz_with_parameter_offload_trains_bitwise_as_without(tmp_path, precision):
+    """Offload moves the shards, not their values: qwZ quantizes the shard that the gather reads in (from NVMe, or a
+    device copy of the host shards), so the losses and weights are those of qwZ with the shards on the device."""
+    on_device = run_ranks(_offload_body, 2, "", None, precision, timeout=TIMEOUT)
+    for offload in ("cpu", "nvme"):
+        scratch = tmp_path / offload
+        scratch.mkdir()
+        offloaded = run_ranks(_offload_body, 2, str(scratch), offload, precision, timeout=TIMEOUT)
+        for (losses, whole, reads), (expected_losses, expected, _) in zip(offloaded, on_device):
+            assert reads > 20 or offload == "cpu", reads  # from the files, step after step
+            assert losses == expected_losses, (offload, losses, expected_losses)
+            assert all(torch.equal(whole[n], expected[n]) for n in expected), offload
 
 
 def _zero_init_body(save_dir: str, use_init: bool):

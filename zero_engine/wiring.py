@@ -18,7 +18,7 @@ from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
 from .mesh import gather_communicators, hpz_communicator, mesh_communicators, resolve_mesh, value_comms
-from .offload.placement import DEVICE, HOST, NVME
+from .offload.placement import HOST, NVME
 from .precision import cast_floating_, compute_dtype_of, make_loss_scaler
 from .utils import register_engine
 from .zero.coordinator import ParamCoordinator
@@ -177,9 +177,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
             sp.release()
     gatherer = make_gatherer(gather_comm, zc, engine.accounting, engine.streams)
     if zc.zero_quantized_weights:  # ZeRO++ qwZ: zero/quantize.py
-        if engine.placement.params != DEVICE:
-            raise NotImplementedError("zero_optimization.zero_quantized_weights with offload_param is not supported "
-                                      "yet; drop one of the two")
+        # Under parameter offload the wrappers below read the shards in first (from NVMe, or a device copy of the
+        # host shards), so qwZ quantizes what the exact gather would send.
         from .zero.quantize import QuantizedGather
 
         gatherer = QuantizedGather(gatherer, gather_comm, zc.prefetch_bucket_size, engine.accounting,
@@ -203,9 +202,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
                                         engine.placement.offloads_optimizer)
         gatherer = DeviceCopyGather(gatherer, engine.host_params)
     if engine.hpz_comm is not None:
-        if engine.placement.params != DEVICE or engine.param_swapper is not None or engine.host_params is not None:
-            raise NotImplementedError("zero_optimization.zero_hpz_partition_size with offload_param is not supported "
-                                      "yet; drop one of the two")
+        # Under parameter offload the primary gathers read the shards in (the wrappers above); the secondary shards
+        # are the compute device's, as without offload (2 Psi / k there: what hpZ costs).
         from .zero.hpz import HpzGather
 
         engine.hpz = gatherer = HpzGather(gatherer, engine.hpz_comm, engine.sharded,

@@ -19,6 +19,9 @@ def whole_from_shards(engine, tensor_of: Optional[Callable] = None,
     out = {}
     for sp in engine.sharded if params is None else params:
         shard = sp.shard if tensor_of is None else tensor_of(sp)
+        if shard.numel() and shard.untyped_storage().nbytes() == 0:  # the collective would read freed memory
+            raise RuntimeError(f"whole_from_shards: {sp.fqn}'s shard is not in memory (NVMe parameter offload "
+                               "swapped it out); read the weights inside zero_engine.zero.GatheredParameters")
         buf = torch.empty(sp.padded_numel, dtype=shard.dtype)
         dist.all_gather_into_tensor(buf, shard.contiguous(), group=engine.shard_comm.group)
         out[sp.fqn] = buf[: sp.numel].view(sp.shape)
