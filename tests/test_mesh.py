@@ -23,6 +23,7 @@ from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.zero import GatheredParameters
 from zero_engine.testing.shards import whole_from_shards
 
 TIMEOUT = 120
@@ -524,6 +525,38 @@ def test_hpz_is_bitwise_flat_zero3_with_backward_gathers_within_the_group(seq):
         assert hpz["world"]["all_gather"]["bytes"] == 2 * psi + persistent
         assert hpz["hpz"]["all_gather"]["bytes"] == 2 * psi
         assert hpz["world"]["reduce_scatter"] == flat["world"]["reduce_scatter"]
+
+
+def _hpz_offload_body(scratch, offload):
+    """hpZ over K ranks, bf16, 3 steps of 2 micro-steps, the primary shards on the device or on NVMe."""
+    cfg = GPTConfig(frozen_param=True)
+    extra = {"offload_param": {"device": "nvme", "nvme_path": scratch, "buffer_size": 4000, "buffer_count": 5,
+                               "max_in_cpu": 20000}} if offload else {}  # a few buckets in memory at a time
+    torch.manual_seed(0)
+    config = ds_config(3, gas=2, mics=-1, bf16=True, zero_hpz_partition_size=K, **extra)
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+    losses = []
+    for step in range(3):
+        engine.reset_comm_stats()
+        losses += _train(engine, cfg, 2, seed=step)
+    hpz_bytes = engine.comm_stats(by_group=True)["hpz"]["all_gather"]["bytes"]
+    reads = engine.param_swapper.reads if engine.param_swapper is not None else 0
+    named = list(engine.module.named_parameters())
+    with GatheredParameters([p for _, p in named]):
+        whole = {name: p.detach().clone() for name, p in named}
+    engine.destroy()
+    return losses, whole, hpz_bytes, reads
+
+
+def test_hpz_with_nvme_parameter_offload_trains_bitwise_as_without(tmp_path):
+    """Offload moves the primary shards, not their values, nor what backward gathers within the hpZ group."""
+    on_device = run_ranks(_hpz_offload_body, WORLD, "", False, timeout=TIMEOUT)
+    offloaded = run_ranks(_hpz_offload_body, WORLD, str(tmp_path), True, timeout=TIMEOUT)
+    for (losses, whole, hpz_bytes, reads), (expected_losses, expected, expected_bytes, _) in zip(offloaded, on_device):
+        assert reads > 20  # the shards really came from the files, step after step
+        assert losses == expected_losses
+        assert all(torch.equal(whole[n], expected[n]) for n in expected)
+        assert hpz_bytes == expected_bytes > 0  # backward still gathers within the group
 
 
 def test_hpz_estimate_adds_two_psi_over_k():
