@@ -217,6 +217,11 @@ def gathered_grads(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def local_grads(engine) -> dict[str, torch.Tensor]:
+    """Stages 0-1: this rank's own unreduced gradients, as its parameters' ``.grad``."""
+    return {name: p.grad.clone() for name, p in engine.module.named_parameters() if p.grad is not None}
+
+
 def mean_over_ranks(losses: list[float]) -> list[float]:
     total = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(total)
@@ -271,8 +276,7 @@ def _stage_change_load_body(stage, save_dir):
     accumulating, *_ = zero_engine.initialize(model=tiny_gpt(7), config=config(stage, gas=2))
     try:
         accumulating.load_checkpoint(save_dir, tag="mid")
-        mid = gathered_grads(accumulating) if stage >= 2 else {
-            name: p.grad.clone() for name, p in accumulating.module.named_parameters() if p.grad is not None}
+        mid = gathered_grads(accumulating) if stage >= 2 else local_grads(accumulating)
     except CheckpointError as error:
         accumulating.load_checkpoint(save_dir, tag="mid", load_optimizer_states=False)
         mid = str(error)
@@ -284,7 +288,7 @@ def _local_grads_body(stage, save_dir):
     engine, *_ = zero_engine.initialize(model=tiny_gpt(0), config=config(stage, gas=2))
     train(engine, rank_micro_batches(engine.module.cfg, 1, 2, MICRO), 0, 1)
     engine.save_checkpoint(save_dir, tag="mid", save_latest=False)
-    return {name: p.grad.clone() for name, p in engine.module.named_parameters() if p.grad is not None}
+    return local_grads(engine)
 
 
 @pytest.mark.parametrize("saved,loaded", [(3, 1), (1, 3), (0, 3), (3, 0), (2, 3), (3, 2), (1, 0)])

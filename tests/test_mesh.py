@@ -23,8 +23,7 @@ from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
-from zero_engine.zero import GatheredParameters
-from zero_engine.testing.shards import whole_from_shards
+from zero_engine.testing.shards import gathered_params, whole_from_shards
 
 TIMEOUT = 120
 WORLD = 4
@@ -541,9 +540,7 @@ def _hpz_offload_body(scratch, offload):
         losses += _train(engine, cfg, 2, seed=step)
     hpz_bytes = engine.comm_stats(by_group=True)["hpz"]["all_gather"]["bytes"]
     reads = engine.param_swapper.reads if engine.param_swapper is not None else 0
-    named = list(engine.module.named_parameters())
-    with GatheredParameters([p for _, p in named]):
-        whole = {name: p.detach().clone() for name, p in named}
+    whole = gathered_params(engine)
     engine.destroy()
     return losses, whole, hpz_bytes, reads
 

@@ -36,9 +36,8 @@ from zero_engine.config import ConfigError, load_config
 from zero_engine.testing import run_ranks
 from zero_engine.testing.loop import resume_in_new_engine, train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
-from zero_engine.testing.shards import whole_from_shards
+from zero_engine.testing.shards import gathered_params, whole_from_shards
 from zero_engine.utils import safe_get_full_fp32_param
-from zero_engine.zero import GatheredParameters
 from zero_engine.zero.quantize import (BLOCK, dequantize, dequantize_shards, payload_bytes, quantize,
                                        quantize_shards)
 
@@ -323,10 +322,9 @@ def _offload_body(scratch: str, offload: str | None, precision: str):
     torch.manual_seed(0)
     engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
     losses = [train_global_batch(engine, x, y, 2, 2) for x, y in make_batches(cfg, 3, 8, seed=3)]
-    named = list(engine.module.named_parameters())
-    with GatheredParameters([p for _, p in named]):  # reads the shards in from wherever they are
-        whole = {name: p.detach().clone() for name, p in named}
-    whole.update({f"fp32/{name}": safe_get_full_fp32_param(p) for name, p in named if p.requires_grad})
+    whole = gathered_params(engine)  # reads the shards in from wherever they are
+    whole.update({f"fp32/{name}": safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()
+                  if p.requires_grad})
     reads = engine.param_swapper.reads if engine.param_swapper is not None else 0
     engine.destroy()
     return losses, whole, reads
