@@ -24,7 +24,8 @@ block run twice, a branch taken on some steps, or on some ranks only) and for ea
   stage 0's doing the same, and the checkpoint's weights as the
   offline converter reads them (``get_fp32_state_dict_from_zero_checkpoint``, what ``zero-engine to-fp32`` writes),
   and those ``save_16bit_model`` wrote at the same step, within ``WEIGHT_TOLERANCE`` of stage 0's (experts split
-  over ep ranks cannot be saved yet: their checkpoint is "not supported yet", and not tried);
+  over ep 2 load on another world that 2 divides, ``reshard_world``; their files hold every expert whole, as stage
+  0's with every expert on every rank);
 - with a branch on some ranks only, expects every rank to raise ``RankDivergenceError`` (no rank killed, none hung).
 
 Outcomes: ``ok``; ``refused`` (a combination we reject with "not supported yet"); ``diverged`` (the expected error);
@@ -94,6 +95,7 @@ TP = 2  # the tp size of a draw with tp: the last mesh dim, the test GPT's MLPs 
 TP_WIDTH = 132  # their width then (the test GPT's odd default, 133, is not split evenly)
 NUM_EXPERTS = 4  # of a draw with MoE layers
 RESHARD_TO = {1: 2, 2: 3, 3: 2, 4: 2}  # the number of ranks a checkpoint is loaded on, by the number it was saved on
+EP_RESHARD_TO = {2: 4, 4: 2}  # the same for experts over ep 2, whose ep size must divide the world
 GENERATE = (5, 6)  # a Llama draw that generates: from the first 5 tokens of each row, 6 more, greedily
 
 
@@ -134,7 +136,7 @@ def effective(draw: dict) -> dict:
     if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
         draw["zeropp"] = None
     if draw["load_stage"] == draw["stage"] or draw["tp"] and draw["load_stage"] == 0 or draw["experts"] == 2:
-        draw["load_stage"] = None  # the same stage; stage 0 with tp is not supported; ep 2 saves no checkpoint
+        draw["load_stage"] = None  # the same stage; stage 0 with tp is not supported; ep 2 runs at stage 3 only
     return draw
 
 
@@ -372,12 +374,17 @@ def run_resharded(draw: dict, steps: int, world: int) -> tuple[list[list[float]]
         return losses, weights, weights16
 
 
+def reshard_world(draw: dict) -> int:
+    """The number of ranks the draw's checkpoint is loaded on."""
+    return (EP_RESHARD_TO if draw["experts"] == 2 else RESHARD_TO)[draw["world"]]
+
+
 def resharded_deviation(draw: dict, steps: int, references: dict, key: tuple,
                         reference_draw: dict) -> tuple[float | str, float | str, float | str]:
     """How far the losses after a load on another number of ranks are from stage 0's doing the same; and how far
     the checkpoint's weights read offline, and those save_16bit_model wrote, are from stage 0's (relative L2 over
     the model); "refused" where we refuse that with "not supported yet"."""
-    world = RESHARD_TO[draw["world"]]
+    world = reshard_world(draw)
     if (key, world) not in references:
         references[key, world] = run_resharded(reference_draw, steps, world // TP if draw["tp"] else world)
     reference_losses, reference_weights, reference_weights16 = references[key, world]
@@ -434,9 +441,7 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
             references[key] = run(reference_draw, steps)
         losses = run(draw, steps)
         deviation = largest_relative_difference(losses, per_rank(references[key], draw))
-        if resume and draw["experts"] == 2:  # save_checkpoint with expert-parallel parameters: "not supported yet"
-            resumed = resharded = weights = weights16 = "refused"
-        elif resume:
+        if resume:
             resumed = max(abs(a - b) for mine, theirs in zip(run(draw, steps, resume=True), losses)
                           for a, b in zip(mine, theirs))
             resharded, weights, weights16 = resharded_deviation(draw, steps, references, key, reference_draw)

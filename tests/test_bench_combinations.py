@@ -81,6 +81,9 @@ def test_what_a_stage_does_not_use_is_turned_off():
     assert combinations.effective(dict(BASE, world=1, branch="some ranks"))["branch"] == "some steps"
     assert combinations.effective(dict(BASE, world=2, branch="some ranks"))["branch"] == "some ranks"
     assert set(combinations.GRID["world"]) <= set(combinations.RESHARD_TO)  # every world is loaded on another
+    for world in (2, 4):  # experts over ep 2: on another world that 2 divides
+        ep_draw = combinations.effective(dict(BASE, stage=3, world=world, experts=2))
+        assert combinations.reshard_world(ep_draw) not in (world, 3) and combinations.reshard_world(ep_draw) % 2 == 0
     assert combinations.effective(dict(BASE, model="gpt", generate=True))["generate"] is None  # Hugging Face's
     assert combinations.effective(dict(BASE, model="llama", generate=True))["generate"] is True
 

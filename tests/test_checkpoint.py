@@ -518,6 +518,31 @@ def test_pieces_reassemble_any_range_from_saved_shards(numel, old_world, new_wor
     assert len(pieces(numel, old, 0, numel)) == -(-numel // old)
 
 
+@pytest.mark.parametrize("piece_numel,ep,edp", [(10, 2, 2), (7, 2, 3), (5, 4, 1), (1, 2, 4), (9, 3, 2)])
+def test_pieces_of_an_expert_parameter_reassemble_any_range(piece_numel, ep, edp):
+    """An expert parameter saved as ``ep`` pieces (its ep ranks' tensors back to back), each split over ``edp``
+    ranks, world rank d * ep + e holding shard d of piece e ([Note: checkpoints of expert parameters]): every range
+    of the whole tensor, across pieces included, is read from the right files."""
+    numel = piece_numel * ep
+    full = torch.arange(numel, dtype=torch.float32)
+    shard = -(-piece_numel // edp)
+    files = {}
+    for e in range(ep):
+        padded = torch.cat([full[e * piece_numel: (e + 1) * piece_numel], torch.zeros(shard * edp - piece_numel)])
+        for d in range(edp):
+            files[d * ep + e] = padded[d * shard: (d + 1) * shard]
+    assert sorted(files) == list(range(ep * edp))
+    for start in range(numel + 1):
+        for stop in range(start, numel + 1):
+            out = torch.full((stop - start,), -1.0)
+            for p in pieces(numel, shard, start, stop, ep):
+                assert p.src_start + p.length <= shard
+                out[p.dst_start: p.dst_start + p.length] = files[p.rank][p.src_start: p.src_start + p.length]
+            assert torch.equal(out, full[start:stop]), (start, stop)
+    with pytest.raises(ValueError, match="ep_size=4 does not divide"):
+        pieces(6, 3, 0, 6, 4)
+
+
 def test_tensor_file_round_trip_and_ranges(tmp_path):
     tensors = {"a": torch.randn(5, 7).to(torch.bfloat16), "b": torch.arange(10, dtype=torch.int64),
                "c": torch.tensor(3.5), "d": torch.zeros(0), "e": torch.tensor([True, False])}

@@ -56,9 +56,6 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     does not fit this engine, or when ranks would load different checkpoints (different tags, or a ``latest`` that
     differs between nodes); the engine is then unchanged. ``load_dir`` None or empty is a ValueError.
     """
-    from ..zero.expert import refuse_expert_params
-
-    refuse_expert_params(engine, "load_checkpoint()")  # one shard layout over the world in its files
     comm = engine.comm
     located = agree(comm, "finding the checkpoint", lambda: resolve_checkpoint(
         check_dir_argument("load_checkpoint", "load_dir", load_dir), tag, missing_ok), share=True)

@@ -23,6 +23,19 @@ non-tensor optimizer values and the buffers, as rank 0 writes them without tp. P
 the local ones (the same on every tp rank: uneven splits are refused). So loading reads, per tp rank, exactly as a
 flat checkpoint is read (CheckpointReader with ``tp_rank``), at any dp size; the tp size must be the same. A
 checkpoint without tp has no ``tp_size`` entry (files unchanged from before tp existed).
+
+[Note: checkpoints of expert parameters]
+An MoE expert parameter (zero/expert.py) is a different tensor on each of its ep ranks (their experts) and is sharded
+over its expert-data-parallel (edp) group. The checkpoint holds it as one tensor: its ep ranks' local tensors
+concatenated along dim 0 in ep-rank order, which for zero_engine.moe's stacked ``[local experts, ...]`` weights is
+the ``[num_experts, ...]`` weight of the model with every expert on every rank. ``ParamInfo`` gives that global shape
+and ``ep_size``; ``shard_numel`` is the shard of one ep rank's piece over its edp ranks, and world rank ``r`` (ep rank
+``r % ep_size``, edp rank ``r // ep_size``: [Note: expert-parallel rank layout] in moe.py) writes its own shard, so
+every rank's file holds its expert shards and no rank writes another's. Readers go through _partition.pieces, which
+maps any range of the global tensor to those files: the offline tools (to-fp32, to_dcp) see whole
+``[num_experts, ...]`` tensors, and a load reads the range of the global tensor its rank holds, at another world size
+or another ep size alike (an engine at ep size 1 holds every expert: a dense parameter). A parameter without
+``ep_size`` in the file is plain (checkpoints without experts are unchanged).
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ class ParamInfo:
     shard_numel: int  # elements per saved shard, padding included: ceil(numel / partition_world_size)
     dtype: str  # the saved shard's dtype (the compute dtype for floating-point parameters)
     requires_grad: bool
+    ep_size: int = 1  # the ep pieces of an expert parameter: see [Note: checkpoints of expert parameters]
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,9 @@ class CheckpointMeta:
         body.pop("_param_index", None)
         if body["tp_size"] == 1:  # a checkpoint without tp reads exactly as before tp existed
             del body["tp_size"]
+        for param in body["params"]:  # and a parameter that is no expert's as before experts were saved
+            if param["ep_size"] == 1:
+                del param["ep_size"]
         body["checksum"] = _checksum(body)
         return _one_entry_per_line(body)
 

@@ -9,7 +9,9 @@ parameter for bf16/fp16), which is what it writes.
 
 With a ``tp`` mesh dim the file holds the whole tensors of the unsplit model, as zero_engine.hf.save_pretrained
 writes them: each tp rank's piece is gathered over its dp ranks, then torch's ``DTensor.full_tensor`` all-gathers
-the pieces over tp (every rank takes part; one whole parameter at a time is the transient cost).
+the pieces over tp (every rank takes part; one whole parameter at a time is the transient cost). An MoE expert
+parameter is written whole, ``[num_experts, ...]``: its shards gathered over the world onto rank 0
+(``whole_expert_on_rank0``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 
 import torch
 
+from ..zero.expert import whole_expert_on_rank0
 from ..zero.gather import SequentialGather
 from ._atomic import private_temporary
 from ._collective import agree, rendezvous
@@ -37,9 +40,6 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     Every rank must call it. A rank that does not makes the others raise within
     ``zero_engine.collective_timeout_s`` seconds (naming it, on gloo) instead of waiting forever.
     """
-    from ..zero.expert import refuse_expert_params
-
-    refuse_expert_params(engine, "save_16bit_model()")  # one shard layout over the world in its files
     comm = engine.comm
     if engine.stage == 3 and not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
         if comm.rank == 0:
@@ -55,6 +55,11 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     if engine.stage == 0 and comm.rank == 0:
         values = {name: to_host(p) for name, p in engine.module.named_parameters()}
     for sp in engine.sharded:
+        if getattr(sp, "group", None) is not None:  # an expert's: whole over its ep ranks (zero/expert.py)
+            whole = whole_expert_on_rank0(sp, sp.shard, comm)
+            if whole is not None:
+                values[sp.fqn] = to_host(whole)
+            continue
         if sp.is_available:  # stages 1-2, and persistent parameters at stage 3: already whole everywhere
             _keep_on_rank0(values, sp, comm.rank)
             continue

@@ -88,7 +88,7 @@ class CheckpointReader:
         info = self.meta.param(name)
         if out.numel() != stop - start:
             raise AssertionError(f"{name}: {out.numel()} elements of room for range [{start}, {stop})")
-        for piece in pieces(info.numel, info.shard_numel, start, stop):
+        for piece in pieces(info.numel, info.shard_numel, start, stop, info.ep_size):
             self.file(piece.rank).read_range_into(f"{kind}/{name}", piece.src_start,
                                                   out[piece.dst_start: piece.dst_start + piece.length])
 

@@ -61,9 +61,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     Cost: each rank writes its own states once (no gather, no copy): 2 bytes per parameter / world for bf16/fp16
     shards, plus 4 for the fp32 master (not separate in fp32 training) and the optimizer's state (8 for Adam).
     """
-    from ..zero.expert import refuse_expert_params
-
-    refuse_expert_params(engine, "save_checkpoint()")  # one shard layout over the world in its files
     comm = engine.comm
     started = time.perf_counter()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"

@@ -25,7 +25,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class ParamView:
-    info: ParamInfo
+    info: ParamInfo  # an expert parameter's is the global tensor's ([Note: checkpoints of expert parameters])
     start: int  # this rank's range [start, stop) of the parameter's real (unpadded) flat elements
     stop: int
     param: nn.Parameter
@@ -51,12 +51,17 @@ def param_views(engine) -> list[ParamView]:
                                    master.detach().view(-1) if master is not None else None,
                                    opt_param if id(opt_param) in stepped else None))
         return views
+    world = engine.comm.world_size
     for sp in engine.sharded:
-        info = ParamInfo(sp.fqn, tuple(sp.shape), sp.numel, sp.shard_numel, dtype_name(sp.dtype),
-                         sp.param.requires_grad)
         local = sp.local_slice()
+        # an expert's piece of the global tensor: see [Note: checkpoints of expert parameters] in _metadata.py
+        ep = world // sp.world_size if getattr(sp, "group", None) is not None else 1
+        offset = engine.comm.rank % ep * sp.numel
+        shape = tuple(sp.shape) if ep == 1 else (ep * sp.shape[0], *sp.shape[1:]) if sp.shape else (ep,)
+        info = ParamInfo(sp.fqn, shape, ep * sp.numel, sp.shard_numel, dtype_name(sp.dtype),
+                         sp.param.requires_grad, ep)
         master = sp.master if sp.master is not None and not sp.master_is_shard else None
-        views.append(ParamView(info, local.start, local.stop, sp.param, sp.shard, master,
+        views.append(ParamView(info, offset + local.start, offset + local.stop, sp.param, sp.shard, master,
                                masters.get(id(sp.param)), sp))
     return views
 

@@ -43,7 +43,7 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
     (exactly what the optimizer holds), or another floating dtype (cast from the masters)."""
     from ..zero.expert import refuse_expert_params
 
-    refuse_expert_params(engine, "zero_engine.hf.save_pretrained()")  # one shard layout over the world in its files
+    refuse_expert_params(engine, "zero_engine.hf.save_pretrained()")  # experts by index: see zero/expert.py
     require_transformers("zero_engine.hf.save_pretrained")
     model = engine.module
     if not hasattr(model, "config") or not hasattr(model.config, "save_pretrained"):

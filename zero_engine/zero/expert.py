@@ -17,9 +17,13 @@ them (optimizer.py, unchanged): a dense element lives in exactly one rank's shar
 rank's shard of its edp group, and the other ep ranks' edp groups hold other experts. So every element is counted
 exactly once, with one reduction.
 
+Checkpoints and ``save_16bit_model`` hold each expert parameter whole, its ep ranks' tensors concatenated along
+dim 0 (the ``[num_experts, ...]`` weight): see [Note: checkpoints of expert parameters] in checkpoint/_metadata.py.
+
 Not supported yet (refused at initialize, naming the parameter): stages 0-2 (their whole-parameter all-reduce and
-refresh gathers run over the world), a hierarchical mesh (MiCS / HSDP), hpZ, offload_param; saving checkpoints
-(the files hold one shard layout) is refused when it is asked for.
+refresh gathers run over the world), a hierarchical mesh (MiCS / HSDP), hpZ, offload_param; and
+``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked weight),
+refused when it is asked for.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..moe import ep_size_of_group_name, expert_group_name, expert_parallel_groups
 from .gather import GatherWork
 
-__all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "refuse_expert_params"]
+__all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "refuse_expert_params", "whole_expert_on_rank0"]
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,30 @@ def _refuse_unsupported(engine, name: str, group: str) -> None:
 
 
 def refuse_expert_params(engine, what: str) -> None:
-    """``what`` (a checkpoint save, ...) does not know expert shard groups yet: refuse it clearly."""
+    """``what`` does not know expert parameters yet: refuse it clearly."""
     for sp in engine.sharded:
         if getattr(sp, "group", None) is not None:
             raise NotImplementedError(
-                f"{what} with expert-parallel parameters ({sp.fqn}, {sp.group.name}) is not supported yet: its files "
-                "hold one shard layout over the whole world, expert parameters are sharded over their edp group")
+                f"{what} with expert-parallel parameters ({sp.fqn}, {sp.group.name}) is not supported yet: each ep "
+                "rank holds other experts, and a transformers model names its experts as modules by index. Use "
+                "engine.save_checkpoint (its files hold every expert; `zero-engine to-fp32` writes them whole) or "
+                "engine.save_16bit_model (every expert weight whole, [num_experts, ...])")
+
+
+def whole_expert_on_rank0(sp, shard: torch.Tensor, comm) -> torch.Tensor | None:
+    """Expert parameter ``sp`` whole on world rank 0 (None elsewhere): every rank's ``shard`` of it (``sp.shard`` or
+    its master) gathered over the world ``comm``, its ep ranks' tensors concatenated along dim 0 ([Note: checkpoints
+    of expert parameters] in checkpoint/_metadata.py). Collective over the world; rank 0 holds the world's shards."""
+    world, edp = comm.world_size, sp.world_size
+    ep = world // edp
+    rows = torch.empty(world, sp.shard_numel, dtype=shard.dtype, device=shard.device) if comm.rank == 0 else None
+    dist.gather(shard, list(rows) if rows is not None else None, dst=0, group=comm.group)
+    if rows is None:
+        return None
+    # world rank d * ep + e holds shard d of ep rank e's tensor: rows [edp, ep] -> [ep, edp], each ep rank's unpadded
+    pieces = rows.view(edp, ep, sp.shard_numel).transpose(0, 1).reshape(ep, edp * sp.shard_numel)[:, : sp.numel]
+    shape = (ep * sp.shape[0], *sp.shape[1:]) if sp.shape else (ep,)
+    return pieces.reshape(shape)
 
 
 class GroupedGather:
