@@ -278,6 +278,56 @@ def test_a_checkpoint_with_experts_resumes_bitwise_and_reshards_to_another_world
     assert checked == {(4, "middle"), (2, "boundary"), (1, "middle")}
 
 
+# ---- parameter offload -----------------------------------------------------------------------------------------
+def _offload_body(scratch: str, offload: str | None, precision: str):
+    """The MoE GPT at ep 2 (world 4), 3 steps of 2 micro-steps, its parameters' shards on the device, on the host or
+    on NVMe; then save_16bit_model into ``scratch``."""
+    import os
+
+    from zero_engine.testing.loop import train_global_batch
+    from zero_engine.testing.shards import gathered_params
+    from zero_engine.utils import safe_get_full_fp32_param
+
+    zero = {}
+    if offload == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": scratch, "buffer_size": 4000, "buffer_count": 5,
+                                 "max_in_cpu": 6000}  # a few buckets in memory at a time: read in step after step
+    elif offload == "cpu":
+        zero["offload_param"] = {"device": "cpu"}
+    config = ds_config(stage3_gather_16bit_weights_on_model_save=True, **zero)
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    model = moe_gpt(expert_parallel_groups(2))
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    losses = [train_global_batch(engine, x, y, 2, 2) for x, y in make_batches(model.cfg, 3, 16, seed=5)]
+    whole = gathered_params(engine)  # reads the shards in from wherever they are; experts: this rank's
+    whole.update({f"fp32/{name}": safe_get_full_fp32_param(p) for name, p in model.named_parameters()})
+    reads = engine.param_swapper.reads if engine.param_swapper is not None else 0
+    engine.save_16bit_model(scratch, "model16.bin")  # reads an expert's shards in for its gather over the world
+    if dist.get_rank() == 0:
+        whole.update({f"16bit/{k}": v for k, v in torch.load(os.path.join(scratch, "model16.bin")).items()})
+    engine.destroy()
+    return losses, whole, reads
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_experts_with_parameter_offload_train_bitwise_as_without(tmp_path, precision):
+    """Offload moves the shards, not their values, dense and expert alike (an expert's shard is its edp group's):
+    the losses, weights and fp32 masters are those with every shard on the device, also with the shards read from
+    their files step after step; so is what save_16bit_model writes."""
+    (tmp_path / "device").mkdir()
+    on_device = run_ranks(_offload_body, 4, str(tmp_path / "device"), None, precision, timeout=TIMEOUT)
+    assert any(name.startswith("16bit/") for name in on_device[0][1])
+    for offload in ("cpu", "nvme"):
+        scratch = tmp_path / offload
+        scratch.mkdir()
+        offloaded = run_ranks(_offload_body, 4, str(scratch), offload, precision, timeout=TIMEOUT)
+        for (losses, whole, reads), (expected_losses, expected, _) in zip(offloaded, on_device):
+            assert reads > 20 or offload == "cpu", reads
+            assert losses == expected_losses, (offload, losses, expected_losses)
+            assert all(torch.equal(whole[n], expected[n]) for n in expected), offload
+
+
 # ---- bad input and what is not supported yet --------------------------------------------------------------------
 def _refusal_body(case: str):
     with zero_engine.zero.Init(enabled=case == "zero.Init"):

@@ -56,7 +56,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
         values = {name: to_host(p) for name, p in engine.module.named_parameters()}
     for sp in engine.sharded:
         if getattr(sp, "group", None) is not None:  # an expert's: whole over its ep ranks (zero/expert.py)
-            whole = whole_expert_on_rank0(sp, sp.shard, comm)
+            with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
+                whole = whole_expert_on_rank0(sp, sp.shard, comm)
             if whole is not None:
                 values[sp.fqn] = to_host(whole)
             continue

@@ -20,8 +20,11 @@ exactly once, with one reduction.
 Checkpoints and ``save_16bit_model`` hold each expert parameter whole, its ep ranks' tensors concatenated along
 dim 0 (the ``[num_experts, ...]`` weight): see [Note: checkpoints of expert parameters] in checkpoint/_metadata.py.
 
+Parameter offload moves an expert's shard as it moves a dense one (the offload wrappers read a shard bucket in, or
+copy it to the device, before the gather, whichever group the gather then runs on).
+
 Not supported yet (refused at initialize, naming the parameter): stages 0-2 (their whole-parameter all-reduce and
-refresh gathers run over the world), a hierarchical mesh (MiCS / HSDP), hpZ, offload_param; and
+refresh gathers run over the world), a hierarchical mesh (MiCS / HSDP), hpZ; and
 ``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked weight),
 refused when it is asked for.
 """
@@ -88,13 +91,11 @@ def _refuse_unsupported(engine, name: str, group: str) -> None:
         why = f"a hierarchical mesh ({engine.mesh.describe()})"
     elif engine.mesh.hpz_size > 1:
         why = "zero_optimization.zero_hpz_partition_size"
-    elif zc.offloads_params:
-        why = f"zero_optimization.offload_param.device={zc.offload_param.device!r}"
     if why is not None:
         raise NotImplementedError(
             f"{name} is an expert parameter ({group!r}: sharded over its expert-data-parallel group); together with "
             f"{why} this is not supported yet. Use zero_optimization.stage 3 on a flat data-parallel world without "
-            "hpZ or offload_param, or build the model with ep_size 1 (every expert on every rank)")
+            "hpZ, or build the model with ep_size 1 (every expert on every rank)")
 
 
 def refuse_expert_params(engine, what: str) -> None:
