@@ -175,20 +175,9 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     for sp in engine.sharded:  # persistence was decided before the layout
         if not sp.is_persistent and sp.is_available:
             sp.release()
-    gatherer = make_gatherer(gather_comm, zc, engine.accounting, engine.streams)
-    if zc.zero_quantized_weights:  # ZeRO++ qwZ: zero/quantize.py
-        # Under parameter offload the wrappers below read the shards in first (from NVMe, or a device copy of the
-        # host shards), so qwZ quantizes what the exact gather would send.
-        from .zero.quantize import QuantizedGather
-
-        gatherer = QuantizedGather(gatherer, gather_comm, zc.prefetch_bucket_size, engine.accounting,
-                                   engine.streams)
-    if engine.shard_groups:  # expert parameters gather over their own group (zero/expert.py)
-        if zc.zero_quantized_weights or zc.zero_quantized_gradients:
-            raise NotImplementedError("zero_optimization.zero_quantized_weights / zero_quantized_gradients with MoE "
-                                      "expert parallelism (parameters marked allreduce=False) is not supported yet; "
-                                      "turn the ZeRO++ quantization off")
-        gatherer = GroupedGather(gatherer, {g.name: make_gatherer(g.comm, zc, engine.accounting, engine.streams)
+    gatherer = _parameter_gatherer(engine, gather_comm, zc)
+    if engine.shard_groups:  # expert parameters gather over their own group (zero/expert.py), qwZ's too
+        gatherer = GroupedGather(gatherer, {g.name: _parameter_gatherer(engine, g.comm, zc)
                                             for g in set(engine.shard_groups.values())})
     if engine.placement.params == NVME:
         from .offload.param_swap import ParamSwapper, SwapInGather
@@ -219,6 +208,18 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
     if engine.comm.world_size > 1:
         engine.presence = GradientPresence(engine.reducer.params, engine.comm, engine.device, engine.coordinator)
     return unit_groups
+
+
+def _parameter_gatherer(engine, comm, zc):
+    """The stage-3 gatherer over ``comm``: the configured strategy, or ZeRO++ qwZ's int8 one (zero/quantize.py).
+    Under parameter offload the wrappers around it read the shards in first (from NVMe, or a device copy of the host
+    shards), so qwZ quantizes what the exact gather would send."""
+    gatherer = make_gatherer(comm, zc, engine.accounting, engine.streams)
+    if zc.zero_quantized_weights:
+        from .zero.quantize import QuantizedGather
+
+        gatherer = QuantizedGather(gatherer, comm, zc.prefetch_bucket_size, engine.accounting, engine.streams)
+    return gatherer
 
 
 def _decide_persistence(sharded: list[ShardedParam], zc) -> None:

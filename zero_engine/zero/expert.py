@@ -31,7 +31,7 @@ refused when it is asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..moe import ep_size_of_group_name, expert_group_name, expert_parallel_groups
-from .gather import GatherWork
 
 __all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "refuse_expert_params", "whole_expert_on_rank0"]
 
@@ -127,26 +126,42 @@ def whole_expert_on_rank0(sp, shard: torch.Tensor, comm) -> torch.Tensor | None:
 
 class GroupedGather:
     """A gatherer that routes each parameter to its group's gatherer (``ShardedParam.group``; None: the engine's
-    shard group) and returns one ``GatherWork`` covering them all. Every rank issues the same collectives on each
-    group in the same order (the same parameters, in order), so groups never wait on each other."""
+    shard group) and returns one work covering them all. Every rank issues the same collectives on each group in the
+    same order (the same parameters, in order), so groups never wait on each other. Each group's gatherer may be any
+    strategy (exact or qwZ's, zero/quantize.py): their works are waited in turn."""
 
     def __init__(self, dense, by_group: dict[str, Any]):
         self.dense = dense
         self.by_group = by_group
         self.name = dense.name
 
-    def issue(self, params, name: str = "", refresh: bool = False) -> GatherWork:
+    def issue(self, params, name: str = "", refresh: bool = False):
         split: dict[str | None, list] = {}
         for p in params:
             split.setdefault(None if p.group is None else p.group.name, []).append(p)
         works = [(self.dense if key is None else self.by_group[key]).issue(ps, name=name, refresh=refresh)
                  for key, ps in split.items()]
-        if len(works) == 1:
-            return works[0]
-        merged = GatherWork(params=list(params), pending=[], accounting=works[0].accounting)
-        for work in works:  # each sub-work's staging buffers were counted by its gatherer; wait() uncounts them all
-            merged.pending += work.pending
-            merged.flat += work.flat
-            merged.keep_alive += work.keep_alive
-            merged.numel += work.numel
-        return merged
+        return works[0] if len(works) == 1 else _GroupedWork(list(params), works)
+
+
+@dataclass
+class _GroupedWork:
+    """The works of one gather split by group (the GatherWork interface): ``wait()`` finishes each, which makes its
+    parameters available and uncounts its staging buffers."""
+
+    params: list
+    works: list
+    keep_alive: list = field(default_factory=list)  # inputs an offload wrapper adds (param_host.py), until wait()
+    done: bool = False
+
+    @property
+    def numel(self) -> int:
+        return sum(work.numel for work in self.works)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for work in self.works:
+            work.wait()
+        self.keep_alive.clear()
+        self.done = True

@@ -493,7 +493,7 @@ class GradReducer:
         # the send buffer is not read again: where gloo cannot all-to-all it (CUDA tensors), it is all-reduced in
         # place (see _backend.py)
         def issue():
-            if self.quantized is not None:  # ZeRO++ qgZ (zero/quantize.py); never with experts (wiring.py)
+            if self.quantized is not None:  # ZeRO++ qgZ (zero/quantize.py), on the bucket's group as exact ones
                 return self.quantized.reduce_scatter(bucket.comm, out, inp, bucket.name, self.async_op)
             return bucket.comm.reduce_scatter_tensor(out, inp, op="avg", async_op=self.async_op,
                                                      name=bucket.name, input_is_scratch=True)
