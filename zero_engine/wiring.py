@@ -363,6 +363,10 @@ def _gather_persistent(engine) -> None:
         engine.refresh_gatherer.issue(partitioned, name="persistent params", refresh=True).wait()
 
 
+def _same_group(a, b) -> bool:
+    return a is not None and b is not None and a.name == b.name
+
+
 def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_master: bool) -> ShardedParam:
     """A new ShardedParam, or the one zero.Init (or a destroyed engine) made before: adopted, cast, named."""
     dtype = engine.compute_dtype if param.is_floating_point() else param.dtype
@@ -373,14 +377,16 @@ def _sharded_param(engine, param: nn.Parameter, name: str, index: int, fp32_mast
         sp = ShardedParam(param, name, index, comm.rank, comm.world_size, dtype=dtype, fp32_master=fp32_master)
         sp.group = group
         return sp
-    if sp.world_size == comm.world_size and sp.group is group:
+    if sp.world_size == comm.world_size and (sp.group is group or _same_group(sp.group, group)):
+        sp.group = group  # zero.Init's expert group: the engine's in its place ([Note: experts under zero.Init])
         sp.adopt(name, index, dtype, fp32_master)
         return sp
-    if group is not None:
+    if group is not None or sp.group is not None:
         raise NotImplementedError(
-            f"{name}: an expert parameter partitioned before initialize (by zero.Init, or by an engine destroyed "
-            "since): not supported yet. zero.Init holds one value for every rank (rank 0's), where each ep rank "
-            "holds experts of its own; build the MoE layers outside zero.Init")
+            f"{name}: partitioned before initialize over {sp.group.name if sp.group else 'the world'} ({sp.world_size}"
+            f" ranks), and this engine shards it over {group.name if group else 'the world'} ({comm.world_size} "
+            "ranks): not supported yet. Mark expert parameters before zero.Init partitions them (zero_engine.moe's "
+            "layer does), with the same ep size as the engine's")
     # zero.Init partitioned it over the world; the engine shards it over a group of ranks (a hierarchical mesh's
     # dp_shard): whole again, a parameter at a time, then sharded as if built without Init
     if sp.world_size != engine.comm.world_size or sp.group is not None:

@@ -40,7 +40,8 @@ import torch.nn as nn
 
 from ..moe import ep_size_of_group_name, expert_group_name, expert_parallel_groups
 
-__all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "refuse_expert_params", "whole_expert_on_rank0"]
+__all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "init_shard_group", "refuse_expert_params",
+           "whole_expert_on_rank0"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,19 @@ def expert_shard_groups(model: nn.Module, engine) -> dict[int, ShardGroup]:
                             collective_timeout_s=world_comm.collective_timeout_s, share_records_with=world_comm)
         groups[group_name] = ShardGroup(group_name, comm, found.edp_size / world_comm.world_size)
     return {id(p): groups[group] for _, p, group in marked}
+
+
+def init_shard_group(param) -> ShardGroup | None:
+    """zero.Init's shard group for ``param``: its edp group if it is an expert parameter of ep size above 1 (made by
+    ``expert_parallel_groups``, as the layer's), else None. The engine takes such a parameter as zero.Init sharded it
+    (wiring.py) and puts its own ShardGroup, watched as its other communicators, in its place."""
+    group_name = expert_group_name(param)
+    if group_name is None or ep_size_of_group_name(group_name) == 1:
+        return None
+    from ..comm import Communicator
+
+    found = expert_parallel_groups(ep_size_of_group_name(group_name))
+    return ShardGroup(group_name, Communicator(found.edp_group), found.edp_size / found.world_size)
 
 
 def _refuse_unsupported(engine, name: str, group: str) -> None:

@@ -17,6 +17,14 @@ tensors; during the block a TorchFunctionMode catches any ``torch.nn.init`` func
 called on a partitioned parameter, gathers it, runs the call on the full tensor (drawing the same random numbers
 as without Init), broadcasts rank 0's result and re-partitions. Writes through ``param.data`` cannot be seen this
 way: use ``torch.nn.init`` functions or GatheredParameters(modifier_rank=0) in such code.
+
+[Note: experts under zero.Init]
+An MoE expert parameter (DeepSpeed's marks, ep size above 1: zero/expert.py) is a different tensor on each ep rank,
+so it is not rank 0's value that every rank takes: it is sharded over its expert-data-parallel group, as the engine
+shards it, and broadcast from that group's first rank (the ranks of one edp group hold the same experts). The
+marks must be set when the parameter's module is registered (zero_engine.moe's layer sets them in its
+constructor). A re-initialisation of a partitioned expert parameter inside the block is refused (GatheredParameters
+cannot broadcast edits of experts yet).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..comm import Communicator, init_distributed
 from ..device import local_device
+from .expert import init_shard_group
 from .gathered import GatheredParameters
 from .partition import ParamStatus, ShardedParam, sharded_param_of
 
@@ -51,6 +60,13 @@ class _GatherOnInitCall(TorchFunctionMode):
         if self.active and _is_init_call(func):
             params = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
                       and (sp := sharded_param_of(t)) is not None and sp.status is ParamStatus.NOT_AVAILABLE]
+            experts = [sharded_param_of(t) for t in params if sharded_param_of(t).group is not None]
+            if experts:  # [Note: experts under zero.Init]
+                raise NotImplementedError(
+                    f"zero.Init: {getattr(func, '__name__', func)} on {experts[0].fqn}, an MoE expert parameter "
+                    f"({experts[0].group.name}) partitioned over its expert-data-parallel group: re-initialising it "
+                    "inside zero.Init is not supported yet. Initialise expert weights in their module's constructor, "
+                    "or build the MoE layers outside zero.Init")
             if params:
                 self.active = False
                 try:
@@ -197,8 +213,12 @@ class Init:
                     continue
                 if param.device.type != "meta" and param.device != self.device:
                     param.data = param.data.to(self.device)  # see [Note: one device per rank] in device.py
-                self.comm.broadcast(param.data, src=0, name=f"zero.Init {name}")  # one init, whatever the seeds
-                sp = ShardedParam(param, name, -1, self.comm.rank, self.comm.world_size)
+                # one init, whatever the seeds; an MoE expert over its edp group: see [Note: experts under zero.Init]
+                group = init_shard_group(param)
+                comm = self.comm if group is None else group.comm
+                comm.broadcast(param.data, src=0, name=f"zero.Init {name}")
+                sp = ShardedParam(param, name, -1, comm.rank, comm.world_size)
+                sp.group = group
                 sp.release()
                 if self.dtype is not None and param.is_floating_point():
                     # [Note: cast as the block exits] A parent re-initialises its children after they were
