@@ -169,6 +169,10 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
             sp.is_persistent = True
         engine.refresh_gatherer = CoalescedGather(gather_comm, zc.allgather_bucket_size, engine.accounting,
                                                   engine.streams)
+        if engine.shard_groups:  # an expert's shards are its edp group's: refreshed over it (zero/expert.py)
+            engine.refresh_gatherer = GroupedGather(engine.refresh_gatherer, {
+                g.name: CoalescedGather(g.comm, zc.allgather_bucket_size, engine.accounting, engine.streams)
+                for g in set(engine.shard_groups.values())})
         _gather_persistent(engine)
         return unit_groups
 

@@ -3,7 +3,7 @@
 An expert parameter is marked as DeepSpeed marks it (``param.allreduce = False``, ``param.group_name =
 "ep_size_<k>"``; zero_engine/moe.py's layer does, as ``deepspeed.moe.layer.MoE`` does). The ranks of one ep group
 hold *different* experts; the ranks of its expert-data-parallel (edp) group, W / k of them, hold the same ones (see
-[Note: expert-parallel rank layout] in moe.py). So at ZeRO-3:
+[Note: expert-parallel rank layout] in moe.py). So at ZeRO-3 (stages 1-2 the same, with whole parameters):
 
 * a dense parameter is sharded over the whole data-parallel world, as always (``ShardedParam.group`` None);
 * an expert parameter is sharded over its edp group (``ShardedParam.group``: a ``ShardGroup``): its shards, its
@@ -23,8 +23,11 @@ dim 0 (the ``[num_experts, ...]`` weight): see [Note: checkpoints of expert para
 Parameter offload moves an expert's shard as it moves a dense one (the offload wrappers read a shard bucket in, or
 copy it to the device, before the gather, whichever group the gather then runs on).
 
-Not supported yet (refused at initialize, naming the parameter): stages 0-2 (their whole-parameter all-reduce and
-refresh gathers run over the world), a hierarchical mesh (MiCS / HSDP), hpZ; and
+At stages 1-2 every parameter stays whole (an expert: its ep rank's experts); the gradient reduce-scatter, the fp32
+masters and optimizer states, and the refresh gather after the step (wiring.py) are its group's as at stage 3.
+
+Not supported yet (refused at initialize, naming the parameter): stage 0 (its gradient all-reduce runs over the
+world), a hierarchical mesh (MiCS / HSDP), hpZ; and
 ``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked weight),
 refused when it is asked for.
 """
@@ -96,10 +99,9 @@ def init_shard_group(param) -> ShardGroup | None:
 
 
 def _refuse_unsupported(engine, name: str, group: str) -> None:
-    zc = engine.config.zero_optimization
     why = None
-    if engine.stage != 3:
-        why = f"ZeRO stage {engine.stage} (expert parallelism runs at stage 3)"
+    if engine.stage == 0:
+        why = "ZeRO stage 0 (its gradient all-reduce runs over the world; expert parallelism runs at stages 1-3)"
     elif engine.mesh.is_hierarchical:
         why = f"a hierarchical mesh ({engine.mesh.describe()})"
     elif engine.mesh.hpz_size > 1:
@@ -107,7 +109,7 @@ def _refuse_unsupported(engine, name: str, group: str) -> None:
     if why is not None:
         raise NotImplementedError(
             f"{name} is an expert parameter ({group!r}: sharded over its expert-data-parallel group); together with "
-            f"{why} this is not supported yet. Use zero_optimization.stage 3 on a flat data-parallel world without "
+            f"{why} this is not supported yet. Use zero_optimization.stage 1-3 on a flat data-parallel world without "
             "hpZ, or build the model with ep_size 1 (every expert on every rank)")
 
 
