@@ -26,10 +26,9 @@ copy it to the device, before the gather, whichever group the gather then runs o
 At stages 1-2 every parameter stays whole (an expert: its ep rank's experts); the gradient reduce-scatter, the fp32
 masters and optimizer states, and the refresh gather after the step (wiring.py) are its group's as at stage 3.
 
-Not supported yet (refused at initialize, naming the parameter): stage 0 (its gradient all-reduce runs over the
-world), a hierarchical mesh (MiCS / HSDP), hpZ; and
-``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked weight),
-refused when it is asked for.
+Not supported yet, refused naming the parameter: at initialize, stage 0 (its gradient all-reduce runs over the
+world), a hierarchical mesh (MiCS / HSDP) and hpZ; when it is called, ``zero_engine.hf.save_pretrained`` (a
+transformers model's experts are modules by index, not one stacked weight).
 """
 
 from __future__ import annotations
@@ -85,17 +84,20 @@ def expert_shard_groups(model: nn.Module, engine) -> dict[int, ShardGroup]:
     return {id(p): groups[group] for _, p, group in marked}
 
 
-def init_shard_group(param) -> ShardGroup | None:
+def init_shard_group(param, made: dict[str, ShardGroup]) -> ShardGroup | None:
     """zero.Init's shard group for ``param``: its edp group if it is an expert parameter of ep size above 1 (made by
-    ``expert_parallel_groups``, as the layer's), else None. The engine takes such a parameter as zero.Init sharded it
-    (wiring.py) and puts its own ShardGroup, watched as its other communicators, in its place."""
+    ``expert_parallel_groups``, as the layer's; one per group name in ``made``), else None. The engine takes such a
+    parameter as zero.Init sharded it (wiring.py) and puts its own ShardGroup, watched as its other communicators, in
+    its place."""
     group_name = expert_group_name(param)
     if group_name is None or ep_size_of_group_name(group_name) == 1:
         return None
-    from ..comm import Communicator
+    if group_name not in made:
+        from ..comm import Communicator
 
-    found = expert_parallel_groups(ep_size_of_group_name(group_name))
-    return ShardGroup(group_name, Communicator(found.edp_group), found.edp_size / found.world_size)
+        found = expert_parallel_groups(ep_size_of_group_name(group_name))
+        made[group_name] = ShardGroup(group_name, Communicator(found.edp_group), found.edp_size / found.world_size)
+    return made[group_name]
 
 
 def _refuse_unsupported(engine, name: str, group: str) -> None:

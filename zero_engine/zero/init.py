@@ -120,6 +120,7 @@ class Init:
         self._mode: _GatherOnInitCall | None = None
         self._roots: list[nn.Module] = []
         self._built: list[ShardedParam] = []  # partitioned in the block, cast to dtype as it exits
+        self._expert_groups = {}  # group name -> ShardGroup: [Note: experts under zero.Init]
         self.dtype = None
         if not enabled:
             return
@@ -214,7 +215,7 @@ class Init:
                 if param.device.type != "meta" and param.device != self.device:
                     param.data = param.data.to(self.device)  # see [Note: one device per rank] in device.py
                 # one init, whatever the seeds; an MoE expert over its edp group: see [Note: experts under zero.Init]
-                group = init_shard_group(param)
+                group = init_shard_group(param, self._expert_groups)
                 comm = self.comm if group is None else group.comm
                 comm.broadcast(param.data, src=0, name=f"zero.Init {name}")
                 sp = ShardedParam(param, name, -1, comm.rank, comm.world_size)
