@@ -140,6 +140,56 @@ def _parity_body(stage, seq, optimizer, offload, replicas=1, precision="fp32"):
     return worst_loss, param_err, max(norms), clipped, local_shapes, groups
 
 
+def _hpz_body(how: str):
+    """World 8 = dp 4 x tp 2 (the MLPs split by ``how``: "parallelize_module" on a given mesh, or "autotp", the
+    config's autotp_size, which splits attention too), bf16, ZeRO-3 flat and with hpZ over 2 dp ranks of each tp rank
+    (the secondary groups: world ranks {0, 2}, {4, 6}, {1, 3}, {5, 7}); 3 steps of 2 micro-steps each."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = dist.get_world_size() // TP
+    cfg = GPTConfig(mlp_hidden=4 * 32, n_embd=32, n_head=4, frozen_param=True)
+    runs = {}
+    for hpz in (1, 2):
+        torch.manual_seed(0)  # no reuse distance: every parameter gathered once in forward, once in backward
+        config = dict(ds_config(3, zero_hpz_partition_size=hpz, stage3_max_reuse_distance=0), bf16={"enabled": True})
+        if how == "autotp":
+            config["tensor_parallel"] = {"autotp_size": TP}
+            engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+        else:
+            mesh = init_device_mesh("cpu", (dp, TP), mesh_dim_names=("dp", "tp"))
+            engine, *_ = zero_engine.initialize(model=parallelize_mlps(GPT(cfg), mesh["tp"]), config=config,
+                                                mesh=mesh)
+        losses = []
+        for x, y in make_batches(cfg, 3, dp * 2 * 2):
+            engine.reset_comm_stats()
+            losses.append(train_dp_rows(engine, x, y, 2, 2, dist.get_rank() // TP, dp))
+        members = dist.get_process_group_ranks(engine.mesh.hpz_group) if hpz > 1 else None
+        persistent = sum(sp.padded_numel * 2 for sp in engine.sharded if sp.is_persistent)  # refreshed after a step
+        runs[hpz] = losses, whole_values(engine), engine.comm_stats(by_group=True), (members, persistent)
+        engine.destroy()
+    (flat_losses, flat_values, flat_stats, _), (losses, values, stats, (members, persistent)) = runs[1], runs[2]
+    same = losses == flat_losses and all(torch.equal(values[n], flat_values[n]) for n in values)
+    gathered = lambda stats, group: stats[group]["all_gather"]["bytes"]  # noqa: E731 -- the last step's
+    return same, members, gathered(flat_stats, "dp_shard"), gathered(stats, "dp_shard"), gathered(stats, "hpz"), \
+        persistent
+
+
+@pytest.mark.parametrize("how", ["parallelize_module", "autotp"])
+def test_hpz_with_a_tp_dim_is_bitwise_flat_zero3_with_backward_gathers_within_the_group(how):
+    """hpZ's secondary group is 2 dp ranks of one tp rank, which hold the same tp piece whole: losses and weights
+    bitwise those of flat ZeRO-3 + TP; of a step's gathers over the dp group (2 Psi: forward and backward, plus the
+    persistent parameters' refresh), backward's Psi moves within the hpZ group instead."""
+    from zero_engine.testing._pool import discard_pool, get_pool
+
+    results = run_ranks(_hpz_body, 8, how, timeout=TIMEOUT)
+    discard_pool(8, get_pool(8))  # the suite's only world of 8: its ranks' memory back now, not at exit
+    for rank, (same, members, flat, over_dp, within, persistent) in enumerate(results):
+        assert same
+        assert members == [r for r in range(8) if r % TP == rank % TP and r // (2 * TP) == rank // (2 * TP)], members
+        psi = (flat - persistent) // 2
+        assert psi > 0 and (over_dp, within) == (psi + persistent, psi), (flat, over_dp, within, persistent)
+
+
 @pytest.mark.parametrize("stage,precision", [(1, "bf16"), (3, "bf16"), (3, "fp16")])
 def test_tp_in_16_bit_matches_one_process_within_its_rounding(stage, precision):
     """A unit's (stage 3) or a bucket's (stage 1) gradients copied in together hold DTensor ones, which autograd

@@ -151,24 +151,29 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
     if zero_config.mics_hierarchical_params_gather:
         found = _with_two_step_gather(found, device_type)
     k = zero_config.zero_hpz_partition_size
-    if k in (1, found.world_size):
+    dp, tp = found.data_parallel_size, found.tp_size
+    if k in (1, dp):
         return found
     key = "zero_optimization.zero_hpz_partition_size"
-    if found.tp_size > 1 and k != 1:
-        raise NotImplementedError(f"{key}: {k} with a tp mesh dim is not supported yet; use 1 (off)")
     if found.is_hierarchical:
         raise ConfigError(f"{key}: {k} with a hierarchical mesh ({found.describe()}) is not supported yet; use hpZ "
                           "(states sharded over every rank) or MiCS / HSDP, not both")
-    if found.world_size % k:
-        raise ConfigError(f"{key}: {k} does not divide the data-parallel world of {found.world_size} ranks; use a "
+    if dp % k:
+        raise ConfigError(f"{key}: {k} does not divide the data-parallel world of {dp} ranks; use a "
                           "divisor (the ranks per node), or 1 (off)")
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and local.isdigit() and k > int(local):
-        raise ConfigError(f"{key}: {k} is larger than a node (LOCAL_WORLD_SIZE={local}): the secondary partition "
-                          f"exists to keep backward all-gathers within a node; use {local} or a divisor of it")
+    if local is not None and local.isdigit() and k * tp > int(local):
+        within = f"{k} x tp {tp}" if tp > 1 else f"{k}"
+        raise ConfigError(f"{key}: {within} is larger than a node (LOCAL_WORLD_SIZE={local}): the secondary partition "
+                          f"exists to keep backward all-gathers within a node; use {int(local) // tp} or a divisor "
+                          "of it")
     from torch.distributed.device_mesh import init_device_mesh
 
-    groups = init_device_mesh(device_type, (found.world_size // k, k), mesh_dim_names=("hpz_replicate", "hpz_shard"))
+    # [Note: hpZ with a tp dim] the secondary groups are k consecutive dp ranks of one tp rank (tp innermost: world
+    # ranks d * tp + t), which hold the same tp piece whole after a gather, as the k ranks of a flat world do
+    shape, names = ((dp // k, k, tp), ("hpz_replicate", "hpz_shard", "tp")) if tp > 1 else \
+        ((dp // k, k), ("hpz_replicate", "hpz_shard"))
+    groups = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return dataclasses.replace(found, hpz_size=k, hpz_group=groups.get_group("hpz_shard"),
                                source=f"{found.source}; hpZ secondary within {k} ranks")
 

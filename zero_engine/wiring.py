@@ -330,10 +330,10 @@ def _autotp(engine, model: nn.Module, mesh, mpu, optimizer, model_parameters):
                          "two (a mesh with a last dim \"tp\" over which you parallelized the model yourself, or "
                          "autotp_size and no mesh)")
     zc = engine.config.zero_optimization
-    if zc.mics_shard_size not in (-1, engine.config.world_size) or zc.zero_hpz_partition_size > 1:
-        raise NotImplementedError("tensor_parallel.autotp_size with zero_optimization.mics_shard_size or "
-                                  "zero_hpz_partition_size is not supported yet; for HSDP with tp give initialize a "
-                                  "(\"dp_replicate\", \"dp_shard\", \"tp\") mesh")
+    if zc.mics_shard_size not in (-1, engine.config.world_size):
+        raise NotImplementedError("tensor_parallel.autotp_size with zero_optimization.mics_shard_size is not "
+                                  "supported yet; for HSDP with tp give initialize a (\"dp_replicate\", \"dp_shard\", "
+                                  "\"tp\") mesh")
     if any(sharded_param_of(p) is not None for p in model.parameters()):
         raise NotImplementedError("tensor_parallel.autotp_size with a model built under zero.Init is not supported "
                                   "yet: AutoTP splits whole weights; build the model without zero.Init")
