@@ -29,6 +29,7 @@ import torch.nn as nn
 import zero_engine
 from zero_engine.testing import RankError, run_ranks
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
+from zero_engine.testing.shards import gathered_params
 
 from test_zero3 import full_params  # every parameter whole, gathered by the test itself
 
@@ -549,8 +550,7 @@ def _two_backwards_body(stage: int):
         for batch in batches:
             engine.backward(engine(batch[rank * MICRO: (rank + 1) * MICRO]).pow(2).mean())
         engine.step()
-    with zero_engine.zero.GatheredParameters(list(engine.module.parameters())):
-        trained = [p.detach().clone() for p in engine.module.parameters()]
+    trained = list(gathered_params(engine).values())
     engine.destroy()
     # One process: the mean over ranks of each pass's loss, three passes' gradients summed, one SGD step of lr 1.
     for batch in batches:
