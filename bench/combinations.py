@@ -115,8 +115,8 @@ def effective(draw: dict) -> dict:
         draw["tp"] = None
     if draw["tp"]:
         draw["zero_init"] = None  # parallelize_module splits whole weights
-    if draw["experts"] == 2 and (not draw["stage"] or draw["world"] % 2):
-        draw["experts"] = 1  # expert parallelism runs at stages 1-3, its ep size dividing the world
+    if draw["experts"] == 2 and draw["world"] % 2:
+        draw["experts"] = 1  # its ep size must divide the world
     if draw["experts"] and draw["tp"]:  # the tp plans split the dense MLPs
         draw["experts"] = None
     if draw["world"] == 1 and draw["branch"] == "some ranks":  # one rank always agrees with itself
@@ -135,8 +135,8 @@ def effective(draw: dict) -> dict:
         draw["zeropp"] = None
     if draw["zeropp"] in ("hpZ", "MiCS") and draw["world"] != 4:  # a partition of 2 within a world of 4
         draw["zeropp"] = None
-    if draw["load_stage"] == draw["stage"] or (draw["tp"] or draw["experts"] == 2) and draw["load_stage"] == 0:
-        draw["load_stage"] = None  # the same stage; stage 0 with tp or with experts over ep 2 is not supported
+    if draw["load_stage"] == draw["stage"] or draw["tp"] and draw["load_stage"] == 0:
+        draw["load_stage"] = None  # the same stage; stage 0 with tp is not supported
     return draw
 
 

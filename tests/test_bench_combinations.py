@@ -64,9 +64,8 @@ def test_what_a_stage_does_not_use_is_turned_off():
     for tp in ("parallelize_module", "autotp"):
         assert combinations.effective(dict(BASE, model="llama", stage=3, world=4, tp=tp, zeropp="MiCS"))["zeropp"] \
             is None
-    assert combinations.effective(dict(BASE, stage=0, experts=2))["experts"] == 1  # ep runs at stages 1-3
-    assert combinations.effective(dict(BASE, stage=2, world=4, experts=2))["experts"] == 2
-    assert combinations.effective(dict(BASE, stage=2, world=4, experts=2, load_stage=0))["load_stage"] is None
+    assert combinations.effective(dict(BASE, stage=2, world=4, experts=2))["experts"] == 2  # at every stage
+    assert combinations.effective(dict(BASE, stage=2, world=4, experts=2, load_stage=0))["load_stage"] == 0
     assert combinations.effective(dict(BASE, stage=3, world=3, experts=2))["experts"] == 1  # ep 2 divides the world
     assert combinations.effective(dict(BASE, stage=3, world=4, experts=2))["experts"] == 2
     assert combinations.effective(dict(BASE, world=4, experts=2, tp="parallelize_module"))["experts"] is None

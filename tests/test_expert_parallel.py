@@ -173,11 +173,13 @@ def test_zero3_with_an_edp_x_ep_device_mesh_given_to_initialize():
                  param_tol=1e-5)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_stages_1_and_2_with_2_expert_groups_match_one_process(stage):
-    """Stages 1-2 keep every parameter whole, an expert's its ep rank's experts: its gradient is reduced and its
-    fp32 master and optimizer states sharded over its edp group, and the whole experts refreshed over it after the
-    step, as stage 3 does (DeepSpeed's MoE runs at stage 2 mostly). Against one process as stage 3 is."""
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stages_0_to_2_with_2_expert_groups_match_one_process(stage):
+    """Stages 0-2 keep every parameter whole, an expert's its ep rank's experts. At stages 1-2 its gradient is
+    reduced and its fp32 master and optimizer states sharded over its edp group, and the whole experts refreshed over
+    it after the step, as stage 3 does (DeepSpeed's MoE runs at stage 2 mostly); at stage 0 its gradient is averaged
+    over that group and the norm summed over the world ([Note: stage 0 with experts]). Against one process as stage
+    3 is."""
     _check_zero3(run_ranks(_zero3_body, 4, 2, stage=stage, timeout=TIMEOUT), world=4, ep_size=2, param_tol=2e-4)
 
 
@@ -250,18 +252,19 @@ def _own_fp32(model) -> dict[str, torch.Tensor]:
     return {name: safe_get_full_fp32_param(p).clone() for name, p in model.named_parameters()}
 
 
-def _checkpoint_body(directory: str, runs: list[tuple[int, str]], dtype: str = "fp32"):
-    """Each run (ep size, tag) in turn on this world: "save" trains three batches of two micro-steps, saving
-    "boundary" after the first batch and "middle" after the first micro-step of the second, and at the end
-    save_16bit_model's "model16.bin"; a tag loads that
-    checkpoint into a model from other initial values and trains the micro-steps the saving run trained after it.
+def _checkpoint_body(directory: str, runs: list[tuple[int, str, int]], dtype: str = "fp32"):
+    """Each run (ep size, tag, ZeRO stage) in turn on this world: "save" trains three batches of two micro-steps,
+    saving "boundary" after the first batch and "middle" after the first micro-step of the second, and at the end
+    save_16bit_model's "model16.bin"; a tag loads that checkpoint into a model from other initial values and trains
+    the micro-steps the saving run trained after it.
     Returns, per run, the losses, this rank's values at the load (or at each save) and at the end, the ep size and
     this rank's ep rank."""
     results = []
-    for ep_size, tag in runs:
+    for ep_size, tag, stage in runs:
         groups = expert_parallel_groups(ep_size)
         model = moe_gpt(groups, seed=0 if tag == "save" else 1)
-        config = ds_config(micro=GLOBAL_ROWS // dist.get_world_size(), stage3_gather_16bit_weights_on_model_save=True)
+        config = ds_config(micro=GLOBAL_ROWS // dist.get_world_size(), stage3_gather_16bit_weights_on_model_save=True,
+                           stage=stage)
         if dtype == "bf16":
             config["bf16"] = {"enabled": True}
         engine, *_ = zero_engine.initialize(model=model, config=config)
@@ -292,17 +295,25 @@ def _expert_rows(name: str, whole: torch.Tensor, ep_size: int, ep_rank: int) -> 
     return _expert_slice(name, whole, ExpertParallelGroups(ep_size, ep_size, ep_rank))
 
 
-@pytest.mark.parametrize("dtype, loss_tol", [("fp32", 1e-5), ("bf16", 2e-2)])
-def test_a_checkpoint_with_experts_resumes_bitwise_and_reshards_to_another_world_and_ep_size(tmp_path, dtype, loss_tol):
-    """World 4 at ep 2 (experts over their edp pairs) saves at a step boundary and in the middle of an accumulation
-    window. The files hold each expert weight whole, [num_experts, ...]: the offline state dict has rank r's experts
+RESHARDED_LOADS = {  # saved at stage 3 / 0: (world 4 runs, world 2 runs), each (ep size, tag, stage)
+    3: ([(4, "middle", 3)], [(2, "boundary", 3), (1, "middle", 3)]),
+    0: ([(4, "boundary", 3)], [(2, "boundary", 0), (1, "boundary", 1)]),  # stage 0's mid-window: this world only
+}
+
+
+@pytest.mark.parametrize("dtype, loss_tol, stage", [("fp32", 1e-5, 3), ("bf16", 2e-2, 3), ("fp32", 1e-5, 0)])
+def test_a_checkpoint_with_experts_resumes_bitwise_and_reshards_to_another_world_and_ep_size(tmp_path, dtype, loss_tol,
+                                                                                              stage):
+    """World 4 at ep 2 (experts over their edp pairs at stage 3; each rank's whole at stage 0) saves at a step
+    boundary and in the middle of an accumulation window. The files hold each expert weight whole, [num_experts, ...]: the offline state dict has rank r's experts
     in the rows of its ep rank, bitwise, and so does save_16bit_model's file. The same world and ep resume bitwise
     (losses and every rank's values); world 2 at ep 2 and ep 1 (every expert on every rank) and world 4 at ep 4 load
     exactly the saved values and continue within the tolerances of the parity tests above (fp32: 1e-5; bf16: 2e-2,
-    two ulps of a bf16 loss near 4: the loss is a bf16 value, computed on other micro-batch sizes)."""
+    two ulps of a bf16 loss near 4: the loss is a bf16 value, computed on other micro-batch sizes). A stage-0
+    checkpoint loads at stages 3, 0 and 1 that way (RESHARDED_LOADS)."""
     from zero_engine.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 
-    (saved,) = zip(*run_ranks(_checkpoint_body, 4, str(tmp_path), [(2, "save")], dtype, timeout=TIMEOUT))
+    (saved,) = zip(*run_ranks(_checkpoint_body, 4, str(tmp_path), [(2, "save", stage)], dtype, timeout=TIMEOUT))
     saved_losses = saved[0][0]
     whole = {tag: get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag) for tag in ("boundary", "middle")}
     assert tuple(whole["boundary"]["blocks.0.mlp.experts.w1"].shape) == (NUM_EXPERTS, 24, 40)
@@ -314,14 +325,14 @@ def test_a_checkpoint_with_experts_resumes_bitwise_and_reshards_to_another_world
     for _, _, final, ep_size, ep_rank in saved:
         assert all(torch.equal(final[name].to(model16[name].dtype), _expert_rows(name, model16[name], ep_size, ep_rank))
                    for name in final)
-    resumed = list(zip(*run_ranks(_checkpoint_body, 4, str(tmp_path), [(2, "boundary"), (2, "middle")],
+    resumed = list(zip(*run_ranks(_checkpoint_body, 4, str(tmp_path), [(2, "boundary", stage), (2, "middle", stage)],
                                   dtype, timeout=TIMEOUT)))
     for (losses, _, final, _, _), (_, _, saved_final, _, _) in zip(resumed[0] + resumed[1], saved + saved):
         assert losses == saved_losses[-len(losses):], (losses, saved_losses)
         assert all(torch.equal(final[name], saved_final[name]) for name in final)
-    resharded = run_ranks(_checkpoint_body, 4, str(tmp_path), [(4, "middle")], dtype, timeout=TIMEOUT) + \
-        run_ranks(_checkpoint_body, 2, str(tmp_path), [(2, "boundary"), (1, "middle")], dtype,
-                  timeout=TIMEOUT)
+    on_4, on_2 = RESHARDED_LOADS[stage]
+    resharded = run_ranks(_checkpoint_body, 4, str(tmp_path), on_4, dtype, timeout=TIMEOUT) + \
+        run_ranks(_checkpoint_body, 2, str(tmp_path), on_2, dtype, timeout=TIMEOUT)
     checked = set()
     for losses, at, _, ep_size, ep_rank in (run for rank_runs in resharded for run in rank_runs):
         for tag, values in at.items():  # the load gives each rank exactly the saved values of its experts
@@ -330,7 +341,7 @@ def test_a_checkpoint_with_experts_resumes_bitwise_and_reshards_to_another_world
             checked.add((ep_size, tag))
         reference = saved_losses[-len(losses):]
         assert max(abs(a - b) / b for a, b in zip(losses, reference)) < loss_tol, (ep_size, losses, reference)
-    assert checked == {(4, "middle"), (2, "boundary"), (1, "middle")}
+    assert checked == {(ep_size, tag) for ep_size, tag, _ in on_4 + on_2}
 
 
 # ---- parameter offload -----------------------------------------------------------------------------------------
@@ -393,8 +404,8 @@ def _refusal_body(case: str):
     except NotImplementedError as err:
         return type(err).__name__, str(err)
     config = ds_config()
-    if case == "stage 0":
-        config["zero_optimization"]["stage"] = 0
+    if case == "MiCS":
+        config["zero_optimization"]["mics_shard_size"] = 1  # 2 replicas of a 1-rank shard group
     elif case in ("ep_size_3", "bad name"):
         for p in model.blocks[0].mlp.experts.parameters():
             p.allreduce, p.group_name = False, "ep_size_3" if case == "ep_size_3" else "experts"
@@ -414,8 +425,8 @@ def _refusal_body(case: str):
 
 
 @pytest.mark.parametrize("case, kind, message", [
-    ("stage 0", "NotImplementedError", r"blocks\.0\.mlp\.experts\.w1 is an expert parameter .*ZeRO stage 0.*not "
-                                       r"supported yet"),
+    ("MiCS", "NotImplementedError", r"blocks\.0\.mlp\.experts\.w1 is an expert parameter .*a hierarchical mesh "
+                                    r".*not supported yet"),
     ("ep_size_3", "ValueError", r"blocks\.0\.mlp\.experts\.w1: group_name 'ep_size_3': ep size 3 does not divide the "
                                 r"data-parallel world of 2 ranks"),
     ("bad name", "ValueError", r"blocks\.0\.mlp\.experts\.w1: group_name 'experts' is not understood"),

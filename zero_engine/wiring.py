@@ -81,7 +81,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
         engine.optimizer = DataParallelOptimizer(
             trainable, engine.comm, engine.config.gradient_clipping, zc.reduce_bucket_size, optimizer,
             engine.config.optimizer, groups, engine.compute_dtype, engine.communication_data_type,
-            loss_scaler=engine.loss_scaler) if trains else None
+            loss_scaler=engine.loss_scaler, shard_groups=engine.shard_groups) if trains else None
         if engine.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
             cast_floating_(model, engine.compute_dtype)  # after the fp32 masters were taken
     else:

@@ -232,14 +232,14 @@ def _load_weights(engine, views: list[ParamView], reader: CheckpointReader, meta
         name, n = v.info.name, v.stop - v.start
         same_dtype = meta.param(name).dtype == v.info.dtype
         precise = "master" if reader.has("master", name) else "param"  # the most precise saved value
-        if engine.stage == 0:
+        if engine.stage == 0:  # the whole parameter (an expert's: its ep rank's range of the saved tensor)
             data = v.param.data
             target = data.view(-1) if data.is_contiguous() else torch.empty(data.numel(), dtype=data.dtype)
-            reader.read_range("param" if same_dtype else precise, name, 0, v.info.numel, target)
+            reader.read_range("param" if same_dtype else precise, name, v.start, v.stop, target)
             if target.data_ptr() != data.data_ptr():
                 data.copy_(target.view(data.shape))
             if v.master is not None:  # fp16/bf16: the whole fp32 master, a view of its data
-                reader.read_range(precise, name, 0, v.info.numel, v.master)
+                reader.read_range(precise, name, v.start, v.stop, v.master)
             continue
         if v.master is not None:
             v.master.zero_()
@@ -290,7 +290,9 @@ def _load_gradients(engine, views: list[ParamView], reader: CheckpointReader, me
         for v in views:
             if f"local_grad/{v.info.name}" in own:
                 local = own.read(f"local_grad/{v.info.name}").to(v.param.device, v.param.dtype)
-                v.param.grad = grad_from_local(v.param, local.view(v.info.shape))  # info: the tp-local shape
+                # info: the tp-local shape; an expert's is the whole tensor's (this rank's own is the parameter's)
+                shape = v.info.shape if v.info.ep_size == 1 else v.param.shape
+                v.param.grad = grad_from_local(v.param, local.view(shape))
 
 
 def _load_rng_states(engine, reader: CheckpointReader, meta: CheckpointMeta) -> None:

@@ -52,12 +52,17 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     from ..utils import shards_in_memory_of
     values: dict[str, torch.Tensor] = {}
     gatherer = SequentialGather(engine.shard_comm or comm)  # each shard group gathers; world rank 0 writes
-    if engine.stage == 0 and comm.rank == 0:
-        values = {name: to_host(p) for name, p in engine.module.named_parameters()}
+    if engine.stage == 0:
+        for name, p in engine.module.named_parameters():
+            group = engine.shard_groups.get(id(p))  # an MoE expert's: whole over its ep ranks (zero/expert.py)
+            value = p.detach() if group is None else \
+                whole_expert_on_rank0(p.detach().reshape(-1), comm, group.comm.world_size, p.numel(), p.shape)
+            if comm.rank == 0:
+                values[name] = to_host(value)
     for sp in engine.sharded:
         if getattr(sp, "group", None) is not None:  # an expert's: whole over its ep ranks (zero/expert.py)
             with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
-                whole = whole_expert_on_rank0(sp, sp.shard, comm)
+                whole = whole_expert_on_rank0(sp.shard, comm, sp.world_size, sp.numel, sp.shape)
             if whole is not None:
                 values[sp.fqn] = to_host(whole)
             continue

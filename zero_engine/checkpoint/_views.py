@@ -40,30 +40,39 @@ def param_views(engine) -> list[ParamView]:
     views = []
     optimizer = engine.optimizer  # None for an engine without one (forward/backward only; loads weights only)
     masters = optimizer.masters if optimizer is not None else {}  # stage 0: whole fp32 masters under fp16/bf16
+    world, rank = engine.comm.world_size, engine.comm.rank
     if engine.stage == 0:
         stepped = {id(p) for g in optimizer.optimizer.param_groups for p in g["params"]} if optimizer else set()
         for name, p in engine.module.named_parameters():
-            info = ParamInfo(name, tuple(p.shape), p.numel(), max(1, p.numel()), dtype_name(p.dtype),
-                             p.requires_grad)
+            group = engine.shard_groups.get(id(p))  # an MoE expert's: its edp group (zero/expert.py)
+            ep = world // group.comm.world_size if group is not None else 1
+            shape, numel, offset = _whole(p.shape, p.numel(), ep, rank % ep)
+            info = ParamInfo(name, shape, numel, max(1, p.numel()), dtype_name(p.dtype), p.requires_grad, ep)
             master = masters.get(id(p))
             opt_param = master if master is not None else p
-            views.append(ParamView(info, 0, p.numel(), p, p.detach().reshape(-1) if engine.comm.rank == 0 else None,
+            saves = rank < ep  # rank 0; an expert's: the first rank of its edp group (world ranks 0 .. ep - 1)
+            views.append(ParamView(info, offset, offset + p.numel(), p, p.detach().reshape(-1) if saves else None,
                                    master.detach().view(-1) if master is not None else None,
                                    opt_param if id(opt_param) in stepped else None))
         return views
-    world = engine.comm.world_size
     for sp in engine.sharded:
         local = sp.local_slice()
-        # an expert's piece of the global tensor: see [Note: checkpoints of expert parameters] in _metadata.py
         ep = world // sp.world_size if getattr(sp, "group", None) is not None else 1
-        offset = engine.comm.rank % ep * sp.numel
-        shape = tuple(sp.shape) if ep == 1 else (ep * sp.shape[0], *sp.shape[1:]) if sp.shape else (ep,)
-        info = ParamInfo(sp.fqn, shape, ep * sp.numel, sp.shard_numel, dtype_name(sp.dtype),
-                         sp.param.requires_grad, ep)
+        shape, numel, offset = _whole(sp.shape, sp.numel, ep, rank % ep)
+        info = ParamInfo(sp.fqn, shape, numel, sp.shard_numel, dtype_name(sp.dtype), sp.param.requires_grad, ep)
         master = sp.master if sp.master is not None and not sp.master_is_shard else None
         views.append(ParamView(info, offset + local.start, offset + local.stop, sp.param, sp.shard, master,
                                masters.get(id(sp.param)), sp))
     return views
+
+
+def _whole(shape, numel: int, ep: int, ep_rank: int) -> tuple[tuple[int, ...], int, int]:
+    """The shape and numel of the tensor a parameter is saved as, and where this rank's values start in it: itself,
+    or for an expert parameter (``ep`` > 1) its ep ranks' tensors back to back ([Note: checkpoints of expert
+    parameters] in _metadata.py)."""
+    if ep == 1:
+        return tuple(shape), numel, 0
+    return ((ep * shape[0], *shape[1:]) if len(shape) else (ep,)), ep * numel, ep_rank * numel
 
 
 def states_in_memory(engine):

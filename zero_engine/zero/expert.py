@@ -3,7 +3,7 @@
 An expert parameter is marked as DeepSpeed marks it (``param.allreduce = False``, ``param.group_name =
 "ep_size_<k>"``; zero_engine/moe.py's layer does, as ``deepspeed.moe.layer.MoE`` does). The ranks of one ep group
 hold *different* experts; the ranks of its expert-data-parallel (edp) group, W / k of them, hold the same ones (see
-[Note: expert-parallel rank layout] in moe.py). So at ZeRO-3 (stages 1-2 the same, with whole parameters):
+[Note: expert-parallel rank layout] in moe.py). So at ZeRO-3 (stages 0-2: below):
 
 * a dense parameter is sharded over the whole data-parallel world, as always (``ShardedParam.group`` None);
 * an expert parameter is sharded over its edp group (``ShardedParam.group``: a ``ShardGroup``): its shards, its
@@ -23,12 +23,13 @@ dim 0 (the ``[num_experts, ...]`` weight): see [Note: checkpoints of expert para
 Parameter offload moves an expert's shard as it moves a dense one (the offload wrappers read a shard bucket in, or
 copy it to the device, before the gather, whichever group the gather then runs on).
 
-At stages 1-2 every parameter stays whole (an expert: its ep rank's experts); the gradient reduce-scatter, the fp32
-masters and optimizer states, and the refresh gather after the step (wiring.py) are its group's as at stage 3.
+At stages 0-2 every parameter stays whole (an expert: its ep rank's experts). At stages 1-2 the gradient
+reduce-scatter, the fp32 masters and optimizer states, and the refresh gather after the step (wiring.py) are its
+group's as at stage 3; at stage 0 the gradient all-reduce is (see [Note: stage 0 with experts] in optimizer.py).
 
-Not supported yet, refused naming the parameter: at initialize, stage 0 (its gradient all-reduce runs over the
-world), a hierarchical mesh (MiCS / HSDP) and hpZ; when it is called, ``zero_engine.hf.save_pretrained`` (a
-transformers model's experts are modules by index, not one stacked weight).
+Not supported yet, refused naming the parameter: at initialize, a hierarchical mesh (MiCS / HSDP) and hpZ; when it
+is called, ``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked
+weight).
 """
 
 from __future__ import annotations
@@ -102,16 +103,14 @@ def init_shard_group(param, made: dict[str, ShardGroup]) -> ShardGroup | None:
 
 def _refuse_unsupported(engine, name: str, group: str) -> None:
     why = None
-    if engine.stage == 0:
-        why = "ZeRO stage 0 (its gradient all-reduce runs over the world; expert parallelism runs at stages 1-3)"
-    elif engine.mesh.is_hierarchical:
+    if engine.mesh.is_hierarchical:
         why = f"a hierarchical mesh ({engine.mesh.describe()})"
     elif engine.mesh.hpz_size > 1:
         why = "zero_optimization.zero_hpz_partition_size"
     if why is not None:
         raise NotImplementedError(
             f"{name} is an expert parameter ({group!r}: sharded over its expert-data-parallel group); together with "
-            f"{why} this is not supported yet. Use zero_optimization.stage 1-3 on a flat data-parallel world without "
+            f"{why} this is not supported yet. Use a flat data-parallel world (no MiCS / HSDP) without "
             "hpZ, or build the model with ep_size 1 (every expert on every rank)")
 
 
@@ -126,20 +125,20 @@ def refuse_expert_params(engine, what: str) -> None:
                 "engine.save_16bit_model (every expert weight whole, [num_experts, ...])")
 
 
-def whole_expert_on_rank0(sp, shard: torch.Tensor, comm) -> torch.Tensor | None:
-    """Expert parameter ``sp`` whole on world rank 0 (None elsewhere): every rank's ``shard`` of it (``sp.shard`` or
-    its master) gathered over the world ``comm``, its ep ranks' tensors concatenated along dim 0 ([Note: checkpoints
-    of expert parameters] in checkpoint/_metadata.py). Collective over the world; rank 0 holds the world's shards."""
-    world, edp = comm.world_size, sp.world_size
+def whole_expert_on_rank0(shard: torch.Tensor, comm, edp: int, numel: int, shape) -> torch.Tensor | None:
+    """An expert parameter whole on world rank 0 (None elsewhere): every rank's flat ``shard`` of it over its ``edp``
+    ranks (at stage 0 the whole ep-local tensor: edp copies of one piece) gathered over the world ``comm``, its ep
+    ranks' tensors of ``numel`` elements concatenated along dim 0 ([Note: checkpoints of expert parameters] in
+    checkpoint/_metadata.py). Collective over the world; rank 0 holds the world's shards."""
+    world, shard_numel = comm.world_size, shard.numel()
     ep = world // edp
-    rows = torch.empty(world, sp.shard_numel, dtype=shard.dtype, device=shard.device) if comm.rank == 0 else None
-    dist.gather(shard, list(rows) if rows is not None else None, dst=0, group=comm.group)
+    rows = torch.empty(world, shard_numel, dtype=shard.dtype, device=shard.device) if comm.rank == 0 else None
+    dist.gather(shard.contiguous(), list(rows) if rows is not None else None, dst=0, group=comm.group)
     if rows is None:
         return None
     # world rank d * ep + e holds shard d of ep rank e's tensor: rows [edp, ep] -> [ep, edp], each ep rank's unpadded
-    pieces = rows.view(edp, ep, sp.shard_numel).transpose(0, 1).reshape(ep, edp * sp.shard_numel)[:, : sp.numel]
-    shape = (ep * sp.shape[0], *sp.shape[1:]) if sp.shape else (ep,)
-    return pieces.reshape(shape)
+    pieces = rows.view(edp, ep, shard_numel).transpose(0, 1).reshape(ep, edp * shard_numel)[:, :numel]
+    return pieces.reshape((ep * shape[0], *shape[1:]) if len(shape) else (ep,))
 
 
 class GroupedGather:

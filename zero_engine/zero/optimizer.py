@@ -472,6 +472,14 @@ def _cpu_adam_threads(cores_perc: float) -> int:
     return max(1, min(torch.get_num_threads(), round(cores * cores_perc)))
 
 
+# [Note: stage 0 with experts]
+# Stage 0 keeps every parameter whole on every rank, an MoE expert parameter its ep rank's experts. Its gradient is
+# then averaged over its expert-data-parallel group (the ranks holding the same experts) and scaled by the group's
+# grad_scale, as the ZeRO stages' reduce-scatter of it is ([Note: gradients of expert weights] in moe.py); dense
+# gradients are averaged over the world as before. The gradient norm can no longer be read locally (the experts'
+# gradients differ across ep ranks): ``_global_norm``. Without experts nothing changes.
+
+
 class DataParallelOptimizer(_OptimizerWrapper):
     """Stage 0: every rank holds everything; gradients are averaged across ranks, then a plain optimizer step.
 
@@ -484,9 +492,17 @@ class DataParallelOptimizer(_OptimizerWrapper):
 
     def __init__(self, params: list[nn.Parameter], comm, gradient_clipping: float, bucket_numel: int,
                  optimizer, opt_config, groups: list[dict], compute_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype | None = None, loss_scaler=None):
+                 reduce_dtype: torch.dtype | None = None, loss_scaler=None, shard_groups: dict | None = None):
+        """``shard_groups``: id(param) -> the ShardGroup of an MoE expert parameter (zero/expert.py); see [Note:
+        stage 0 with experts]."""
         self.loss_scaler = loss_scaler
         self.params = params
+        # the positions in params reduced over each group: the world's (None) first, then each expert group by name,
+        # the same order on every rank
+        by_group: dict = {}
+        for i, p in enumerate(params):
+            by_group.setdefault((shard_groups or {}).get(id(p)), []).append(i)
+        self.reductions = sorted(by_group.items(), key=lambda item: "" if item[0] is None else item[0].name)
         self.reduce_dtype = reduce_dtype  # communication_data_type; None: fp32
         self.comm = comm
         self.gradient_clipping = float(gradient_clipping or 0.0)
@@ -511,17 +527,26 @@ class DataParallelOptimizer(_OptimizerWrapper):
         if self.masters:
             for master in targets:
                 master.grad = torch.empty_like(master)
-            all_reduce_grads(self.params, self.comm, self.bucket_numel, into=[m.grad for m in targets],
+        for group, positions in self.reductions:  # [Note: stage 0 with experts]
+            params = [self.params[i] for i in positions]
+            all_reduce_grads(params, self.comm if group is None else group.comm, self.bucket_numel,
+                             into=[targets[i].grad for i in positions] if self.masters else None,
                              reduce_dtype=self.reduce_dtype)
+            if group is not None and group.grad_scale != 1.0:
+                torch._foreach_mul_([targets[i].grad for i in positions], group.grad_scale)
+        if self.masters:
             for p in self.params:
                 p.grad = None  # the 16-bit gradients are in the masters now
             if loss_scale != 1.0:
                 torch._foreach_mul_([m.grad for m in targets], 1.0 / loss_scale)
+        max_norm = self.gradient_clipping if self.gradient_clipping > 0 else float("inf")
+        if len(self.reductions) == 1 and self.reductions[0][0] is None:
+            # Gradients are identical on every rank now, so the local norm is the global one.
+            norm = torch.nn.utils.clip_grad_norm_(targets, max_norm)
         else:
-            all_reduce_grads(self.params, self.comm, self.bucket_numel, reduce_dtype=self.reduce_dtype)
-        # Gradients are identical on every rank now, so the local norm is the global one.
-        norm = read_step_values(torch.nn.utils.clip_grad_norm_(
-            targets, self.gradient_clipping if self.gradient_clipping > 0 else float("inf")), fingerprint)
+            norm = self._global_norm(targets)
+            torch.nn.utils.clip_grads_with_norm_(targets, max_norm, norm)
+        norm = read_step_values(norm, fingerprint)
         self.global_grad_norm = norm
         if skip_if_nonfinite and not math.isfinite(norm):
             return StepResult(norm, True)
@@ -532,6 +557,22 @@ class DataParallelOptimizer(_OptimizerWrapper):
                 if master is not None:
                     p.copy_(master)
         return StepResult(norm, not math.isfinite(norm))
+
+    def _global_norm(self, targets: list[torch.Tensor]) -> torch.Tensor:
+        """[Note: stage 0 with experts] The world's gradient norm when expert parameters differ across ep ranks: a
+        dense gradient is the same on every rank and counted once; an expert group's squares are summed over the
+        world, where each of its ep ranks' experts is held by the ``edp`` ranks of its group, and divided by ``edp``.
+        One all-reduce of the groups' squares (fp64), as the ZeRO stages sum theirs."""
+        none = torch.zeros((), dtype=torch.float64, device=targets[0].device)
+        squares = []
+        for group, positions in self.reductions:
+            grads = [targets[i].grad for i in positions if targets[i].grad is not None]
+            local = torch.nn.utils.get_total_norm(grads).double() ** 2 if grads else none
+            squares.append(local if group is None else local / group.comm.world_size)
+        dense = squares.pop(0) if self.reductions[0][0] is None else none
+        experts = torch.stack(squares)
+        self.comm.all_reduce(experts, op="sum", name="grad norm of expert gradients")
+        return (dense + experts.sum()).sqrt().float()
 
     def zero_grad(self) -> None:
         for p in self.params:
