@@ -199,8 +199,8 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
         # are the compute device's, as without offload (2 Psi / k there: what hpZ costs).
         from .zero.hpz import HpzGather
 
-        engine.hpz = gatherer = HpzGather(gatherer, engine.hpz_comm, engine.sharded,
-                                          engine.accounting, engine.streams)
+        engine.hpz = gatherer = HpzGather(gatherer, engine.hpz_comm, engine.sharded, engine.accounting,
+                                          engine.streams, bucket_numel=zc.prefetch_bucket_size)
     if zc.allgather_sequential is True:
         for sp in engine.sharded:
             sp.gather_sequential = True

@@ -7,8 +7,16 @@ consecutive ranks, a node). Forward gathers from the primary shards over the wor
 such gather completes, this rank copies its slice of the result into its secondary shard (no extra collective).
 Backward then gathers each parameter from the secondary shards within the hpZ group: the cross-group all-gather bytes
 of a step go from 2 Psi (forward and backward) to Psi. Extra memory: 2 Psi / k in bf16/fp16 (``memory_stats()``'s
-``params_secondary``). A gather from the secondary is one collective per parameter, straight into its storage (as
-the sequential strategy): small parameters are not coalesced into runs yet.
+``params_secondary``).
+
+[Note: gathers from the secondary]
+A request's parameters are gathered from the secondary as the coalesced strategy gathers from the primary
+(gather.py): one of at least ``DIRECT_GATHER_NUMEL`` elements, or alone in its run, straight into its storage; the
+small ones in runs of up to ``bucket_numel`` elements, one collective a run into a staging buffer of ``[k, run]``
+rows, each parameter's columns then copied into its ``[k, padded / k]`` storage by one ``split_with_sizes_copy`` a run
+at ``wait()``. Each had one collective of its own before: a block's dozen small parameters (norms, biases) were a
+dozen collectives of a fixed ~0.3 ms each on gloo. The bytes are the same, and so are the values (a copy).
+With ``stage3_allgather_sequential`` every parameter is gathered on its own, as that key says.
 
 [Note: when a secondary shard may be read]
 A secondary shard is a copy of the parameter as the last primary gather saw it, so it is stale as soon as a shard
@@ -25,10 +33,41 @@ from __future__ import annotations
 
 import torch
 
-from .gather import GatherWork, _all_gather
-from .partition import ShardedParam
+from .gather import DIRECT_GATHER_NUMEL, _all_gather, _runs
+from .partition import ShardedParam, foreach_alloc_full, foreach_to_available, foreach_to_inflight
 
 __all__ = ["HpzGather"]
+
+
+class _SecondaryWork:
+    """A request's gathers from the secondary shards (the GatherWork interface): see [Note: gathers from the
+    secondary]."""
+
+    def __init__(self, params: list[ShardedParam], size: int, accounting=None):
+        self.params, self.size, self.accounting = params, size, accounting
+        self.numel = sum(p.padded_numel for p in params)
+        self.pending: list = []
+        self.keep_alive: list = []  # the collectives' inputs, until wait() (streams.py's rule)
+        self.runs: list = []  # (staging rows [k, run elements], the run's parameters)
+        self.staged = 0  # bytes of the staging buffers
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for handle in self.pending:
+            handle.wait()
+        for rows, run in self.runs:
+            sizes = [p.padded_numel // self.size for p in run]
+            fulls = foreach_alloc_full(run)
+            torch.split_with_sizes_copy(rows, sizes, dim=1,
+                                        out=[full.view(self.size, n) for full, n in zip(fulls, sizes)])
+        if self.staged and self.accounting is not None:
+            self.accounting.add("comm_buffers", -self.staged)
+        self.runs.clear()
+        self.keep_alive.clear()
+        foreach_to_available(self.params)
+        self.done = True
 
 
 class _ForwardWork:
@@ -70,9 +109,13 @@ class _Works:
 class HpzGather:
     """Wraps the engine's primary gatherer (over the world) with the secondary partition over ``hpz_comm``."""
 
-    def __init__(self, primary, hpz_comm, params: list[ShardedParam], accounting=None, streams=None):
+    def __init__(self, primary, hpz_comm, params: list[ShardedParam], accounting=None, streams=None,
+                 bucket_numel: int = 0):
+        """``bucket_numel``: the longest run of small parameters one collective gathers from the secondary (the
+        prefetch bucket over the hpZ group, as the primary's); 0: every parameter on its own."""
         self.primary = primary
         self.comm = hpz_comm
+        self.bucket_numel = int(bucket_numel)
         self.accounting = accounting
         self.streams = streams
         self.name = f"{primary.name} + hpZ secondary within {hpz_comm.world_size} ranks"
@@ -107,13 +150,32 @@ class HpzGather:
         from_secondary = [] if refresh else [p for p in params if id(p) in self.valid]
         works = []
         if from_secondary:
-            work = GatherWork(params=from_secondary, pending=[], numel=sum(p.padded_numel for p in from_secondary))
-            for p in from_secondary:
-                p.to_inflight()
-                _all_gather(self.comm, self.streams, work, p.alloc_full(), self.secondary[id(p)],
-                            f"{name or p.fqn} (hpZ)")
-            works.append(work)
+            works.append(self._gather_secondary(from_secondary, name))
         rest = [p for p in params if id(p) not in self.valid] if from_secondary else list(params)
         if rest:
             works.append(_ForwardWork(self.primary.issue(rest, name=name, refresh=refresh), self))
         return works[0] if len(works) == 1 else _Works(works)
+
+    def _gather_secondary(self, params: list[ShardedParam], name: str) -> _SecondaryWork:
+        """See [Note: gathers from the secondary]."""
+        work = _SecondaryWork(params, self.size, self.accounting)
+        foreach_to_inflight(params)
+        small, alone = [], []
+        for p in params:
+            coalesced = self.bucket_numel > 0 and p.padded_numel < DIRECT_GATHER_NUMEL and not p.gather_sequential
+            (small if coalesced else alone).append(p)
+        runs = _runs(small, self.bucket_numel)
+        alone += [run[0] for run in runs if len(run) == 1]  # alone in its run: no staging either
+        for p in alone:
+            _all_gather(self.comm, self.streams, work, p.alloc_full(), self.secondary[id(p)], f"{name or p.fqn} (hpZ)")
+        for run in runs:
+            if len(run) == 1:
+                continue
+            send = torch.cat([self.secondary[id(p)] for p in run])
+            rows = torch.empty(self.size, send.numel(), dtype=send.dtype, device=send.device)
+            _all_gather(self.comm, self.streams, work, rows, send, f"{name or run[0].fqn} (hpZ, {len(run)} params)")
+            work.runs.append((rows, run))
+            work.staged += rows.numel() * rows.element_size()
+        if work.staged and self.accounting is not None:
+            self.accounting.add("comm_buffers", work.staged)
+        return work
