@@ -394,6 +394,46 @@ def test_experts_with_parameter_offload_train_bitwise_as_without(tmp_path, preci
             assert all(torch.equal(whole[n], expected[n]) for n in expected), offload
 
 
+# ---- ZeRO++ hpZ ------------------------------------------------------------------------------------------------
+def _hpz_body():
+    """World 8 at ep 2 (edp groups of 4), bf16, flat ZeRO-3 and hpZ 2: an expert's secondary over 2 ranks of its edp
+    group ([Note: hpZ of experts] in zero/expert.py), a dense one's over 2 consecutive ranks."""
+    from zero_engine.testing.loop import train_global_batch
+    from zero_engine.testing.shards import gathered_params
+
+    runs = {}
+    for hpz in (1, 2):
+        model = moe_gpt(expert_parallel_groups(2))
+        config = dict(ds_config(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=10**6,
+                                zero_hpz_partition_size=hpz), bf16={"enabled": True})
+        engine, *_ = zero_engine.initialize(model=model, config=config)
+        losses = []
+        for x, y in make_batches(model.cfg, 3, 8 * 2 * 2, seed=5):
+            engine.reset_comm_stats()
+            losses.append(train_global_batch(engine, x, y, 2, 2))
+        group = engine.shard_groups[id(model.blocks[0].mlp.experts.w1)]
+        members = dist.get_process_group_ranks(group.hpz_comm.group) if group.hpz_comm is not None else None
+        runs[hpz] = losses, gathered_params(engine), engine.comm_stats(by_group=True), members
+        engine.destroy()
+    (flat_losses, flat_values, _, _), (losses, values, stats, members) = runs[1], runs[2]
+    same = losses == flat_losses and all(torch.equal(values[n], flat_values[n]) for n in values)
+    return same, members, {name: group["all_gather"]["bytes"] for name, group in stats.items()}
+
+
+def test_hpz_with_experts_is_bitwise_flat_zero3_with_expert_gathers_within_their_secondary_group():
+    """hpZ 2 at world 8, ep 2: losses and weights bitwise those of flat ZeRO-3; an expert's secondary group is 2
+    ranks of its edp group (ep apart: ranks r and r + 2), and backward gathers the experts there."""
+    from zero_engine.testing._pool import discard_pool, get_pool
+
+    results = run_ranks(_hpz_body, 8, timeout=TIMEOUT)
+    discard_pool(8, get_pool(8))  # its ranks' memory back now, not at exit
+    for rank, (same, members, gathered) in enumerate(results):
+        assert same
+        base = rank % 2 + rank // 4 * 4  # ep rank + the first world rank of its block of 2 edp ranks
+        assert members == [base, base + 2], (rank, members)
+        assert gathered["hpz ep_size_2"] > 0 and gathered["hpz"] > 0, gathered
+
+
 # ---- bad input and what is not supported yet --------------------------------------------------------------------
 def _refusal_body(case: str):
     try:

@@ -327,10 +327,13 @@ class ZeroEngine(DeepSpeedEngineAPI):
 
     def communicators(self) -> dict:
         """The communicators by group name: "world", and "dp_shard" / "dp_replicate" / "hpz" / "edp ep_size_<k>"
-        (MoE experts' group) / "gather_inter" and "gather_intra" (the two-step gather's) where they exist."""
+        and "hpz ep_size_<k>" (MoE experts' groups) / "gather_inter" and "gather_intra" (the two-step gather's) where
+        they exist."""
         found = named_communicators(self.comm, self.shard_comm, self.replicate_comm, self.hpz_comm)
         found |= self.mics_gather.communicators() if self.mics_gather is not None else {}
-        return found | {f"edp {group.name}": group.comm for group in set(self.shard_groups.values())}
+        experts = set(self.shard_groups.values())
+        return found | {f"edp {group.name}": group.comm for group in experts} | {
+            f"hpz {group.name}": group.hpz_comm for group in experts if group.hpz_comm is not None}
 
     def memory_stats(self) -> dict:
         """Bytes on this rank per category (engine accounting, exact) plus process RSS (psutil / procfs).

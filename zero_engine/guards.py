@@ -171,7 +171,8 @@ def tear_down(engine, wait: bool = True) -> None:
                 if engine.param_swapper is not None:
                     engine.param_swapper.close()  # no optimizer, or it failed before taking the swapper: files too
             finally:
-                experts = {group.comm for group in engine.shard_groups.values()}  # MoE experts' edp groups
+                experts = {comm for group in engine.shard_groups.values()  # MoE experts' edp and hpZ groups
+                           for comm in (group.comm, group.hpz_comm)}
                 two_step = engine.mics_gather.communicators().values() if engine.mics_gather is not None else ()
                 for sub in (engine.shard_comm, engine.replicate_comm, engine.hpz_comm, *experts, *two_step):
                     if sub is not None and sub is not engine.comm:

@@ -27,13 +27,14 @@ At stages 0-2 every parameter stays whole (an expert: its ep rank's experts). At
 reduce-scatter, the fp32 masters and optimizer states, and the refresh gather after the step (wiring.py) are its
 group's as at stage 3; at stage 0 the gradient all-reduce is (see [Note: stage 0 with experts] in optimizer.py).
 
-Not supported yet, refused naming the parameter: at initialize, a hierarchical mesh (MiCS / HSDP) and hpZ; when it
-is called, ``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked
+Not supported yet, refused naming the parameter: at initialize, a hierarchical mesh (MiCS / HSDP); when it is
+called, ``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked
 weight).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import ConfigError
 from ..moe import ep_size_of_group_name, expert_group_name, expert_parallel_groups
 
 __all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "init_shard_group", "refuse_expert_params",
@@ -56,6 +58,9 @@ class ShardGroup:
     # [Note: gradients of expert weights] in moe.py: the sum over the edp group divided by the world, i.e. the
     # reduce-scatter's average over the edp group times edp / world (= 1 / ep size)
     grad_scale: float
+    # ZeRO++ hpZ: the secondary group of these parameters, k consecutive ranks of the edp group; None without hpZ, or
+    # when k is the whole edp group or more (then backward gathers from the primary shards): see [Note: hpZ of experts]
+    hpz_comm: Any = None
 
 
 def expert_shard_groups(model: nn.Module, engine) -> dict[int, ShardGroup]:
@@ -79,10 +84,37 @@ def expert_shard_groups(model: nn.Module, engine) -> dict[int, ShardGroup]:
         from ..comm import Communicator
 
         found = expert_parallel_groups(ep, engine.device.type)
-        comm = Communicator(found.edp_group, debug=world_comm.debug,
-                            collective_timeout_s=world_comm.collective_timeout_s, share_records_with=world_comm)
-        groups[group_name] = ShardGroup(group_name, comm, found.edp_size / world_comm.world_size)
+        watched = dict(debug=world_comm.debug, collective_timeout_s=world_comm.collective_timeout_s,
+                       share_records_with=world_comm)
+        hpz = _hpz_group(engine, found, group_name)
+        groups[group_name] = ShardGroup(group_name, Communicator(found.edp_group, **watched),
+                                        found.edp_size / world_comm.world_size,
+                                        Communicator(hpz, **watched) if hpz is not None else None)
     return {id(p): groups[group] for _, p, group in marked}
+
+
+def _hpz_group(engine, found, group_name: str):
+    """[Note: hpZ of experts] hpZ's secondary partition of an expert parameter lies within its edp group (the ranks
+    holding the same experts): k consecutive edp ranks of one ep rank, world ranks ``(b * k + j) * ep + e``, from a
+    (edp / k, k, ep) mesh, so the expert's backward gathers stay among k ranks as a dense one's do. Its ranks are ep
+    apart: within a node when k x ep ranks are (checked against LOCAL_WORLD_SIZE). None when hpZ is off, or k covers
+    the whole edp group (the primary gather already runs within it)."""
+    k, edp, ep = engine.mesh.hpz_size, found.edp_size, found.ep_size
+    if k == 1 or k >= edp:
+        return None
+    key = "zero_optimization.zero_hpz_partition_size"
+    if edp % k:
+        raise ConfigError(f"{key}: {k} does not divide the {edp} ranks that hold the experts of {group_name!r} (its "
+                          f"expert-data-parallel group); use a divisor of {edp}")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit() and k * ep > int(local):
+        raise ConfigError(f"{key}: {k} x ep {ep} ranks is larger than a node (LOCAL_WORLD_SIZE={local}): the "
+                          f"secondary partition of the experts of {group_name!r} would leave it; use {int(local) // ep}"
+                          " or a divisor of it")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(engine.device.type, (edp // k, k, ep), mesh_dim_names=("hpz_replicate", "hpz_shard", "ep"))
+    return mesh.get_group("hpz_shard")
 
 
 def init_shard_group(param, made: dict[str, ShardGroup]) -> ShardGroup | None:
@@ -105,13 +137,11 @@ def _refuse_unsupported(engine, name: str, group: str) -> None:
     why = None
     if engine.mesh.is_hierarchical:
         why = f"a hierarchical mesh ({engine.mesh.describe()})"
-    elif engine.mesh.hpz_size > 1:
-        why = "zero_optimization.zero_hpz_partition_size"
     if why is not None:
         raise NotImplementedError(
             f"{name} is an expert parameter ({group!r}: sharded over its expert-data-parallel group); together with "
-            f"{why} this is not supported yet. Use a flat data-parallel world (no MiCS / HSDP) without "
-            "hpZ, or build the model with ep_size 1 (every expert on every rank)")
+            f"{why} this is not supported yet. Use a flat data-parallel world (no MiCS / HSDP), or build the model "
+            "with ep_size 1 (every expert on every rank)")
 
 
 def refuse_expert_params(engine, what: str) -> None:

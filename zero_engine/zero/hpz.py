@@ -43,8 +43,8 @@ class _SecondaryWork:
     """A request's gathers from the secondary shards (the GatherWork interface): see [Note: gathers from the
     secondary]."""
 
-    def __init__(self, params: list[ShardedParam], size: int, accounting=None):
-        self.params, self.size, self.accounting = params, size, accounting
+    def __init__(self, params: list[ShardedParam], accounting=None):
+        self.params, self.accounting = params, accounting
         self.numel = sum(p.padded_numel for p in params)
         self.pending: list = []
         self.keep_alive: list = []  # the collectives' inputs, until wait() (streams.py's rule)
@@ -58,10 +58,10 @@ class _SecondaryWork:
         for handle in self.pending:
             handle.wait()
         for rows, run in self.runs:
-            sizes = [p.padded_numel // self.size for p in run]
+            k = rows.shape[0]  # the secondary group's ranks
+            sizes = [p.padded_numel // k for p in run]
             fulls = foreach_alloc_full(run)
-            torch.split_with_sizes_copy(rows, sizes, dim=1,
-                                        out=[full.view(self.size, n) for full, n in zip(fulls, sizes)])
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=[full.view(k, n) for full, n in zip(fulls, sizes)])
         if self.staged and self.accounting is not None:
             self.accounting.add("comm_buffers", -self.staged)
         self.runs.clear()
@@ -107,7 +107,8 @@ class _Works:
 
 
 class HpzGather:
-    """Wraps the engine's primary gatherer (over the world) with the secondary partition over ``hpz_comm``."""
+    """Wraps the engine's primary gatherer (over the world) with the secondary partition over ``hpz_comm``; an MoE
+    expert parameter's secondary lies over its group's ``hpz_comm`` instead ([Note: hpZ of experts] in expert.py)."""
 
     def __init__(self, primary, hpz_comm, params: list[ShardedParam], accounting=None, streams=None,
                  bucket_numel: int = 0):
@@ -119,16 +120,19 @@ class HpzGather:
         self.accounting = accounting
         self.streams = streams
         self.name = f"{primary.name} + hpZ secondary within {hpz_comm.world_size} ranks"
-        self.rank, self.size = hpz_comm.rank, hpz_comm.world_size
         self.secondary: dict[int, torch.Tensor] = {}
+        self.comm_of: dict[int, object] = {}  # id(param) -> the group its secondary lies over
         self.valid: set[int] = set()
         for p in params:
-            if p.is_persistent:
-                continue  # never released: always whole, nothing to gather in backward
-            if p.padded_numel % self.size:
+            comm = hpz_comm if p.group is None else p.group.hpz_comm
+            if p.is_persistent or comm is None:
+                continue  # never released (always whole), or an expert gathered within its edp group anyway
+            if p.padded_numel % comm.world_size:
                 raise AssertionError(f"{p.fqn}: padded to {p.padded_numel} elements, not a multiple of the hpZ group "
-                                     f"of {self.size}")
-            self.secondary[id(p)] = torch.empty(p.padded_numel // self.size, dtype=p.dtype, device=p.compute_device)
+                                     f"of {comm.world_size}")
+            self.secondary[id(p)] = torch.empty(p.padded_numel // comm.world_size, dtype=p.dtype,
+                                                device=p.compute_device)
+            self.comm_of[id(p)] = comm
             if p.is_available:  # built whole (not under zero.Init): its slice now
                 self.refresh_from_full(p)
         self.bytes = sum(t.numel() * t.element_size() for t in self.secondary.values())
@@ -142,8 +146,8 @@ class HpzGather:
     def refresh_from_full(self, p: ShardedParam) -> None:
         secondary = self.secondary.get(id(p))
         if secondary is not None:
-            n = secondary.numel()
-            secondary.copy_(p.full[self.rank * n: (self.rank + 1) * n])
+            n, rank = secondary.numel(), self.comm_of[id(p)].rank
+            secondary.copy_(p.full[rank * n: (rank + 1) * n])
             self.valid.add(id(p))
 
     def issue(self, params: list[ShardedParam], name: str = "", refresh: bool = False):
@@ -157,25 +161,31 @@ class HpzGather:
         return works[0] if len(works) == 1 else _Works(works)
 
     def _gather_secondary(self, params: list[ShardedParam], name: str) -> _SecondaryWork:
-        """See [Note: gathers from the secondary]."""
-        work = _SecondaryWork(params, self.size, self.accounting)
+        """See [Note: gathers from the secondary]: per secondary group (the world's hpZ group, an expert group's), in
+        the order the request names them, the same on every rank."""
+        work = _SecondaryWork(params, self.accounting)
         foreach_to_inflight(params)
-        small, alone = [], []
+        by_comm: dict[int, tuple] = {}
         for p in params:
-            coalesced = self.bucket_numel > 0 and p.padded_numel < DIRECT_GATHER_NUMEL and not p.gather_sequential
-            (small if coalesced else alone).append(p)
-        runs = _runs(small, self.bucket_numel)
-        alone += [run[0] for run in runs if len(run) == 1]  # alone in its run: no staging either
-        for p in alone:
-            _all_gather(self.comm, self.streams, work, p.alloc_full(), self.secondary[id(p)], f"{name or p.fqn} (hpZ)")
-        for run in runs:
-            if len(run) == 1:
-                continue
-            send = torch.cat([self.secondary[id(p)] for p in run])
-            rows = torch.empty(self.size, send.numel(), dtype=send.dtype, device=send.device)
-            _all_gather(self.comm, self.streams, work, rows, send, f"{name or run[0].fqn} (hpZ, {len(run)} params)")
-            work.runs.append((rows, run))
-            work.staged += rows.numel() * rows.element_size()
+            comm = self.comm_of[id(p)]
+            by_comm.setdefault(id(comm), (comm, []))[1].append(p)
+        for comm, group in by_comm.values():
+            small, alone = [], []
+            for p in group:
+                coalesced = self.bucket_numel > 0 and p.padded_numel < DIRECT_GATHER_NUMEL and not p.gather_sequential
+                (small if coalesced else alone).append(p)
+            runs = _runs(small, self.bucket_numel)
+            alone += [run[0] for run in runs if len(run) == 1]  # alone in its run: no staging either
+            for p in alone:
+                _all_gather(comm, self.streams, work, p.alloc_full(), self.secondary[id(p)], f"{name or p.fqn} (hpZ)")
+            for run in runs:
+                if len(run) == 1:
+                    continue
+                send = torch.cat([self.secondary[id(p)] for p in run])
+                rows = torch.empty(comm.world_size, send.numel(), dtype=send.dtype, device=send.device)
+                _all_gather(comm, self.streams, work, rows, send, f"{name or run[0].fqn} (hpZ, {len(run)} params)")
+                work.runs.append((rows, run))
+                work.staged += rows.numel() * rows.element_size()
         if work.staged and self.accounting is not None:
             self.accounting.add("comm_buffers", work.staged)
         return work
