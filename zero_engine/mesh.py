@@ -161,12 +161,7 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
     if dp % k:
         raise ConfigError(f"{key}: {k} does not divide the data-parallel world of {dp} ranks; use a "
                           "divisor (the ranks per node), or 1 (off)")
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and local.isdigit() and k * tp > int(local):
-        within = f"{k} x tp {tp}" if tp > 1 else f"{k}"
-        raise ConfigError(f"{key}: {within} is larger than a node (LOCAL_WORLD_SIZE={local}): the secondary partition "
-                          f"exists to keep backward all-gathers within a node; use {int(local) // tp} or a divisor "
-                          "of it")
+    require_hpz_within_node(k, tp, "tp")
     from torch.distributed.device_mesh import init_device_mesh
 
     # [Note: hpZ with a tp dim] the secondary groups are k consecutive dp ranks of one tp rank (tp innermost: world
@@ -176,6 +171,18 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
     groups = init_device_mesh(device_type, shape, mesh_dim_names=names)
     return dataclasses.replace(found, hpz_size=k, hpz_group=groups.get_group("hpz_shard"),
                                source=f"{found.source}; hpZ secondary within {k} ranks")
+
+
+def require_hpz_within_node(k: int, stride: int = 1, stride_name: str = "", whose: str = "") -> None:
+    """hpZ's secondary group of ``k`` ranks, ``stride`` apart (a tp or ep dim between them), spans ``k x stride``
+    consecutive ranks, which must lie within a node (``LOCAL_WORLD_SIZE``): a ConfigError naming the key otherwise."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None or not local.isdigit() or k * stride <= int(local):
+        return
+    within = f"{k} x {stride_name} {stride}" if stride > 1 else f"{k}"
+    raise ConfigError(f"zero_optimization.zero_hpz_partition_size: {within} is larger than a node (LOCAL_WORLD_SIZE="
+                      f"{local}): the secondary partition{whose} exists to keep backward all-gathers within a node; "
+                      f"use {int(local) // stride} or a divisor of it")
 
 
 def _with_two_step_gather(found: ZeroMesh, device_type: str) -> ZeroMesh:

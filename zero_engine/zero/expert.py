@@ -34,7 +34,6 @@ weight).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,12 +105,11 @@ def _hpz_group(engine, found, group_name: str):
     if edp % k:
         raise ConfigError(f"{key}: {k} does not divide the {edp} ranks that hold the experts of {group_name!r} (its "
                           f"expert-data-parallel group); use a divisor of {edp}")
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and local.isdigit() and k * ep > int(local):
-        raise ConfigError(f"{key}: {k} x ep {ep} ranks is larger than a node (LOCAL_WORLD_SIZE={local}): the "
-                          f"secondary partition of the experts of {group_name!r} would leave it; use {int(local) // ep}"
-                          " or a divisor of it")
     from torch.distributed.device_mesh import init_device_mesh
+
+    from ..mesh import require_hpz_within_node
+
+    require_hpz_within_node(k, ep, "ep", f" of the experts of {group_name!r}")
 
     mesh = init_device_mesh(engine.device.type, (edp // k, k, ep), mesh_dim_names=("hpz_replicate", "hpz_shard", "ep"))
     return mesh.get_group("hpz_shard")
