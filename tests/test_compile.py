@@ -225,6 +225,49 @@ def test_a_hugging_face_llama_compiles_its_decoder_layers_to_one_graph():
         _check_graphs(warm, final)
 
 
+def _kv_cache_body(use_cache: bool):
+    """A 12-layer Llama compiled by engine.compile() trains one step with the config's ``use_cache``; returns the
+    graphs Dynamo compiled, the recompile limit, and what zero_engine.compile logged as warnings."""
+    import logging
+
+    import torch._dynamo
+    import transformers
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("zero_engine.compile").addHandler(handler)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=12,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                   pad_token_id=0, use_cache=use_cache)
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=transformers.LlamaForCausalLM(cfg), config=config)
+    engine.compile(backend="eager")
+    ids = torch.randint(1, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    logging.getLogger("zero_engine.compile").removeHandler(handler)
+    engine.destroy()
+    return counters["stats"]["unique_graphs"], torch._dynamo.config.recompile_limit, warnings
+
+
+def test_a_kv_cache_in_training_forwards_is_warned_of_as_it_leaves_layers_past_the_recompile_limit_eager():
+    """[Note: a KV cache in training forwards] in compile.py: with use_cache the 12 layers compile one graph each up
+    to the recompile limit (the rest run eagerly), and engine.compile() says so and names the fix; without, one
+    graph and no warning."""
+    pytest.importorskip("transformers")
+    (graphs, limit, warnings), = run_ranks(_kv_cache_body, 1, True, timeout=TIMEOUT)
+    assert graphs == limit < 12, (graphs, limit)  # one graph per layer, then no more: layers past the limit eager
+    assert len(warnings) == 1 and "model.config.use_cache = False" in warnings[0], warnings
+    (graphs, _, warnings), = run_ranks(_kv_cache_body, 1, False, timeout=TIMEOUT)
+    assert graphs == 1 and not warnings, (graphs, warnings)
+
+
 # ---- what cannot be compiled: a message, not Dynamo's internal error -----------------------------------------------
 class _Peek(nn.Module):
     """Reads the head's weight without owning it (TRL's fused LM head does this)."""

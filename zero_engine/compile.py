@@ -198,11 +198,33 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
         if is_compiled(module):
             continue  # compiled already (by the user, or a second engine.compile()): keep that compilation
         module.compile(**kwargs)
+    _warn_if_a_kv_cache_splits_the_graphs(engine, regions)
     engine.is_compiled = True
     if engine.comm.rank == 0:
         log.info("zero_engine: compiled %d region(s) with backend %r (%s)", len(regions), kwargs["backend"],
                  ", ".join(name for name, _ in regions[:4]) + (", ..." if len(regions) > 4 else ""))
     refresh_units_if_compiled(engine)
+
+
+def _warn_if_a_kv_cache_splits_the_graphs(engine, regions: list[tuple[str, nn.Module]]) -> None:
+    """[Note: a KV cache in training forwards] A transformers model whose ``config.use_cache`` is True builds a KV
+    cache in every forward, training ones too, and hands it to each decoder layer, which writes its own entry
+    (``cache.layers[layer_idx]``). Dynamo guards on that entry's state, so layers compiled one by one (the regions
+    here) compile one graph each instead of sharing one, and once a code object has ``recompile_limit`` graphs (8)
+    the layers after run eagerly: a 12-layer Llama compiled 8 graphs and ran 4 layers eagerly (tests/test_compile.py).
+    transformers' Trainer sets ``config.use_cache = False`` for training (its ``use_cache`` argument); a plain loop
+    keeps the default, so the user is told. ``generate()`` keeps its cache either way (it reads
+    ``generation_config``)."""
+    config = getattr(engine.module, "config", None)
+    if engine.comm.rank != 0 or len(regions) < 2 or getattr(config, "use_cache", None) is not True:
+        return
+    import torch._dynamo
+
+    log.warning("zero_engine: engine.compile() compiled %d regions of a transformers model whose config.use_cache "
+                "is True: each training forward builds a KV cache that Dynamo guards on per layer, so each layer "
+                "compiles a graph of its own and past torch._dynamo.config.recompile_limit (%d) the rest run "
+                "eagerly. Set model.config.use_cache = False for training, as transformers' Trainer does "
+                "(generate() keeps its cache)", len(regions), torch._dynamo.config.recompile_limit)
 
 
 def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) -> None:
@@ -224,6 +246,7 @@ def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) 
     new = trace_regions(engine, fresh, kwargs)
     if not new:
         return  # traced already (a second engine.compile(traced=True)): nothing to do
+    _warn_if_a_kv_cache_splits_the_graphs(engine, fresh)
     engine.traced_regions = [*engine.traced_regions, *new]
     build_gathering(engine, engine.module)  # the units without the traced regions' subtrees (units.py)
     connect(engine, new)
