@@ -268,6 +268,51 @@ def test_a_kv_cache_in_training_forwards_is_warned_of_as_it_leaves_layers_past_t
     assert graphs == 1 and not warnings, (graphs, warnings)
 
 
+def _generate_between_steps_body():
+    """A 4-layer Llama (no KV cache in training) compiled by engine.compile(): trains at length 16, generates, trains
+    at length 11. Returns Dynamo's graph count after each, the generated tokens, and those of an uncompiled copy."""
+    import torch._dynamo
+    import transformers
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                   pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False  # for training, as transformers' Trainer sets it; generate keeps its cache
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    engine.compile(backend="eager")
+    graphs = []
+    for length in (16, None, 11):
+        if length is None:
+            prompt = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+            tokens = engine.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            expected = reference.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        else:
+            ids = torch.randint(1, 97, (2, length), generator=torch.Generator().manual_seed(length))
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    engine.destroy()
+    return graphs, tokens, expected
+
+
+def test_generate_between_steps_leaves_the_training_its_compilations():
+    """[Note: generate does not spend the training's compilations] in compile.py: generate compiles nothing (it
+    would have compiled the layers up to the recompile limit), so the next training length still compiles (one
+    graph more: the length made dynamic); its tokens are an uncompiled model's."""
+    pytest.importorskip("transformers")
+    (graphs, tokens, expected), = run_ranks(_generate_between_steps_body, 1, timeout=TIMEOUT)
+    assert graphs == [1, 1, 2], graphs
+    assert torch.equal(tokens, expected)
+
+
 # ---- what cannot be compiled: a message, not Dynamo's internal error -----------------------------------------------
 class _Peek(nn.Module):
     """Reads the head's weight without owning it (TRL's fused LM head does this)."""

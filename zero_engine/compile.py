@@ -28,6 +28,7 @@ its unit does not gather) raises a ``RuntimeError`` naming the region and the pa
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from typing import Any
@@ -39,8 +40,8 @@ from .zero.units import gather_units, is_compiled, z3_leaf_module
 
 log = logging.getLogger("zero_engine.compile")
 
-__all__ = ["CompiledModules", "compile_engine", "compiled_modules", "compile_regions", "log_whole_model_compiled",
-           "refresh_units_if_compiled"]
+__all__ = ["CompiledModules", "compile_engine", "compiled_modules", "compile_regions", "generate_without_recompiling",
+           "log_whole_model_compiled", "refresh_units_if_compiled"]
 
 _compiled_call_impl = operator.attrgetter("_compiled_call_impl")  # what module.compile() sets (None: not compiled)
 
@@ -191,6 +192,7 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
     regions = compile_regions(engine.module, engine.stage, tp=tp)
     if tp:  # see [Note: compiled regions with tp]
         kwargs.setdefault("dynamic", False)
+    generate_without_recompiling(engine.module)
     if traced:
         _compile_traced(engine, regions, kwargs)
         return
@@ -225,6 +227,29 @@ def _warn_if_a_kv_cache_splits_the_graphs(engine, regions: list[tuple[str, nn.Mo
                 "compiles a graph of its own and past torch._dynamo.config.recompile_limit (%d) the rest run "
                 "eagerly. Set model.config.use_cache = False for training, as transformers' Trainer does "
                 "(generate() keeps its cache)", len(regions), torch._dynamo.config.recompile_limit)
+
+
+def generate_without_recompiling(model: nn.Module) -> None:
+    """[Note: generate does not spend the training's compilations] ``generate()`` calls the compiled regions with a
+    KV cache and lengths that grow by one token a call: Dynamo compiles each layer again per cache state and length
+    until the code object holds ``recompile_limit`` graphs (8), and from then on any new shape runs eagerly, the
+    training's included. Measured: a Llama trained at length 16 (1 graph), then generating, then trained at length 11
+    kept 8 graphs, 7 of them generate's, and ran length 11 eagerly for good (as TRL's online trainers alternate). So the
+    model's ``generate`` runs under ``torch.compiler.set_stance("eager_on_recompile")``: it uses the graphs the
+    regions have where their guards hold, and runs eagerly where it would have compiled. Set once, on the model
+    instance (``engine.generate`` and ``engine.module.generate``, as TRL calls it, are that method)."""
+    generate = getattr(model, "generate", None)
+    if not callable(generate) or getattr(generate, "_zero_engine_without_recompiling", False):
+        return
+    import torch
+
+    @functools.wraps(generate)
+    def generate_with_the_graphs_there_are(*args, **kwargs):
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return generate(*args, **kwargs)
+
+    generate_with_the_graphs_there_are._zero_engine_without_recompiling = True
+    model.generate = generate_with_the_graphs_there_are
 
 
 def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) -> None:
