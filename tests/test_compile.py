@@ -313,6 +313,31 @@ def test_generate_between_steps_leaves_the_training_its_compilations():
     assert torch.equal(tokens, expected)
 
 
+def test_the_generate_that_recompiles_nothing_is_the_copys_in_a_copy_of_the_model():
+    """A deepcopy of the model (TRL's reference model) calls its own generate, not the original's; a pickled model
+    loads."""
+    transformers = pytest.importorskip("transformers")
+    import io
+
+    from zero_engine.compile import generate_without_recompiling
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0))
+    generate_without_recompiling(model)
+    generate_without_recompiling(model)  # once
+    assert model.generate.__self__ is model and "_zero_engine_generate_before" not in model.__dict__
+    copied = copy.deepcopy(model)
+    assert copied.generate.__self__ is copied and copied.generate.__func__ is model.generate.__func__
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    prompt = torch.randint(1, 97, (1, 4), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded.generate(input_ids=prompt, max_new_tokens=3, do_sample=False),
+                       model.generate(input_ids=prompt, max_new_tokens=3, do_sample=False))
+
+
 # ---- what cannot be compiled: a message, not Dynamo's internal error -----------------------------------------------
 class _Peek(nn.Module):
     """Reads the head's weight without owning it (TRL's fused LM head does this)."""

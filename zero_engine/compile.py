@@ -28,9 +28,9 @@ its unit does not gather) raises a ``RuntimeError`` naming the region and the pa
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
+import types
 from typing import Any
 
 import torch.nn as nn
@@ -238,18 +238,30 @@ def generate_without_recompiling(model: nn.Module) -> None:
     model's ``generate`` runs under ``torch.compiler.set_stance("eager_on_recompile")``: it uses the graphs the
     regions have where their guards hold, and runs eagerly where it would have compiled. Set once, on the model
     instance (``engine.generate`` and ``engine.module.generate``, as TRL calls it, are that method)."""
-    generate = getattr(model, "generate", None)
-    if not callable(generate) or getattr(generate, "_zero_engine_without_recompiling", False):
+    generate = model.__dict__.get("generate", getattr(type(model), "generate", None))
+    if not callable(generate) or getattr(generate, "__func__", None) is _generate:
         return
+    if "generate" in model.__dict__:  # set on the instance already (a trainer's wrapper): called from ours
+        model.__dict__[_GENERATE_BEFORE] = generate
+    # a method bound to the model, not a closure over it: a deepcopy of the model (TRL's reference model) binds the
+    # copy's, where a closure would call the original
+    model.generate = types.MethodType(_generate, model)
+
+
+_GENERATE_BEFORE = "_zero_engine_generate_before"
+
+
+def _generate(self, *args, **kwargs):
+    """The model's ``generate``, recompiling nothing: see [Note: generate does not spend the training's
+    compilations]."""
     import torch
 
-    @functools.wraps(generate)
-    def generate_with_the_graphs_there_are(*args, **kwargs):
-        with torch.compiler.set_stance("eager_on_recompile"):
-            return generate(*args, **kwargs)
+    generate = self.__dict__.get(_GENERATE_BEFORE) or type(self).generate.__get__(self)
+    with torch.compiler.set_stance("eager_on_recompile"):
+        return generate(*args, **kwargs)
 
-    generate_with_the_graphs_there_are._zero_engine_without_recompiling = True
-    model.generate = generate_with_the_graphs_there_are
+
+_generate.__name__ = "generate"  # a pickled model unpickles with getattr(model, "generate"): its class's
 
 
 def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) -> None:
