@@ -60,7 +60,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
             if comm.rank == 0:
                 values[name] = to_host(value)
     for sp in engine.sharded:
-        if getattr(sp, "group", None) is not None:  # an expert's: whole over its ep ranks (zero/expert.py)
+        if sp.group is not None:  # an expert's: whole over its ep ranks (zero/expert.py)
             with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
                 whole = whole_expert_on_rank0(sp.shard, comm, sp.world_size, sp.numel, sp.shape)
             if whole is not None:

@@ -57,7 +57,7 @@ def param_views(engine) -> list[ParamView]:
         return views
     for sp in engine.sharded:
         local = sp.local_slice()
-        ep = world // sp.world_size if getattr(sp, "group", None) is not None else 1
+        ep = world // sp.world_size if sp.group is not None else 1
         shape, numel, offset = _whole(sp.shape, sp.numel, ep, rank % ep)
         info = ParamInfo(sp.fqn, shape, numel, sp.shard_numel, dtype_name(sp.dtype), sp.param.requires_grad, ep)
         master = sp.master if sp.master is not None and not sp.master_is_shard else None

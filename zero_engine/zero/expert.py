@@ -145,7 +145,7 @@ def _refuse_unsupported(engine, name: str, group: str) -> None:
 def refuse_expert_params(engine, what: str) -> None:
     """``what`` does not know expert parameters yet: refuse it clearly."""
     for sp in engine.sharded:
-        if getattr(sp, "group", None) is not None:
+        if sp.group is not None:
             raise NotImplementedError(
                 f"{what} with expert-parallel parameters ({sp.fqn}, {sp.group.name}) is not supported yet: each ep "
                 "rank holds other experts, and a transformers model names its experts as modules by index. Use "
