@@ -306,7 +306,9 @@ class DeepSpeedEngineAPI:
         leaf modules or FSDP2's per-block wrapping). ``backend``: a torch.compile backend name or callable
         (default "inductor"); ``compile_kwargs``: passed to torch.compile (``fullgraph``, ``dynamic``, ``mode``...).
         ``schedule`` (DeepCompile's pass schedule) is not supported. Call it on every rank, after ``initialize`` and
-        outside a step. See compile.py.
+        outside a step. See compile.py. A transformers model: set ``model.config.use_cache = False`` for training
+        (warned of otherwise: a KV cache makes each layer a graph of its own); its ``generate`` then compiles
+        nothing, using the regions' graphs where they fit (so it leaves the training's compile budget alone).
 
         ``traced=True`` (stage 3; the config's ``compile.traced``): each region's parameter all-gather and gradient
         reduce-scatter become functional collectives *inside* its graph, so the compiler may bucket and reorder them
