@@ -33,6 +33,7 @@ import operator
 import types
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ._registrations import watch_registrations
@@ -192,7 +193,6 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
     regions = compile_regions(engine.module, engine.stage, tp=tp)
     if tp:  # see [Note: compiled regions with tp]
         kwargs.setdefault("dynamic", False)
-    generate_without_recompiling(engine.module)
     if traced:
         _compile_traced(engine, regions, kwargs)
         return
@@ -201,6 +201,7 @@ def compile_engine(engine, backend: Any = None, compile_kwargs: dict | None = No
             continue  # compiled already (by the user, or a second engine.compile()): keep that compilation
         module.compile(**kwargs)
     _warn_if_a_kv_cache_splits_the_graphs(engine, regions)
+    generate_without_recompiling(engine.module)
     engine.is_compiled = True
     if engine.comm.rank == 0:
         log.info("zero_engine: compiled %d region(s) with backend %r (%s)", len(regions), kwargs["backend"],
@@ -220,7 +221,7 @@ def _warn_if_a_kv_cache_splits_the_graphs(engine, regions: list[tuple[str, nn.Mo
     config = getattr(engine.module, "config", None)
     if engine.comm.rank != 0 or len(regions) < 2 or getattr(config, "use_cache", None) is not True:
         return
-    import torch._dynamo
+    import torch._dynamo  # not at import: Dynamo loads only where something is compiled
 
     log.warning("zero_engine: engine.compile() compiled %d regions of a transformers model whose config.use_cache "
                 "is True: each training forward builds a KV cache that Dynamo guards on per layer, so each layer "
@@ -236,8 +237,9 @@ def generate_without_recompiling(model: nn.Module) -> None:
     training's included. Measured: a Llama trained at length 16 (1 graph), then generating, then trained at length 11
     kept 8 graphs, 7 of them generate's, and ran length 11 eagerly for good (as TRL's online trainers alternate). So the
     model's ``generate`` runs under ``torch.compiler.set_stance("eager_on_recompile")``: it uses the graphs the
-    regions have where their guards hold, and runs eagerly where it would have compiled. Set once, on the model
-    instance (``engine.generate`` and ``engine.module.generate``, as TRL calls it, are that method)."""
+    regions have where their guards hold (few: generate runs without gradients, the training's graphs with them), and
+    runs eagerly where it would have compiled, a region's first graph included. Set once, on the model instance
+    (``engine.generate`` and ``engine.module.generate``, as TRL calls it, are that method)."""
     generate = model.__dict__.get("generate", getattr(type(model), "generate", None))
     if not callable(generate) or getattr(generate, "__func__", None) is _generate:
         return
@@ -254,8 +256,6 @@ _GENERATE_BEFORE = "_zero_engine_generate_before"
 def _generate(self, *args, **kwargs):
     """The model's ``generate``, recompiling nothing: see [Note: generate does not spend the training's
     compilations]."""
-    import torch
-
     generate = self.__dict__.get(_GENERATE_BEFORE) or type(self).generate.__get__(self)
     with torch.compiler.set_stance("eager_on_recompile"):
         return generate(*args, **kwargs)
@@ -287,6 +287,7 @@ def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) 
     engine.traced_regions = [*engine.traced_regions, *new]
     build_gathering(engine, engine.module)  # the units without the traced regions' subtrees (units.py)
     connect(engine, new)
+    generate_without_recompiling(engine.module)
     engine.is_compiled = True
     if engine.comm.rank == 0:
         log.info("zero_engine: traced %d region(s) with backend %r (gathers %s inside each graph, gradients "
