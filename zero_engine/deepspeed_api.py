@@ -318,8 +318,9 @@ class DeepSpeedEngineAPI:
         step one all-gather in forward, one in backward and one reduce-scatter, per flat shard (coalesced) or per
         parameter (``stage3_allgather_sequential: true``); these are not counted in ``comm_stats()``. Not supported
         yet (refused by name): stages 0-2, ``offload_param``, ZeRO++, MiCS / hierarchical meshes, tensor and expert
-        parallelism, external parameters read inside a region, a weight tied across a region's boundary. See
-        zero/traced.py, [Note: the traced mode]."""
+        parallelism, external parameters read inside a region, a weight tied across a region's boundary; and, when
+        called, the model's ``generate`` (a rank crashed in about 1 run of 8, cause not found). See zero/traced.py,
+        [Note: the traced mode]."""
         if schedule is not None:
             raise NotImplementedError("engine.compile(schedule=...): DeepCompile's compiler passes are not supported "
                                       "yet; engine.compile() compiles each ZeRO-3 region with torch.compile")
