@@ -326,7 +326,7 @@ def test_the_generate_that_recompiles_nothing_is_the_copys_in_a_copy_of_the_mode
         num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0))
     generate_without_recompiling(model)
     generate_without_recompiling(model)  # once
-    assert model.generate.__self__ is model and "_zero_engine_generate_before" not in model.__dict__
+    assert model.generate.__self__ is model and not any(key.startswith("_zero_engine_before") for key in model.__dict__)
     copied = copy.deepcopy(model)
     assert copied.generate.__self__ is copied and copied.generate.__func__ is model.generate.__func__
     buffer = io.BytesIO()

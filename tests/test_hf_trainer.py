@@ -13,6 +13,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from session_run import run_in_session
 
@@ -167,3 +168,41 @@ def test_importing_zero_engine_hf_does_not_import_transformers():
     code = "import sys, zero_engine.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
     run_in_session([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
                    env=dict(os.environ, PYTHONPATH=REPO))
+
+
+class _Generator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+
+    def generate(self, **kwargs):
+        return self, kwargs
+
+
+def test_the_synced_generate_is_the_copys_in_a_copy_of_the_model():
+    """The Trainer's ``synced_gpus`` default and engine.compile()'s ``generate`` wrap the model's generate as methods
+    bound to it, in either order: a deepcopy (TRL's reference model) calls its own model, a pickled model loads."""
+    import copy
+    import io
+    import types
+
+    from zero_engine.compile import generate_without_recompiling
+    from zero_engine.hf.trainer import ZeroTrainerMixin
+
+    two_ranks = types.SimpleNamespace(args=types.SimpleNamespace(world_size=2))
+    for compiled_first in (False, True):
+        model = _Generator()
+        if compiled_first:
+            generate_without_recompiling(model)
+        ZeroTrainerMixin._sync_generate(two_ranks, model)
+        ZeroTrainerMixin._sync_generate(two_ranks, model)  # once
+        if not compiled_first:
+            generate_without_recompiling(model)
+        copied = copy.deepcopy(model)
+        assert copied.generate() == (copied, {"synced_gpus": True})
+        assert model.generate(synced_gpus=False) == (model, {"synced_gpus": False})
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert loaded.generate() == (loaded, {})  # the class's: wrappers are set again by whoever trains it

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 import operator
-import types
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ._instance_methods import install_bound_wrapper, wrapped
 from ._registrations import watch_registrations
 from .zero.units import gather_units, is_compiled, z3_leaf_module
 
@@ -240,17 +240,8 @@ def generate_without_recompiling(model: nn.Module) -> None:
     regions have where their guards hold (few: generate runs without gradients, the training's graphs with them), and
     runs eagerly where it would have compiled, a region's first graph included. Set once, on the model instance
     (``engine.generate`` and ``engine.module.generate``, as TRL calls it, are that method)."""
-    generate = model.__dict__.get("generate", getattr(type(model), "generate", None))
-    if not callable(generate) or getattr(generate, "__func__", None) is _generate:
-        return
-    if "generate" in model.__dict__:  # set on the instance already (a trainer's wrapper): called from ours
-        model.__dict__[_GENERATE_BEFORE] = generate
-    # a method bound to the model, not a closure over it: a deepcopy of the model (TRL's reference model) binds the
-    # copy's, where a closure would call the original
-    model.generate = types.MethodType(_generate, model)
-
-
-_GENERATE_BEFORE = "_zero_engine_generate_before"
+    if callable(getattr(model, "generate", None)):
+        install_bound_wrapper(model, "generate", _generate)
 
 
 def _generate(self, *args, **kwargs):
@@ -264,12 +255,11 @@ def _generate(self, *args, **kwargs):
             "generated between steps lost a rank (SIGSEGV, or glibc's heap-corruption abort) in about 1 run of 8 on "
             "gloo, cause not found (docs/benchmarks.md, \"Feature combinations, round four\" and \"round seven\"). "
             "Compile without traced to generate: engine.compile() compiles the same regions with eager gathers")
-    generate = self.__dict__.get(_GENERATE_BEFORE) or type(self).generate.__get__(self)
     with torch.compiler.set_stance("eager_on_recompile"):
-        return generate(*args, **kwargs)
+        return wrapped(self, _generate, "generate")(*args, **kwargs)
 
 
-_generate.__name__ = "generate"  # a pickled model unpickles with getattr(model, "generate"): its class's
+_generate.__name__ = "generate"  # install_bound_wrapper's rule (pickling)
 
 
 def _compile_traced(engine, regions: list[tuple[str, nn.Module]], kwargs: dict) -> None:

@@ -32,12 +32,12 @@ Several overrides replace private methods of the Trainer; the transformers versi
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
 import torch
 
+from .._instance_methods import install_bound_wrapper, wrapped
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import sharded_param_of
 from ._trainer_config import config_for_trainer, scheduler_params_for
@@ -222,16 +222,8 @@ class ZeroTrainerMixin:
     def _sync_generate(self, model) -> None:
         """``generate`` with ``synced_gpus=True`` by default on several ranks; see the module docstring."""
         inner = _unwrap_peft(model)
-        if not hasattr(inner, "generate") or self.args.world_size <= 1:
-            return
-        generate = inner.generate
-
-        @functools.wraps(generate)
-        def synced_generate(*args, **kwargs):
-            kwargs.setdefault("synced_gpus", True)
-            return generate(*args, **kwargs)
-
-        inner.generate = synced_generate
+        if callable(getattr(inner, "generate", None)) and self.args.world_size > 1:
+            install_bound_wrapper(inner, "generate", _synced_generate)
 
     def create_optimizer(self, model=None):
         if self.engine is None:
@@ -380,6 +372,15 @@ class ZeroTrainerMixin:
     def hyperparameter_search(self, *args, **kwargs):
         raise NotImplementedError("hyperparameter_search with ZeroTrainer: not supported yet (it rebuilds the "
                                   "model with model_init for each trial)")
+
+
+def _synced_generate(self, *args, **kwargs):
+    """The model's ``generate`` with ``synced_gpus=True`` unless the caller says otherwise."""
+    kwargs.setdefault("synced_gpus", True)
+    return wrapped(self, _synced_generate, "generate")(*args, **kwargs)
+
+
+_synced_generate.__name__ = "generate"  # install_bound_wrapper's rule (pickling)
 
 
 def _is_peft(model) -> bool:
