@@ -76,10 +76,11 @@ def _profile_one_micro_step(engine, x, y):
 
 
 def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "aot_eager", how: str = "engine",
-           profile: bool = False, frozen: tuple[str, ...] = (), reset: bool = True):
+           profile: bool = False, frozen: tuple[str, ...] = (), reset: bool = True, mesh=None):
     """``steps`` optimizer steps with the blocks traced; returns (max loss rel err, param rel err, counters after the
     first step, counters at the end, profile of one more micro-step or None, this rank's losses, skipped steps).
-    ``reset``: Dynamo's caches cleared first (what an earlier model compiled in this process left is gone)."""
+    ``reset``: Dynamo's caches cleared first (what an earlier model compiled in this process left is gone); ``mesh``:
+    initialize's."""
     import torch._dynamo
 
     if reset:
@@ -95,7 +96,7 @@ def _train(config: dict, model_cfg: GPTConfig, steps: int = 3, backend: str = "a
     reference = copy.deepcopy(model)
     if how == "config":
         config = {**config, "compile": {"enabled": True, "traced": True, "backend": backend}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
+    engine, *_ = zero_engine.initialize(model=model, config=config, **({} if mesh is None else {"mesh": mesh}))
     if how == "engine":
         engine.compile(backend=backend, traced=True)
         engine.compile(backend=backend, traced=True)  # a second call changes nothing (the gradient buckets included)
@@ -170,6 +171,31 @@ def test_traced_blocks_match_one_process_and_gather_again_in_backward(world, seq
         assert backward == (2 * 8 if seq else forward), counts
         whole = {tuple(p.shape) for p in GPT(GPTConfig()).blocks[0].parameters() if p.dim() == 2}
         assert not whole & (set(saved) | {s[::-1] for s in saved}), (whole, saved)
+
+
+def _hierarchy_body(hierarchy: str, optimizer: str, clip: float):
+    config = _config(False, optimizer=optimizer, lr=0.05 if optimizer == "SGD" else 1e-3, clip=clip)
+    mesh = None
+    if hierarchy == "mics":
+        config["zero_optimization"]["mics_shard_size"] = 2
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return _train(config, GPTConfig(), profile=True, mesh=mesh)[:5]
+
+
+# MiCS (mics_shard_size 2) and HSDP (a dp_replicate 2 x dp_shard 2 mesh) at world 4: the graph gathers and
+# reduce-scatters over the 2 ranks of the shard group, and the reducer averages each traced bucket's gradient shard
+# across the 2 replicas. SGD without clipping shows a gradient not averaged across replicas (off by far more than the
+# tolerance); gas 2: averaged once per window, in its last pass.
+@pytest.mark.parametrize("hierarchy,optimizer,clip", [("mics", "SGD", 0.0), ("hsdp", "AdamW", 0.5)])
+def test_traced_blocks_under_mics_and_hsdp_match_one_process(hierarchy, optimizer, clip):
+    for loss_err, param_err, warm, final, (counts, _saved) in run_ranks(
+            _hierarchy_body, 4, hierarchy, optimizer, clip, timeout=TIMEOUT):
+        assert loss_err < 2e-4 and param_err < 1e-5, (loss_err, param_err)
+        _check_graphs(warm, final)
+        assert counts[GATHER_OP] == (2, 2) and counts[REDUCE_OP] == (0, 2), counts
 
 
 class _Linears(torch.nn.Module):
@@ -392,7 +418,8 @@ def test_checkpoints_gathered_edits_and_16bit_save_see_the_traced_shards(tmp_pat
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_hpz_partition_size"),
-    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, "mics_shard_size"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}},
+     "mics_hierarchical_params_gather"),
 ])
 def test_config_refuses_what_traced_does_not_support(change, key):
     config = {"train_micro_batch_size_per_gpu": 1, "compile": {"enabled": True, "traced": True}, **change}

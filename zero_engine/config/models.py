@@ -252,8 +252,9 @@ class CompileConfig(Section):
         False, description="Stage 3: each region's parameter all-gather and gradient reduce-scatter run as "
         "functional collectives inside its compiled graph (SimpleFSDP's idea), so the compiler may bucket and "
         "reorder them around the compute; the gather is recomputed in backward, so memory stays as in eager ZeRO-3 "
-        "(a region's parameters whole only while it runs). Needs enabled: true. Not supported yet with stages 0-2, "
-        "offload_param, ZeRO++, MiCS, tensor parallelism. See engine.compile(traced=True)."
+        "(a region's parameters whole only while it runs); under MiCS / HSDP over the shard group, the gradient shards "
+        "then averaged across replicas. Needs enabled: true. Not supported yet with stages 0-2, offload_param, "
+        "ZeRO++, mics_hierarchical_params_gather, tensor parallelism. See engine.compile(traced=True)."
     )
 
     not_supported = {"deepcompile": NotSupported(False, "DeepCompile (ZeRO-3 as compiler passes)")}
@@ -436,7 +437,8 @@ def traced_conflict(config: "EngineConfig") -> str | None:
         ("zero_optimization.zero_quantized_weights", zc.zero_quantized_weights),
         ("zero_optimization.zero_quantized_gradients", zc.zero_quantized_gradients),
         ("zero_optimization.zero_hpz_partition_size", zc.zero_hpz_partition_size != 1),
-        ("zero_optimization.mics_shard_size", zc.mics_shard_size not in (-1, config.world_size)),
+        # the graph gathers over the shard group in one step: MiCS's two-step gather is the eager gatherer's
+        ("zero_optimization.mics_hierarchical_params_gather", zc.mics_hierarchical_params_gather),
         ("tensor_parallel.autotp_size", config.tensor_parallel.size > 1)) if on]
     if conflicts:
         return f"true together with {conflicts[0]} is not supported yet with compile.traced; drop one of the two"

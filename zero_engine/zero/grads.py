@@ -204,10 +204,14 @@ class GradReducer:
     def add_reduced(self, bucket: GradBucket, grad: torch.Tensor, starts: list[int]) -> None:
         """A traced region's gradient shards, reduced over the shard group by its graph: ``grad`` is the gradient of
         its flat shard, where ``bucket.params[i]``'s shard starts at ``starts[i]``. Accumulated into the window's
-        gradient shards as a reduce-scatter's result is (``_complete``)."""
+        gradient shards as a reduce-scatter's result is (``_complete``), and averaged across replicas as there."""
         shards = self.alloc_shard_grads(bucket)
-        grad = grad.detach().to(shards.device)  # host shards under offload_optimizer ([Note: gradient shards on the
-        # host]): a blocking copy
+        grad = grad.detach()
+        if self.replicate_comm is not None and not self._average_once:  # [Note: gradients across replicas]
+            grad = grad.contiguous()
+            self._average_across_replicas(grad, bucket.name)
+        grad = grad.to(shards.device)  # host shards under offload_optimizer ([Note: gradient shards on the host]): a
+        # blocking copy
         write = "add_" if bucket.has_grads else "copy_"
         if starts == [bucket.offsets[id(p)] + starts[0] for p in bucket.params]:  # adjacent: one kernel
             getattr(shards, write)(grad[starts[0]: starts[0] + bucket.per_rank])
@@ -216,6 +220,10 @@ class GradReducer:
                 offset = bucket.offsets[id(p)]
                 getattr(shards[offset: offset + p.shard_numel], write)(grad[start: start + p.shard_numel])
         bucket.has_grads = True
+        if self._average_once:  # once per window, on the accumulated shards: the last pass averages them
+            bucket.unaveraged = True
+            if self.at_boundary:
+                self._average_bucket(bucket)
 
     # ---- during backward ---------------------------------------------------------------------------------------
     def begin_pass(self, irregular: set[int]) -> None:

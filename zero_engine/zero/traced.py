@@ -23,7 +23,9 @@ bucket it spans when it is larger than ``stage3_prefetch_bucket_size / world``).
   in eager mode, [Note: gloo's reduce-scatter is an all-reduce of a copy] in comm/_backend.py). The leaf's gradient
   is this rank's reduced gradient shard; a hook hands it to the reducer's bucket of this region
   (``GradReducer.add_reduced``), where the optimizer, the gradient norm, clipping and checkpoints find it as they
-  find every other gradient shard.
+  find every other gradient shard. Under MiCS / HSDP (zero_engine/mesh.py) the graph's collectives run over the
+  shard group, and the reducer averages the accumulated shard across replicas in the window's last pass, as it does
+  an eager bucket's ([Note: gradients across replicas] in grads.py).
 * **Memory**: the gathered parameters must not live from forward to backward (that would keep every block's whole
   parameters: ZeRO-3 undone). The gather is wrapped in selective activation checkpointing whose policy is
   ``MUST_RECOMPUTE``: AOTAutograd's partitioner never saves the gathered tensors, and the backward graph gathers
@@ -272,9 +274,7 @@ def refuse_unsupported(engine, regions) -> None:
     if conflict is not None:
         raise NotImplementedError(f"compile.traced (engine.compile(traced=True)): {conflict}")
     what = None
-    if engine.replicate_comm is not None:
-        what = f"a hierarchical mesh ({engine.mesh.describe()})"
-    elif engine.mesh.tp_size > 1:
+    if engine.mesh.tp_size > 1:
         what = f"tensor parallelism ({engine.mesh.describe()})"
     elif engine.shard_groups:
         what = "MoE expert parallelism (parameters marked allreduce=False)"
