@@ -246,15 +246,8 @@ def generate_without_recompiling(model: nn.Module) -> None:
 
 def _generate(self, *args, **kwargs):
     """The model's ``generate``, recompiling nothing: see [Note: generate does not spend the training's
-    compilations]."""
-    from .zero.traced import is_traced
-
-    if any(map(is_traced, self.modules())):
-        raise NotImplementedError(
-            "generate() with compile.traced (engine.compile(traced=True)) is not supported yet: a traced Llama that "
-            "generated between steps lost a rank (SIGSEGV, or glibc's heap-corruption abort) in about 1 run of 8 on "
-            "gloo, cause not found (docs/benchmarks.md, \"Feature combinations, round four\" and \"round seven\"). "
-            "Compile without traced to generate: engine.compile() compiles the same regions with eager gathers")
+    compilations] (traced regions run eagerly without gradients anyway: [Note: a traced region without gradients
+    runs eagerly] in zero/traced.py)."""
     with torch.compiler.set_stance("eager_on_recompile"):
         return wrapped(self, _generate, "generate")(*args, **kwargs)
 

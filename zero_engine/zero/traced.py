@@ -44,7 +44,7 @@ was slower than the regional compile (docs/benchmarks.md, "The traced mode (issu
 
 Dynamo sees the same things on every call: the flat shards (one shape per block shape; they keep their storage),
 the layout constants and the module's class, so blocks of one shape share one graph and nothing recompiles after
-the first step (a forward without gradients is a second graph, as for any compiled module). torch logs once that a
+the first step. torch logs once that a
 ``context_fn`` was passed to ``torch.utils.checkpoint`` under compile and asks for no in-place op in the region:
 the checkpointed part is the gather alone, which has none.
 
@@ -55,6 +55,18 @@ only to read the gathered tensor's size: a collective more per region and backwa
 registry of unwaited work kept one a step with its buffers, for the life of the process
 (test_a_second_model_traced_in_one_process_gathers_once_and_leaves_no_collective_unwaited). Activations keep
 Dynamo's automatic dynamic shapes (a sequence length that changes does not recompile every step).
+
+[Note: a traced region without gradients runs eagerly]
+A forward without gradients (an evaluation, ``generate``) runs the region eagerly: the same functional all-gather of
+its flat shards, outside any graph (an eager functional collective is waited where its result is first read), then
+the module on the whole parameters, which are dropped as the call returns. It used to compile a second graph, the
+region's inference graph, and with Inductor on gloo a rank then died of a heap corruption (glibc: "malloc():
+unaligned tcache chunk detected", SIGABRT) in the first forward after it: 3 of 9 runs of a bench/combinations.py
+draw at world 4 (bf16, an evaluation forward after step 1), and the crashes that had `generate()` on a traced model
+refused (2 of 12, then 1 of 12 runs). Run eagerly, the same draw ran 8 times of 8 without it (docs/benchmarks.md,
+"The traced mode without gradients"). Which part of the compiled inference graph corrupts the heap is not found; an
+evaluation and a generation are the cheap part of training, so they give up compilation (and its compile time, and
+generate's recompilations per cache length) rather than risk a rank.
 """
 
 from __future__ import annotations
@@ -176,11 +188,17 @@ class TracedRegion:
 
     def __call__(self, *args, **kwargs):
         with profile_range("zero3::traced", self.name):  # its gathers and compute, named in a profiler trace
+            if not torch.is_grad_enabled():  # see [Note: a traced region without gradients runs eagerly]
+                return self._call_with(self._unshard(*self.leaves), args, kwargs)
             return self._compiled(self.leaves, args, kwargs)
 
     # ---- what the graph runs -----------------------------------------------------------------------------------
     def _run(self, leaves: list[torch.Tensor], args, kwargs):
         whole = checkpoint(self._unshard, *leaves, use_reentrant=False, context_fn=_recompute_gathers)
+        return self._call_with(whole, args, kwargs)
+
+    def _call_with(self, whole: list[list[torch.Tensor]], args, kwargs):
+        """The module's forward on the whole parameters ``_unshard`` made."""
         tensors = {}
         for piece_layout, piece_whole in zip(self.layout, whole):
             for (names, *_), tensor in zip(piece_layout, piece_whole):
