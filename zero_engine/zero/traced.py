@@ -42,11 +42,10 @@ coordinator, not counted in ``comm_stats()`` or in ``params_gathered``), and eve
 the same order (a collective inside a graph cannot be skipped on one rank). Measured on 2 CPU cores with gloo it
 was slower than the regional compile (docs/benchmarks.md, "The traced mode (issue 23)").
 
-Dynamo sees the same things on every call: the flat shards (one shape per block shape; they keep their storage),
-the layout constants and the module's class, so blocks of one shape share one graph and nothing recompiles after
-the first step. torch logs once that a
-``context_fn`` was passed to ``torch.utils.checkpoint`` under compile and asks for no in-place op in the region:
-the checkpointed part is the gather alone, which has none.
+Dynamo sees the same things on every call: the flat shards (one shape per block shape; they keep their storage), the
+layout constants and the module's class, so blocks of one shape share one graph and nothing recompiles after the
+first step. torch logs once that a ``context_fn`` was passed to ``torch.utils.checkpoint`` under compile and asks
+for no in-place op in the region: the checkpointed part is the gather alone, which has none.
 
 The flat shards are marked static (``torch._dynamo.mark_static``): their sizes are constants of the graph, as the
 layout already is. Dynamo would otherwise make them symbolic once it recompiled the region for another size (seen
