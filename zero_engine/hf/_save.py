@@ -10,7 +10,9 @@ rank 0's extra memory is one tensor and the others' is none. The files: ``config
 ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` (``max_shard_size``,
 transformers' default 50GB). Tied weights are saved once, under the first of their names in ``state_dict()``
 (the input embedding for the usual LM head tying), and ``_keys_to_ignore_on_save`` are left out, as transformers
-does.
+does. An MoE expert parameter (zero_engine.moe; DeepSpeed's marks) is saved whole, ``[num_experts, ...]``: its ep
+ranks' experts in order, as ``save_16bit_model`` and the checkpoints hold it (``whole_expert_on_rank0``), the stacked
+layout of transformers' own MoE experts (Mixtral's ``gate_up_proj`` / ``down_proj``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint._atomic import private_temporary
+from ..zero.expert import whole_expert_on_rank0
 from ..zero.partition import ShardedParam, sharded_param_of
 from ..zero.tensor_parallel import is_dtensor
 from ._transformers import require_transformers
@@ -41,9 +44,6 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
     """Write ``engine.module`` (a transformers model) to ``path``; see the module docstring. ``dtype``: None for
     the compute dtype (the values the engine computes with), ``torch.float32`` for the fp32 master weights
     (exactly what the optimizer holds), or another floating dtype (cast from the masters)."""
-    from ..zero.expert import refuse_expert_params
-
-    refuse_expert_params(engine, "zero_engine.hf.save_pretrained()")  # experts by index: see zero/expert.py
     require_transformers("zero_engine.hf.save_pretrained")
     model = engine.module
     if not hasattr(model, "config") or not hasattr(model.config, "save_pretrained"):
@@ -54,7 +54,7 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
     comm = engine.comm
     path = os.path.abspath(os.fspath(path))
     entries = _tensors_to_save(model, engine, dtype)
-    plan = plan_shards([(name, out_dtype, _shape(t)) for name, t, out_dtype in entries],
+    plan = plan_shards([(name, out_dtype, _shape(t, engine)) for name, t, out_dtype in entries],
                        parse_size(max_shard_size))
     error = None
     if comm.rank == 0:
@@ -113,28 +113,43 @@ def _tensors_to_save(model, engine, dtype) -> list[tuple[str, torch.Tensor, torc
     return out
 
 
-def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+def _shape(tensor: torch.Tensor, engine) -> tuple[int, ...]:
     if is_dtensor(tensor):  # split by tensor parallelism: the whole tensor is saved
         return tuple(tensor.shape)
     sp = sharded_param_of(tensor)
-    return tuple(sp.shape if sp is not None else tensor.shape)
+    shape = tuple(sp.shape if sp is not None else tensor.shape)
+    edp = _expert_data_parallel_size(tensor, engine)
+    if edp is None:
+        return shape
+    return (engine.comm.world_size // edp * shape[0], *shape[1:])  # every ep rank's experts, stacked
+
+
+def _expert_data_parallel_size(tensor: torch.Tensor, engine) -> int | None:
+    """The size of an expert parameter's edp group (its copies of the same experts), or None for any other tensor."""
+    group = engine.shard_groups.get(id(tensor))
+    return None if group is None else group.comm.world_size
 
 
 def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm) -> torch.Tensor | None:
     sp = sharded_param_of(tensor)
     # Every value comes back in host memory (the writer reads it through numpy); the gather itself runs on the
     # shards' device, which NCCL requires, one parameter at a time.
+    edp = _expert_data_parallel_size(tensor, engine)
     if sp is None:  # a buffer, or a parameter at stage 0: whole on every rank; rank 0's copy is saved
         masters = getattr(engine.optimizer, "masters", {}) if engine.stage == 0 else {}
         master = masters.get(id(tensor))  # fp16/bf16 at stage 0: the fp32 master, the most precise value
-        if master is not None and out_dtype != tensor.dtype:
-            tensor = master
-        return tensor.detach().to(device="cpu", dtype=out_dtype, copy=True) if comm.rank == 0 else None
+        value = (master if master is not None and out_dtype != tensor.dtype else tensor).detach()
+        if edp is not None:  # an expert's: its ep rank's experts, the same on its edp ranks; every ep rank's stacked
+            value = whole_expert_on_rank0(value.to(out_dtype).reshape(-1), comm, edp, tensor.numel(), tensor.shape)
+        return value.to(device="cpu", dtype=out_dtype, copy=True) if value is not None else None
     from ..utils import shards_in_memory_of
 
     with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
         source = _source_shard(sp, out_dtype)
         local = source if source.dtype == out_dtype else source.to(out_dtype)
+        if edp is not None:  # an expert's: sharded over its edp group (never with a mesh or tp: refused there)
+            whole = whole_expert_on_rank0(local, comm, edp, sp.numel, sp.shape)
+            return whole.to("cpu", copy=True) if whole is not None else None
         shard_comm = engine.shard_comm  # the world, or a mesh's dp_shard group (MiCS / HSDP: zero_engine/mesh.py)
         if is_dtensor(tensor):  # every rank's tp piece whole over dp, then torch's all-gather over tp
             from ..utils import tp_full_tensor

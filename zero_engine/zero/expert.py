@@ -17,8 +17,9 @@ them (optimizer.py, unchanged): a dense element lives in exactly one rank's shar
 rank's shard of its edp group, and the other ep ranks' edp groups hold other experts. So every element is counted
 exactly once, with one reduction.
 
-Checkpoints and ``save_16bit_model`` hold each expert parameter whole, its ep ranks' tensors concatenated along
-dim 0 (the ``[num_experts, ...]`` weight): see [Note: checkpoints of expert parameters] in checkpoint/_metadata.py.
+Checkpoints, ``save_16bit_model`` and ``zero_engine.hf.save_pretrained`` hold each expert parameter whole, its ep
+ranks' tensors concatenated along dim 0 (the ``[num_experts, ...]`` weight): see [Note: checkpoints of expert
+parameters] in checkpoint/_metadata.py.
 
 Parameter offload moves an expert's shard as it moves a dense one (the offload wrappers read a shard bucket in, or
 copy it to the device, before the gather, whichever group the gather then runs on).
@@ -27,9 +28,7 @@ At stages 0-2 every parameter stays whole (an expert: its ep rank's experts). At
 reduce-scatter, the fp32 masters and optimizer states, and the refresh gather after the step (wiring.py) are its
 group's as at stage 3; at stage 0 the gradient all-reduce is (see [Note: stage 0 with experts] in optimizer.py).
 
-Not supported yet, refused naming the parameter: at initialize, a hierarchical mesh (MiCS / HSDP); when it is
-called, ``zero_engine.hf.save_pretrained`` (a transformers model's experts are modules by index, not one stacked
-weight).
+Not supported yet, refused at initialize naming the parameter: a hierarchical mesh (MiCS / HSDP).
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..moe import ep_size_of_group_name, expert_group_name, expert_parallel_groups
 
-__all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "init_shard_group", "refuse_expert_params",
-           "whole_expert_on_rank0"]
+__all__ = ["ShardGroup", "GroupedGather", "expert_shard_groups", "init_shard_group", "whole_expert_on_rank0"]
 
 
 @dataclass(frozen=True)
@@ -140,17 +138,6 @@ def _refuse_unsupported(engine, name: str, group: str) -> None:
             f"{name} is an expert parameter ({group!r}: sharded over its expert-data-parallel group); together with "
             f"{why} this is not supported yet. Use a flat data-parallel world (no MiCS / HSDP), or build the model "
             "with ep_size 1 (every expert on every rank)")
-
-
-def refuse_expert_params(engine, what: str) -> None:
-    """``what`` does not know expert parameters yet: refuse it clearly."""
-    for sp in engine.sharded:
-        if sp.group is not None:
-            raise NotImplementedError(
-                f"{what} with expert-parallel parameters ({sp.fqn}, {sp.group.name}) is not supported yet: each ep "
-                "rank holds other experts, and a transformers model names its experts as modules by index. Use "
-                "engine.save_checkpoint (its files hold every expert; `zero-engine to-fp32` writes them whole) or "
-                "engine.save_16bit_model (every expert weight whole, [num_experts, ...])")
 
 
 def whole_expert_on_rank0(shard: torch.Tensor, comm, edp: int, numel: int, shape) -> torch.Tensor | None:
