@@ -500,6 +500,30 @@ def test_sources_hash_follows_headers(tmp_path, monkeypatch):
     assert builder.plan_build("cpu_adam").cflags != before
 
 
+def test_a_build_is_one_per_place_and_a_linked_package_builds_as_its_target(tmp_path, monkeypatch):
+    """[Note: one build per source version]: the same sources elsewhere (another checkout) build in a directory of
+    their own, and the package imported through a link plans the build of the directory it links to (the same
+    name and source paths, so torch's ninja file is the same and nothing rebuilds)."""
+    import sys
+
+    real = builder.plan_build("cpu_adam")
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "zero_engine").symlink_to(Path(builder.__file__).parents[1], target_is_directory=True)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from zero_engine.ops import builder; "
+            "plan = builder.plan_build('cpu_adam'); print(builder.__file__); print(plan.name); "
+            "print(*plan.sources, sep='\\n')")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tree")], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    assert out[0].startswith(str(tmp_path / "tree")), out  # imported through the link
+    assert out[1] == real.name and out[2:] == [str(path) for path in real.sources], (out, real)
+    copy = tmp_path / "csrc"  # the same sources, in another place
+    shutil.copytree(builder.CSRC_DIR, copy)
+    monkeypatch.setattr(builder, "CSRC_DIR", copy)
+    monkeypatch.setattr(builder, "INCLUDE_DIR", copy / "includes")
+    elsewhere = builder.plan_build("cpu_adam")
+    assert elsewhere.name != real.name and builder.build_directory(elsewhere) != builder.build_directory(real)
+
+
 def test_disabled_op_cannot_be_built(monkeypatch):
     monkeypatch.setenv(builder.DISABLE_ENV, "cpu_adam")
     with pytest.raises(OpBuildError, match="disabled by ZERO_ENGINE_DISABLE_OPS"):

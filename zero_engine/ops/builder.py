@@ -22,6 +22,12 @@ that hash too. torch's extensions directory is shared by every install on the ma
 with different kernel sources would otherwise rebuild the same directory in turn, and a process could load the
 library the other one just built, whose operator signature no longer matches its Python (seen as "adam_step()
 is missing value for argument ..."). With the hash in the name each source version builds and loads its own.
+The hash covers where the sources are, too (their real path, links resolved): the ninja file torch writes names
+them by path, so two checkouts of the same sources sharing one directory rebuilt it in turn as well, each build
+holding torch's lock on it while the other's processes waited. A test suite run from a fresh clone next to
+another checkout, and a script importing this package through a linked directory (tests/test_profile_step.py's
+``--tree``), rebuilt it that way, and one such wait outlasted the test's 240 s under load. Now each location builds
+once and a linked directory is its target.
 
 [Note: instruction set chosen from the CPU's flags, not -march=native]
 The CPU kernel is compiled for AVX-512, AVX2 or plain scalar code according to ``/proc/cpuinfo``,
@@ -62,7 +68,7 @@ SIMD_ENV = "ZERO_ENGINE_CPU_ADAM_SIMD"
 OP_NAMES = ("cpu_adam", "fused_adam")
 
 # A real directory: the compiler needs paths (a package imported from a zip has none, and its ops cannot build).
-CSRC_DIR = Path(str(importlib.resources.files("zero_engine") / "csrc"))
+CSRC_DIR = Path(str(importlib.resources.files("zero_engine") / "csrc")).resolve()  # [Note: one build per source ...]
 INCLUDE_DIR = CSRC_DIR / "includes"
 
 _ERROR_TAIL_CHARS = 3000
@@ -151,11 +157,12 @@ def disabled_ops() -> frozenset[str]:
 
 
 def _sources_hash(sources: tuple[Path, ...]) -> str:
-    """Hash of the op's sources and of every shared header (see [Note: when an op is rebuilt])."""
+    """Hash of the op's sources and of every shared header, their paths and contents (see [Note: when an op is
+    rebuilt] and [Note: one build per source version])."""
     digest = hashlib.sha256()
     for path in sorted(sources) + sorted(INCLUDE_DIR.glob("*")):
         if path.is_file():
-            digest.update(path.name.encode())
+            digest.update(str(path.resolve()).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
