@@ -409,6 +409,45 @@ def test_save_pretrained_writes_every_expert_whole_and_loads_into_one_process_ho
         whole.load_state_dict(saved, strict=True)  # every name and shape of the one-process model
 
 
+# ---- GatheredParameters(modifier_rank=...) ---------------------------------------------------------------------
+def _modifier_body(stage: int):
+    """Every rank writes its world rank + 1 into a dense weight and an expert weight inside GatheredParameters
+    (modifier_rank=0), then trains a step. Returns, after the block and after the step, this rank's fp32 values."""
+    from zero_engine.utils import safe_get_full_fp32_param
+
+    rank = dist.get_rank()
+    model = moe_gpt(expert_parallel_groups(2))
+    engine, *_ = zero_engine.initialize(model=model, config=ds_config(gas=1, stage=stage))
+    dense, expert = model.blocks[0].attn.qkv.weight, model.blocks[0].mlp.experts.w1
+    with zero_engine.zero.GatheredParameters([dense, expert], modifier_rank=0):
+        with torch.no_grad():
+            dense.fill_(rank + 1)
+            expert.fill_(rank + 1)
+    after = [safe_get_full_fp32_param(p).clone() for p in (dense, expert)]
+    with zero_engine.zero.GatheredParameters([dense, expert]):  # what a forward gathers
+        gathered = [p.detach().clone() for p in (dense, expert)]
+    x, y = make_batches(model.cfg, 1, 2, seed=rank)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    stepped = safe_get_full_fp32_param(expert)
+    engine.destroy()
+    return after, gathered, bool(torch.isfinite(stepped).all())
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_gathered_parameters_with_a_modifier_rank_edits_experts_within_their_edp_group(stage):
+    """World 4 at ep 2: rank 0's edit of a dense weight reaches every rank; an expert weight's edp group (ranks 0 and
+    2 hold ep rank 0's experts, 1 and 3 ep rank 1's) takes its member 0's: rank 0's edit for ep rank 0's experts, rank
+    1's for ep rank 1's. Shards, fp32 masters and what the next gather gives agree, and a step trains on them."""
+    results = run_ranks(_modifier_body, 4, stage, timeout=TIMEOUT)
+    for rank, (after, gathered, finite) in enumerate(results):
+        ep_rank = rank % 2
+        for values in (after, gathered):
+            assert torch.equal(values[0], torch.full_like(values[0], 1.0)), (rank, "dense")
+            assert torch.equal(values[1], torch.full_like(values[1], ep_rank + 1.0)), (rank, "expert")
+        assert finite
+
+
 # ---- parameter offload -----------------------------------------------------------------------------------------
 def _offload_body(scratch: str, offload: str | None, precision: str):
     """The MoE GPT at ep 2 (world 4), 3 steps of 2 micro-steps, its parameters' shards on the device, on the host or

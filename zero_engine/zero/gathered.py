@@ -14,6 +14,10 @@ are written, so the fp32 master of everything not edited keeps its bits instead 
 
 ``fwd_module=module`` registers the parameters as external parameters of ``module`` (external.py), as DeepSpeed does.
 
+An MoE expert parameter (zero_engine.moe) is gathered over its expert-data-parallel group: inside the block each
+rank sees its own ep rank's experts. With ``modifier_rank`` each edp group keeps the edits of its member at the
+modifier's place (``_modifier_of``): the modifier's own experts take its edits.
+
 A parameter split by tensor parallelism (a DTensor on a mesh's ``tp`` dim) is gathered over the data-parallel
 ranks only: inside the block it is a whole DTensor, ``param.to_local()`` this rank's tp piece and
 ``param.full_tensor()`` the whole tensor of the unsplit model (torch's all-gather over tp). Read-only for now.
@@ -102,10 +106,6 @@ class GatheredParameters:
         for sp in self.sharded:
             if sp.status is ParamStatus.INFLIGHT:
                 raise RuntimeError(f"GatheredParameters: {sp.fqn} is being gathered by the engine right now")
-            if sp.group is not None and self.modifier_rank is not None:  # its values differ across ep ranks
-                raise NotImplementedError(f"GatheredParameters(modifier_rank={self.modifier_rank}): {sp.fqn} is an "
-                                          f"expert parameter ({sp.group.name}); editing it is not supported yet. "
-                                          "Read it without modifier_rank (each rank sees its own experts)")
         self._gathered = [sp for sp in self.sharded if sp.status is ParamStatus.NOT_AVAILABLE]
         if self._gathered:
             from ..utils import shard_comm_of, shards_in_memory_of
@@ -125,6 +125,18 @@ class GatheredParameters:
             self._fingerprints = [_fingerprint(sp.full[: sp.numel]) for sp in self.sharded]
         return self
 
+    def _modifier_of(self, sp: ShardedParam):
+        """The communicator and source rank of ``sp``'s broadcast on exit. An MoE expert parameter (zero/expert.py)
+        holds other experts on each ep rank, so each of its edp groups (the ranks holding the same experts) takes the
+        values of its member at the modifier's place in its own group: world rank r = d * ep + e is member d of ep
+        rank e's edp group (moe.py's rank layout), so the modifier's experts take its edits, and every other ep rank's
+        those of its member d. For modifier_rank 0 (member 0 everywhere) that is DeepSpeed's choice too: it reads
+        modifier_rank as a rank of the parameter's own group and broadcasts over that group."""
+        if sp.group is None:
+            return self.comm, self.modifier_rank
+        ep = self.comm.world_size // sp.group.comm.world_size
+        return sp.group.comm, self.modifier_rank // ep
+
     def __exit__(self, exc_type, exc, tb):
         if not self.sharded:
             return False
@@ -135,7 +147,8 @@ class GatheredParameters:
 
                 with states_in_memory_of(self.sharded[0].param):  # NVMe optimizer offload: masters read in
                     for sp in self.sharded:  # the modifier's values everywhere, then the edits into shards, masters
-                        self.comm.broadcast(sp.full, src=self.modifier_rank, name=f"GatheredParameters {sp.fqn}")
+                        comm, src = self._modifier_of(sp)
+                        comm.broadcast(sp.full, src=src, name=f"GatheredParameters {sp.fqn}")
                         _take_edits_into_shard(sp)
             elif self.modifier_rank is None:
                 edited = [sp.fqn or str(tuple(sp.shape)) for sp, before in zip(self.sharded, self._fingerprints)
