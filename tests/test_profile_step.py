@@ -66,7 +66,9 @@ def _bench_at_world_2(script: str, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "bench" / script), *args]
-    proc = run_in_session(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    # 600 s: a hang's bound, not a speed limit. Alone a run takes 20-30 s; on a host loaded 8 times over its cores it
+    # took 112 s, and 240 s was passed (docs/benchmarks.md, "The suite's one timeout")
+    proc = run_in_session(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
