@@ -95,6 +95,12 @@ def traced_modules(root: nn.Module) -> set[int]:
     return {id(m) for r in root.modules() if is_traced(r) for m in r.modules()}
 
 
+# torch 2.13 renamed the functional collectives' *_tensor to *_single; the old names warn when called eagerly (a region
+# without gradients: see the Note above), so the new ones where torch has them
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 class _GatherShard(torch.autograd.Function):
     """All-gather of a flat shard; backward: the reduce-scatter of its gradient, averaged (see [Note: the traced
     mode])."""
@@ -102,11 +108,11 @@ class _GatherShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: torch.Tensor, group_name: str, reduce_dtype: torch.dtype) -> torch.Tensor:
         ctx.group_name, ctx.reduce_dtype = group_name, reduce_dtype
-        return funcol.all_gather_tensor(shard, 0, group_name)
+        return _all_gather(shard, 0, group_name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        reduced = funcol.reduce_scatter_tensor(grad.to(ctx.reduce_dtype).contiguous(), "avg", 0, ctx.group_name)
+        reduced = _reduce_scatter(grad.to(ctx.reduce_dtype).contiguous(), "avg", 0, ctx.group_name)
         return reduced, None, None  # autograd casts it to the shard's dtype
 
 
