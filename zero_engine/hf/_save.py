@@ -141,7 +141,7 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
         value = (master if master is not None and out_dtype != tensor.dtype else tensor).detach()
         if edp is not None:  # an expert's: its ep rank's experts, the same on its edp ranks; every ep rank's stacked
             value = whole_expert_on_rank0(value.to(out_dtype).reshape(-1), comm, edp, tensor.numel(), tensor.shape)
-        return value.to(device="cpu", dtype=out_dtype, copy=True) if value is not None else None
+        return value.to(device="cpu", dtype=out_dtype, copy=True) if comm.rank == 0 else None
     from ..utils import shards_in_memory_of
 
     with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
