@@ -20,6 +20,18 @@ time.sleep(float(sys.argv[2]))
 """
 
 
+# The same, its grandchild in a session of its own (as torchrun starts its ranks), holding the output pipes if
+# argv[3] says so (a command that finishes while something holds its pipes is waited for, as by subprocess.run).
+PARENT_OF_A_SESSION = """
+import subprocess, sys, time
+out = None if sys.argv[3] == "pipes" else subprocess.DEVNULL
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True, stdout=out,
+                         stderr=out)
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(float(sys.argv[2]))
+"""
+
+
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie left for a parent that no longer reaps it)."""
     try:
@@ -57,3 +69,24 @@ def test_a_finished_command_leaves_nothing_running_and_returns_as_subprocess_run
     assert _gone_within(child, 10), f"pid {child}, left behind by the command, is still running"
     with pytest.raises(subprocess.CalledProcessError):
         run_in_session([sys.executable, "-c", "raise SystemExit(3)"], timeout=60, check=True)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states from /proc (Linux)")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sleep", ["60", "0"])
+def test_a_process_in_a_session_of_its_own_holding_the_pipes_is_killed_too(tmp_path, sleep):
+    """[Note: torchrun's ranks are sessions of their own]: the command times out (60) while a process it started in
+    a new session holds its output, or finishes (0) leaving one behind: that one is killed as well, and the call
+    returns in seconds."""
+    pid_file = tmp_path / "child.pid"
+    started = time.monotonic()
+    if sleep == "60":
+        with pytest.raises(subprocess.TimeoutExpired):
+            run_in_session([sys.executable, "-c", PARENT_OF_A_SESSION, str(pid_file), sleep, "pipes"], timeout=3,
+                           capture_output=True)
+    else:
+        run_in_session([sys.executable, "-c", PARENT_OF_A_SESSION, str(pid_file), sleep, "none"], timeout=30,
+                       capture_output=True, check=True)
+    child = int(pid_file.read_text())
+    assert _gone_within(child, 10), f"pid {child}, in a session of its own, is still running"
+    assert time.monotonic() - started < 30
