@@ -63,9 +63,10 @@ region's inference graph, and with Inductor on gloo a rank then died of a heap c
 unaligned tcache chunk detected", SIGABRT) in the first forward after it: 3 of 9 runs of a bench/combinations.py
 draw at world 4 (bf16, an evaluation forward after step 1), and the crashes that had `generate()` on a traced model
 refused (2 of 12, then 1 of 12 runs). Run eagerly, the same draw ran 8 times of 8 without it, and a traced Llama
-that generates between steps 6 of 6 (docs/benchmarks.md, "The traced mode without gradients"). Which part of the compiled inference graph corrupts the heap is not found; an
-evaluation and a generation are the cheap part of training, so they give up compilation (and its compile time, and
-generate's recompilations per cache length) rather than risk a rank.
+that generates between steps 6 of 6 (docs/benchmarks.md, "The traced mode without gradients"). Which part of the
+compiled inference graph corrupts the heap is not found; an evaluation and a generation are the cheap part of
+training, so they give up compilation (and its compile time, and generate's recompilations per cache length) rather
+than risk a rank.
 """
 
 from __future__ import annotations
