@@ -4,6 +4,7 @@
     python bench/profile_step.py --size demo --world 2 --systems zero3 --top 30
     python bench/profile_step.py --size demo --world 2 --systems zero3 --clock thread   # CPU time, load-robust
     python bench/profile_step.py --size demo --world 2 --systems fsdp2,zero3 --ops       # tensor ops per step
+    PYTHONPATH=<where deepspeed is> DS_ACCELERATOR=cpu python bench/profile_step.py --systems deepspeed,zero3
 
 Each system runs in fresh processes (torchrun, gloo, ``OMP_NUM_THREADS=1``) with bench/compare.py's model, data,
 optimizer and ZeRO knobs (bench/_worker.py builds them). After the warm-up steps, rank 0 profiles the timed steps
@@ -26,7 +27,9 @@ cProfile adds a cost per Python call, so the split overstates Python time; the p
 one says by how much. The row ``Python: zero_engine, profiler's cost removed`` estimates zero_engine's Python without
 it: the profiler's cost per call event is measured on this machine and clock first (``_calibrate``, as the
 ``profile`` module's calibration does) and taken off for each call zero_engine's frames received and made. It is an
-estimate, noisier than the raw row, and not part of the split (the raw row is). ``--top N`` also prints the N
+estimate, noisier than the raw row, and not part of the split (the raw row is). The row ``the runtime's Python``
+sums every ``Python:`` row but the model's and torch.nn's, so that runtimes whose Python lives in different packages
+compare (``_runtime_python``); it too has a row with the profiler's cost removed. ``--top N`` also prints the N
 functions with the most own time. ``--ops`` runs one more steady step per system and counts the tensor ops it
 dispatches (``OpCounter``: the ops Python and autograd call, views excluded; what a GPU would launch, roughly).
 ``PROFILE_STEP_DUMP=<file>`` in the environment also writes rank 0's raw cProfile stats there, for pstats' callers and
@@ -124,19 +127,32 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _without_profiler_cost(stats: dict, cost: dict[str, float], bucket: str) -> float:
-    """The own time of the functions in ``bucket`` (``_where``), less what cProfile itself spent there: each call
-    of them costs ``callee_py``, and each call they made costs ``caller_py`` or ``caller_c`` (see ``_calibrate``).
+RUNTIME_ROW = "the runtime's Python (every Python row but the model's and torch.nn's)"
+MODEL_PYTHON = ("Python: the model (zero_engine.testing)", "Python: torch.nn")
+
+
+def _runtime_python(bucket: str) -> bool:
+    """A row of the system's own Python: every ``Python:`` row but the model's and torch.nn's (the module call
+    machinery, which every system runs with or without hooks). Summed, it compares runtimes whose Python lives in
+    different packages: FSDP2's in torch.distributed.fsdp, torch.distributed, autograd Functions, torch.optim and
+    ``torch.compiler.disable``'s wrappers (``other``); DeepSpeed's in deepspeed; ours in zero_engine."""
+    return bucket.startswith("Python: ") and bucket not in MODEL_PYTHON
+
+
+def _without_profiler_cost(stats: dict, cost: dict[str, float], counted) -> float:
+    """The own time of the functions whose bucket (``_where``) ``counted`` accepts, less what cProfile itself spent
+    there: each call of them costs ``callee_py``, and each call they made costs ``caller_py`` or ``caller_c`` (see
+    ``_calibrate``).
     An estimate (the calibration's noop is not every function), but one that removes the cost that grows with the
     number of calls, which dominates the raw own time of short functions (a 0.7 us function reads as ~7 us)."""
     total = 0.0
     for func, (_, calls, tottime, _, _) in stats.items():
-        if _where(func) == bucket:
+        if counted(_where(func)):
             total += tottime - calls * cost["callee_py"]
     for callee, (_, _, _, _, callers) in stats.items():
         per_call = cost["caller_c"] if callee[0] == "~" else cost["caller_py"]
         for caller, (_, calls, _, _) in callers.items():
-            if _where(caller) == bucket:
+            if counted(_where(caller)):
                 total -= calls * per_call
     return total
 
@@ -180,8 +196,13 @@ def worker(system: str, size_name: str, steps: int, warmup: int, out: str, top: 
         split: dict[str, float] = {}
         for func, (_, _, tottime, _, _) in stats.stats.items():
             split[_where(func)] = split.get(_where(func), 0.0) + tottime / steps
+        cost = _calibrate(clock)
+        runtime = sum(ms for bucket, ms in split.items() if _runtime_python(bucket))
         split["Python: zero_engine, profiler's cost removed"] = _without_profiler_cost(
-            stats.stats, _calibrate(clock), "Python: zero_engine") / steps
+            stats.stats, cost, lambda bucket: bucket == "Python: zero_engine") / steps
+        split[RUNTIME_ROW] = runtime
+        split[RUNTIME_ROW + ", profiler's cost removed"] = _without_profiler_cost(stats.stats, cost,
+                                                                                  _runtime_python) / steps
         heavy = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
         with open(out, "w") as f:
             json.dump({"system": system, "plain": plain, "profiled": profiled, "split": split, "ops": counter.counts,

@@ -23,6 +23,7 @@ OURS = ("/repo/zero_engine/zero/grads.py", 10, "add")
 THEIRS = ("/venv/torch/nn/modules/module.py", 1, "_call_impl")
 HELPER = ("/repo/zero_engine/zero/grads.py", 20, "_copy_group")
 C_CALL = ("~", 0, "<built-in method builtins.id>")
+ZERO_ENGINE = "Python: zero_engine".__eq__  # the bucket zero_engine's frames land in
 
 
 def test_each_call_received_and_made_by_our_frames_takes_its_cost_off():
@@ -34,7 +35,7 @@ def test_each_call_received_and_made_by_our_frames_takes_its_cost_off():
         THEIRS: (10, 10, 0.7, 3.0, {}),
     }
     cost = {"callee_py": 0.01, "caller_py": 0.02, "callee_c": 0.005, "caller_c": 0.03}
-    got = profile_step._without_profiler_cost(stats, cost, "Python: zero_engine")
+    got = profile_step._without_profiler_cost(stats, cost, ZERO_ENGINE)
     # own time 1.0 + 0.5; 15 calls received (0.01 each); 5 Python calls made (0.02) and 20 C calls made (0.03) by
     # ours; the C calls torch's frame made are not ours
     assert abs(got - (1.5 - 15 * 0.01 - 5 * 0.02 - 20 * 0.03)) < 1e-12
@@ -48,7 +49,23 @@ def test_the_models_python_is_not_counted_as_the_runtimes():
     stats = {model: (4, 4, 0.6, 0.9, {THEIRS: (4, 4, 0.6, 0.9)}),
              OURS: (10, 10, 1.0, 2.0, {THEIRS: (10, 10, 1.0, 2.0)})}
     no_cost = dict.fromkeys(("callee_py", "caller_py", "callee_c", "caller_c"), 0.0)
-    assert profile_step._without_profiler_cost(stats, no_cost, "Python: zero_engine") == 1.0  # ours only
+    assert profile_step._without_profiler_cost(stats, no_cost, ZERO_ENGINE) == 1.0  # ours only
+
+
+def test_the_runtimes_python_is_every_python_row_but_the_models_and_torch_nns():
+    fsdp = ("/venv/torch/distributed/fsdp/_fully_shard/_fsdp_state.py", 1, "_pre_forward")
+    wrapper = ("/venv/torch/_dynamo/eval_frame.py", 1, "_fn")  # torch.compiler.disable's: FSDP2's hooks wear it
+    model = ("/repo/zero_engine/testing/models.py", 74, "forward")
+    runtime = [f for f in (OURS, fsdp, wrapper, model, THEIRS, C_CALL)
+               if profile_step._runtime_python(profile_step._where(f))]
+    assert runtime == [OURS, fsdp, wrapper]
+    stats = {fsdp: (2, 2, 0.4, 0.5, {THEIRS: (2, 2, 0.4, 0.5)}),
+             wrapper: (2, 2, 0.1, 0.6, {THEIRS: (2, 2, 0.1, 0.6)}),
+             model: (4, 4, 0.6, 0.9, {THEIRS: (4, 4, 0.6, 0.9)}),
+             C_CALL: (3, 3, 0.3, 0.3, {fsdp: (3, 3, 0.3, 0.3)})}
+    cost = {"callee_py": 0.01, "caller_py": 0.02, "callee_c": 0.005, "caller_c": 0.03}
+    got = profile_step._without_profiler_cost(stats, cost, profile_step._runtime_python)
+    assert abs(got - (0.5 - 4 * 0.01 - 3 * 0.03)) < 1e-12  # both packages' frames, not the model's
 
 
 def test_calibration_measures_a_cost_for_every_kind_of_event():
