@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -139,7 +140,7 @@ def _runtime_python(bucket: str) -> bool:
     return bucket.startswith("Python: ") and bucket not in MODEL_PYTHON
 
 
-def _without_profiler_cost(stats: dict, cost: dict[str, float], counted) -> float:
+def _without_profiler_cost(stats: dict, cost: dict[str, float], counted: Callable[[str], bool]) -> float:
     """The own time of the functions whose bucket (``_where``) ``counted`` accepts, less what cProfile itself spent
     there: each call of them costs ``callee_py``, and each call they made costs ``caller_py`` or ``caller_c`` (see
     ``_calibrate``).
