@@ -400,7 +400,8 @@ def test_bad_config_input_names_the_key_and_the_fix():
              ({"stage": 3, "mics_shard_size": 0}, "0 ranks per shard group"),
              ({"stage": 3, "mics_hierarchical_params_gather": True}, "true needs zero_optimization.mics_shard_size"),
              ({"stage": 2, "zero_hpz_partition_size": 2}, "2 needs zero_optimization.stage 3"),
-             ({"stage": 3, "zero_hpz_partition_size": 3}, "3 does not divide the data-parallel world of 4 ranks"),
+             ({"stage": 3, "zero_hpz_partition_size": 3}, "3 does not divide the data-parallel world of 4 ranks; use "
+                                                          "one of 2, 4 (the ranks per node), or 1 (off)"),
              ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, "not supported yet"),
              ({"stage": 2, "zero_quantized_weights": True}, "true needs zero_optimization.stage 3"),
              ({"stage": 1, "zero_quantized_gradients": True}, "true needs zero_optimization.stage 3")]
@@ -408,6 +409,10 @@ def test_bad_config_input_names_the_key_and_the_fix():
         with pytest.raises(ConfigError, match="zero_optimization.") as caught:
             load_config({**base, "zero_optimization": zero}, world_size=WORLD)
         assert message in str(caught.value), (zero, str(caught.value))
+    with pytest.raises(ConfigError) as caught:  # a data-parallel world of one rank (AutoTP over every rank)
+        load_config({**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, world_size=1)
+    assert str(caught.value).endswith("2 does not divide the data-parallel world of 1 rank, which has nothing to "
+                                      "partition; set 1 (off)"), str(caught.value)
     with pytest.raises(NotImplementedError, match="model-parallel world size of 2 is not supported yet"):
         zero_engine.initialize(model=nn.Linear(2, 2), config={**base}, mpu=TensorParallel2())
     with pytest.raises(ValueError, match="has no get_data_parallel_rank"):

@@ -454,9 +454,14 @@ def _check_quantized(zc) -> None:
 
 
 def _not_a_divisor(k: int, world_size: int, meaning: str, off: int) -> str:
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    return (f"{k} does not divide the data-parallel world of {world_size} ranks; use one of "
-            f"{', '.join(map(str, divisors))} ({meaning}), or {off} (off)")
+    """The fix for a group size ``k`` that does not divide the data-parallel world: the sizes that do, but ``off``
+    (named once, as the way to turn the feature off)."""
+    choices = [str(d) for d in range(1, world_size + 1) if world_size % d == 0 and d != off]
+    world = f"the data-parallel world of {world_size} rank{'s' if world_size != 1 else ''}"
+    if not choices:  # one rank (AutoTP over the whole world, say): nothing to split it into groups
+        return f"{k} does not divide {world}, which has nothing to partition; set {off} (off)"
+    use = choices[0] if len(choices) == 1 else f"one of {', '.join(choices)}"
+    return f"{k} does not divide {world}; use {use} ({meaning}), or {off} (off)"
 
 
 def _raise_if(fix: str | None, subpath: str) -> None:
