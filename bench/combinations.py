@@ -150,9 +150,13 @@ def effective(draw: dict) -> dict:
     return draw
 
 
-def loading_draw(draw: dict) -> dict:
-    """The draw that the resharded load runs: at ``load_stage`` where the draw has one (a checkpoint resumes at
-    another ZeRO stage); the stage-3 settings that a lower stage turned off take the grid's first values there."""
+def loading_draw(draw: dict, world: int) -> dict:
+    """The draw that the resharded load on ``world`` ranks runs: at ``load_stage`` where the draw has one (a
+    checkpoint resumes at another ZeRO stage); the stage-3 settings that a lower stage turned off take the grid's
+    first values there. hpZ is left out where the load's data-parallel world is one rank (tp over all of it): a
+    partition of 2 does not divide it (a ConfigError says so), and hpZ changes nothing that a checkpoint holds."""
+    if draw["zeropp"] == "hpZ" and draw["tp"] and world // TP < 2:
+        draw = {**draw, "zeropp": None}
     if draw["load_stage"] is None:
         return draw
     filled = {name: GRID[name][0] if draw[name] is None else draw[name] for name in STAGE_3_ONLY}
@@ -382,7 +386,7 @@ def run_resharded(draw: dict, steps: int, world: int) -> tuple[list[list[float]]
                 raise
             weights = "refused"
         weights16 = torch.load(os.path.join(checkpoint_dir, "model16", "pytorch_model.bin"), weights_only=True)
-        losses = run_ranks(train, world, loading_draw(draw), steps, checkpoint_dir, "load", timeout=240,
+        losses = run_ranks(train, world, loading_draw(draw, world), steps, checkpoint_dir, "load", timeout=240,
                            grace_after_failure=60)
         return losses, weights, weights16
 

@@ -99,16 +99,19 @@ def test_a_given_draw_is_the_grids_first_values_with_those_given():
 
 def test_the_resharded_load_runs_at_the_draws_load_stage():
     up = combinations.effective(dict(BASE, stage=1, load_stage=3, offload_optimizer="cpu"))
-    loading = combinations.loading_draw(up)
+    loading = combinations.loading_draw(up, 2)
     assert loading["stage"] == 3 and loading["load_stage"] is None and loading["offload_optimizer"] == "cpu"
     assert all(loading[name] == combinations.GRID[name][0] for name in combinations.STAGE_3_ONLY)
     down = combinations.loading_draw(combinations.effective(dict(BASE, stage=3, load_stage=2, offload_param="cpu",
-                                                                  zeropp="qwZ", compile="traced")))
+                                                                  zeropp="qwZ", compile="traced")), 2)
     assert down["stage"] == 2 and down["offload_param"] is None and down["zeropp"] is None and not down["compile"]
     same = combinations.effective(dict(BASE, stage=3, load_stage=3))
-    assert same["load_stage"] is None and combinations.loading_draw(same) is same
+    assert same["load_stage"] is None and combinations.loading_draw(same, 2) is same
     tp = combinations.effective(dict(BASE, world=4, stage=2, tp="parallelize_module", load_stage=0))
     assert tp["load_stage"] is None  # stage 0 with tp is not supported
+    hpz = combinations.effective(dict(BASE, world=4, stage=3, zeropp="hpZ", tp="parallelize_module"))
+    assert hpz["zeropp"] == "hpZ" and combinations.loading_draw(hpz, 4) is hpz
+    assert combinations.loading_draw(hpz, 2) == {**hpz, "zeropp": None}  # tp 2 of 2 ranks: a data-parallel world of 1
 
 
 def test_stage_0_runs_a_tp_draw_on_its_dp_ranks_and_each_tp_rank_compares_with_its_dp_rank():
