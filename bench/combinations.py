@@ -97,7 +97,8 @@ QUANTIZED_TOLERANCE = 0.2  # qwZ and qgZ quantize to int8 and int4 on purpose
 # the weights after 3 steps, relative L2: AdamW's division by sqrt(v) amplifies a rounding of a near-zero gradient
 WEIGHT_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 # with tp, stage 0 (no tp) sums in another order, and Adam turns that rounding of a near-zero gradient into an update
-# of up to lr: tests/test_autotp.py's bound for Adam-family weights against one process (SGD stays within 2.5e-9)
+# of up to lr: tests/test_autotp.py's bound for Adam-family weights against one process (SGD stays within 2.5e-9).
+# The key bias, whose gradient is zero but for rounding, is left out of the comparison: see seen_by_the_loss
 TP_ADAM_WEIGHT_TOLERANCE = 2e-4
 SAVE_AT = 2
 LENGTHS = (16, 11, 7, 13)  # the sequence length of micro-step i, i modulo 4, in a draw whose lengths vary
@@ -412,8 +413,28 @@ def resharded_deviation(draw: dict, steps: int, references: dict, key: tuple,
             return "refused", "refused", "refused"
         raise
     deviation = largest_relative_difference(losses, per_rank(reference_losses, draw))
+    if draw["tp"] and draw["optimizer"] != "SGD":  # see seen_by_the_loss
+        weights, reference_weights = seen_by_the_loss(weights), seen_by_the_loss(reference_weights)
+        weights16, reference_weights16 = seen_by_the_loss(weights16), seen_by_the_loss(reference_weights16)
     return (deviation, "refused" if weights == "refused" else relative_l2(weights, reference_weights),
             relative_l2(weights16, reference_weights16))
+
+
+def seen_by_the_loss(weights: dict | str) -> dict | str:
+    """``weights`` without the key projection's bias (the middle third of the test GPT's ``attn.qkv.bias``). Softmax
+    ignores a shift that is the same for every key, so that bias changes no loss and its gradient is zero but for
+    rounding, which Adam's division by sqrt(v) turns into an update of up to lr a step: with tp the rounding is
+    another than stage 0's, and seed 97's draw 57 (fp32, Adam with L2 decay, losses bitwise stage 0's) had its key
+    biases 1e-3 apart, 2.7e-4 of the whole model, every other parameter within 3e-7 (docs/benchmarks.md)."""
+    if not isinstance(weights, dict):
+        return weights  # "refused"
+    kept = {}
+    for name, tensor in weights.items():
+        if name.endswith("attn.qkv.bias"):
+            third = tensor.numel() // 3
+            tensor = torch.cat([tensor[:third], tensor[2 * third:]])
+        kept[name] = tensor
+    return kept
 
 
 def relative_l2(weights: dict, reference: dict) -> float | str:

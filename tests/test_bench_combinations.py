@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zero_engine.config.loader import load_config
 
@@ -127,3 +128,14 @@ def test_a_few_draws_train_to_stage_0s_losses_and_resume_bitwise(capsys, monkeyp
     assert combinations.main() == 0
     out = capsys.readouterr().out
     assert "outcomes:" in out and "BAD" not in out and "ERROR" not in out
+
+
+def test_the_weights_compared_with_tp_and_adam_leave_out_the_key_bias_alone():
+    weights = {"blocks.0.attn.qkv.bias": torch.arange(6.0), "blocks.0.attn.qkv.weight": torch.ones(6, 2),
+               "blocks.0.mlp.fc.bias": torch.arange(3.0)}
+    kept = combinations.seen_by_the_loss(weights)
+    assert kept.keys() == weights.keys()
+    assert kept["blocks.0.attn.qkv.bias"].tolist() == [0.0, 1.0, 4.0, 5.0]  # q's and v's thirds: k's is left out
+    assert kept["blocks.0.attn.qkv.weight"] is weights["blocks.0.attn.qkv.weight"]
+    assert kept["blocks.0.mlp.fc.bias"] is weights["blocks.0.mlp.fc.bias"]
+    assert combinations.seen_by_the_loss("refused") == "refused"
