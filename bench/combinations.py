@@ -455,6 +455,16 @@ def per_rank(reference: list[list[float]], draw: dict) -> list[list[float]]:
     return [losses for losses in reference for _ in range(TP if draw["tp"] else 1)]
 
 
+def stage_0_of(draw: dict) -> dict:
+    """The draw a draw is compared with: stage 0 of the same model on the dp ranks alone (tp computes the same sums in
+    another order)."""
+    return dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None, zeropp=None,
+                zero_init=None, compile=None, tp=None, tp_width=draw["tp"],
+                experts=draw["experts"] and 1,  # every expert on every rank
+                load_stage=None,  # stage 0 loads at stage 0
+                world=draw["world"] // TP if draw["tp"] else draw["world"])
+
+
 def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
     """One draw's outcome (see the module's docstring)."""
     try:
@@ -469,12 +479,7 @@ def judge(draw: dict, steps: int, references: dict, resume: bool) -> dict:
                 raise
             return {"outcome": "BAD", "error": "a branch on some ranks only trained without an error"}
         key = tuple(draw[k] for k in COMPARED_WITH_STAGE_0)
-        # stage 0 of the same model on the dp ranks alone (tp computes the same sums in another order)
-        reference_draw = dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None, zeropp=None,
-                              zero_init=None, compile=None, tp=None, tp_width=draw["tp"],
-                              experts=draw["experts"] and 1,  # every expert on every rank
-                              load_stage=None,  # stage 0 loads at stage 0
-                              world=draw["world"] // TP if draw["tp"] else draw["world"])
+        reference_draw = stage_0_of(draw)
         if key not in references:
             references[key] = run(reference_draw, steps)
         losses = run(draw, steps)

@@ -5,14 +5,11 @@ sys.path.insert(0, "bench")
 import combinations as c
 draw = c.given_draw(open(sys.argv[1]).read())
 if __name__ == "__main__":
-    TP = c.TP
-    ref = dict(draw, stage=0, offload_param=None, offload_optimizer=None, sub_group=None, zeropp=None, zero_init=None,
-               compile=None, tp=None, tp_width=draw["tp"], experts=draw["experts"] and 1, load_stage=None,
-               world=draw["world"] // TP if draw["tp"] else draw["world"])
+    ref = c.stage_0_of(draw)
     steps = 5
     world = c.reshard_world(draw)
     _, _, w16 = c.run_resharded(draw, steps, world)
-    _, _, r16 = c.run_resharded(ref, steps, world // TP if draw["tp"] else world)
+    _, _, r16 = c.run_resharded(ref, steps, world // c.TP if draw["tp"] else world)
     rows = []
     for n in r16:
         a, b = w16[n].float(), r16[n].float()
