@@ -420,6 +420,29 @@ def test_bad_config_input_names_the_key_and_the_fix():
             "get_data_parallel_group": lambda self: None, "get_data_parallel_world_size": lambda self: 1})())
 
 
+def _mesh_check_body():
+    """resolve_mesh's own checks, against the process group: a config resolved for 3 data-parallel ranks (what
+    initialize(config=EngineConfig) or an mpu can hand it) met on 2."""
+    from zero_engine.mesh import resolve_mesh
+    messages = []
+    for zero in ({"stage": 3, "mics_shard_size": 3}, {"stage": 3, "zero_hpz_partition_size": 3}):
+        zc = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=3)
+        with pytest.raises(ConfigError) as caught:
+            resolve_mesh(zc.zero_optimization, "cpu")
+        messages.append(str(caught.value))
+    return messages
+
+
+def test_the_mesh_checks_word_the_fix_as_the_config_does():
+    """The same fix as the config's check (the sizes that divide, then the off value), not "a divisor"."""
+    for messages in run_ranks(_mesh_check_body, 2, timeout=TIMEOUT):
+        assert messages == [
+            "zero_optimization.mics_shard_size: 3 does not divide the data-parallel world of 2 ranks; use one of 1, 2 "
+            "(the ranks per shard group, e.g. GPUs per node), or -1 (off)",
+            "zero_optimization.zero_hpz_partition_size: 3 does not divide the data-parallel world of 2 ranks; use 2 "
+            "(the ranks per node), or 1 (off)"], messages
+
+
 def _bad_mesh_body():
     from torch.distributed.device_mesh import init_device_mesh
 

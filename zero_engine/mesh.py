@@ -56,6 +56,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .config.models import divisor_fix
 from .errors import ConfigError
 
 log = logging.getLogger("zero_engine.mesh")
@@ -159,8 +160,7 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
         raise ConfigError(f"{key}: {k} with a hierarchical mesh ({found.describe()}) is not supported yet; use hpZ "
                           "(states sharded over every rank) or MiCS / HSDP, not both")
     if dp % k:
-        raise ConfigError(f"{key}: {k} does not divide the data-parallel world of {dp} ranks; use a "
-                          "divisor (the ranks per node), or 1 (off)")
+        raise ConfigError(f"{key}: {divisor_fix(k, dp, 'the ranks per node', off=1)}")
     require_hpz_within_node(k, tp, "tp")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -233,9 +233,8 @@ def _resolve_dp(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
     if k in (-1, world):
         return flat_mesh(world, rank, "flat" if k == -1 else "mics_shard_size = world: flat")
     if k < 1 or world % k:
-        raise ConfigError(f"zero_optimization.mics_shard_size: {k} does not divide the data-parallel world of "
-                          f"{world} ranks; use a divisor of {world} (the ranks per shard group, e.g. GPUs per node)"
-                          ", or -1 (off)")
+        fix = divisor_fix(k, world, "the ranks per shard group, e.g. GPUs per node", off=-1)
+        raise ConfigError(f"zero_optimization.mics_shard_size: {fix}")
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
