@@ -160,7 +160,7 @@ def resolve_mesh(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh
         raise ConfigError(f"{key}: {k} with a hierarchical mesh ({found.describe()}) is not supported yet; use hpZ "
                           "(states sharded over every rank) or MiCS / HSDP, not both")
     if dp % k:
-        raise ConfigError(f"{key}: {divisor_fix(k, dp, 'the ranks per node', off=1)}")
+        raise ConfigError(f"{key}: {divisor_fix('zero_hpz_partition_size', k, dp)}")
     require_hpz_within_node(k, tp, "tp")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -233,8 +233,7 @@ def _resolve_dp(zero_config, device_type: str, mesh=None, mpu=None) -> ZeroMesh:
     if k in (-1, world):
         return flat_mesh(world, rank, "flat" if k == -1 else "mics_shard_size = world: flat")
     if k < 1 or world % k:
-        fix = divisor_fix(k, world, "the ranks per shard group, e.g. GPUs per node", off=-1)
-        raise ConfigError(f"zero_optimization.mics_shard_size: {fix}")
+        raise ConfigError(f"zero_optimization.mics_shard_size: {divisor_fix('mics_shard_size', k, world)}")
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=(DP_REPLICATE, DP_SHARD))

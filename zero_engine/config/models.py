@@ -393,7 +393,7 @@ def _check_mics_shard_size(zc, world_size: int) -> None:
     elif zc.stage == 0:
         fix = "needs zero_optimization.stage 1, 2 or 3 (stage 0 shards nothing); raise the stage or set -1"
     elif world_size % k:
-        fix = divisor_fix(k, world_size, "the ranks per shard group, e.g. GPUs per node", off=-1)
+        fix = divisor_fix("mics_shard_size", k, world_size)
     _raise_if(fix, "zero_optimization.mics_shard_size")
 
 
@@ -409,7 +409,7 @@ def _check_hpz_partition_size(zc, world_size: int) -> None:
         fix = (f"{k} together with mics_shard_size {zc.mics_shard_size} is not supported yet; use one of the two "
                "(hpZ keeps states sharded over every rank, MiCS within groups)")
     elif world_size % k:
-        fix = divisor_fix(k, world_size, "the ranks per node", off=1)
+        fix = divisor_fix("zero_hpz_partition_size", k, world_size)
     _raise_if(fix, "zero_optimization.zero_hpz_partition_size")
 
 
@@ -453,10 +453,16 @@ def _check_quantized(zc) -> None:
                       "or false", f"zero_optimization.{key}")
 
 
-def divisor_fix(k: int, world_size: int, meaning: str, off: int) -> str:
-    """The fix for a group size ``k`` that does not divide the data-parallel world: the sizes that do, but ``off``
-    (named once, as the way to turn the feature off). The config's checks and zero_engine/mesh.py's (against the
-    process group) word it alike."""
+# What a group size means, and the value that turns it off, for each key that sizes groups of data-parallel ranks
+_GROUP_SIZE_KEYS = {"mics_shard_size": ("the ranks per shard group, e.g. GPUs per node", -1),
+                    "zero_hpz_partition_size": ("the ranks per node", 1)}
+
+
+def divisor_fix(key: str, k: int, world_size: int) -> str:
+    """The fix for zero_optimization.``key``'s group size ``k`` that does not divide the data-parallel world: the
+    sizes that do, but the off value (named once, as the way to turn the feature off). The config's checks and
+    zero_engine/mesh.py's (against the process group) word it alike."""
+    meaning, off = _GROUP_SIZE_KEYS[key]
     choices = [str(d) for d in range(1, world_size + 1) if world_size % d == 0 and d != off]
     world = f"the data-parallel world of {world_size} rank{'s' if world_size != 1 else ''}"
     if not choices:  # one rank (AutoTP over the whole world, say): nothing to split it into groups
