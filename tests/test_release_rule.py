@@ -100,6 +100,76 @@ def test_parameter_held_by_gathered_parameters_is_not_freed_to_make_room():
         assert not leaks, f"still gathered after the step: {leaks}"
 
 
+class _ReadsALaterWeight(nn.Module):
+    """Reads the weight of a module that runs after it, inside a GatheredParameters block in its forward (a
+    reference kept at construction: no module attribute read, so only the block gathers it). From the second step
+    on, the coordinator's prefetch has that weight's gather in flight when the block enters."""
+
+    def __init__(self, later: nn.Linear):
+        super().__init__()
+        self.later_weight = [later.weight]
+        self.lin = nn.Linear(16, 16)
+        self.seen: list[str] = []  # the weight's status at each block's entry (the engine's model only)
+
+    def forward(self, h):
+        w = self.later_weight[0]
+        if hasattr(w, "ds_status"):
+            self.seen.append(w.ds_status.name)
+        with GatheredParameters(w):
+            scale = 1.0 + w.detach().square().mean()
+        return self.lin(h) * scale
+
+
+class _ReadsAheadLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.mid = nn.Linear(16, 16)
+        self.late = nn.Linear(16, 16)
+        self.reads = _ReadsALaterWeight(self.late)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, idx):
+        return self.head(self.late(self.mid(self.reads(self.emb(idx))))).logsumexp(-1).mean()
+
+
+def _block_on_prefetched_body():
+    torch.manual_seed(0)
+    model = _ReadsAheadLM()
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": 100_000}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        idx = torch.randint(0, 50, (2, 5), generator=g)
+        ref_opt.zero_grad()
+        ref_loss = reference(idx)
+        ref_loss.backward()
+        ref_opt.step()
+        loss = engine(idx)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    leaks = [sp.fqn for sp in engine.sharded if sp.status is not ParamStatus.NOT_AVAILABLE]
+    same = all(torch.equal(v, dict(reference.named_parameters())[n].detach()) for n, v in full_params(engine).items())
+    return losses, ref_losses, same, leaks, model.reads.seen, engine.coordinator.live_numel
+
+
+def test_gathered_parameters_on_a_prefetched_parameter_waits_for_its_gather():
+    """DeepSpeed's idiom inside a forward, on a parameter the engine is prefetching: the block waits for the engine's
+    gather (issued on every rank) and leaves the parameter to its module, instead of raising."""
+    for losses, ref_losses, same, leaks, seen, live in run_ranks(_block_on_prefetched_body, 2, timeout=TIMEOUT):
+        assert "INFLIGHT" in seen, f"the prefetch never had the weight in flight at the block: {seen}"
+        assert losses == ref_losses, (losses, ref_losses)  # bitwise at world 2
+        assert same, "parameters differ from the one-process run"
+        assert not leaks and live == 0, f"still gathered after the step: {leaks}, {live} elements counted"
+
+
 # ---- every release site asks the one rule (a coordinator on its own) --------------------------------------------------
 PER_LAYER = 16 * 16 + 16  # build_coordinator's Linear(16, 16)
 

@@ -22,6 +22,9 @@ A parameter split by tensor parallelism (a DTensor on a mesh's ``tp`` dim) is ga
 ranks only: inside the block it is a whole DTensor, ``param.to_local()`` this rank's tp piece and
 ``param.full_tensor()`` the whole tensor of the unsplit model (torch's all-gather over tp). Read-only for now.
 
+A parameter the engine is prefetching when the block enters (the block sits in a forward, the parameter belongs
+to a module that runs later) is waited for, not gathered again: it stays the engine's, released by its module.
+
 Engine calls inside the block (a forward, an eval loop) work: the parameters stay gathered for the block (the
 engine's coordinator does not release what a block holds), and the block's exit hands each one back to the
 coordinator that counted it, so its live-parameter budget stays right.
@@ -104,8 +107,8 @@ class GatheredParameters:
                 "supported yet; read them without modifier_rank, or set values with "
                 "zero_engine.utils.safe_set_full_fp32_param (tp-local values)")
         for sp in self.sharded:
-            if sp.status is ParamStatus.INFLIGHT:
-                raise RuntimeError(f"GatheredParameters: {sp.fqn} is being gathered by the engine right now")
+            if sp.status is ParamStatus.INFLIGHT:  # the engine's prefetch, issued on every rank: wait for it
+                sp.live_owner.acquire([sp])  # (counted by that engine, released by its module: not ours to free)
         self._gathered = [sp for sp in self.sharded if sp.status is ParamStatus.NOT_AVAILABLE]
         if self._gathered:
             from ..utils import shard_comm_of, shards_in_memory_of
