@@ -38,6 +38,8 @@ from zero_engine.testing.loop import resume_in_new_engine, train_global_batch
 from zero_engine.testing.models import GPT, GPTConfig, make_batches
 from zero_engine.testing.shards import gathered_params, whole_from_shards
 from zero_engine.utils import safe_get_full_fp32_param
+from zero_engine.zero import GatheredParameters
+from zero_engine.zero.partition import sharded_param_of
 from zero_engine.zero.quantize import (BLOCK, dequantize, dequantize_shards, payload_bytes, quantize,
                                        quantize_shards)
 
@@ -380,3 +382,144 @@ def test_persistent_parameters_are_gathered_exactly_whatever_built_the_model(tmp
     built_under_init = run_ranks(_zero_init_body, 2, str(tmp_path / "b"), True, timeout=TIMEOUT)
     assert all(whole for whole, _ in built_under_init)
     assert built_under_init == plain
+
+
+class _EditsInForward(torch.nn.Module):
+    """Edits two weights the engine holds gathered, int8-rounded, inside a GatheredParameters block with
+    modifier_rank=0 in its forward: the tied embedding weight (kept between its two uses) and the weight of a module
+    that runs later (prefetched). Each rank records whether its shards and fp32 masters changed in the edited
+    elements only."""
+
+    def __init__(self, tied: torch.nn.Parameter, later: torch.nn.Parameter):
+        super().__init__()
+        self.edited = [tied, later]  # plain references: only the block gathers them here
+        self.lin = torch.nn.Linear(64, 64)
+        self.log: list[tuple[list[str], bool]] = []
+
+    def forward(self, h):
+        sps = [sharded_param_of(w) for w in self.edited]
+        if sps[0] is not None:  # the engine's model (the reference does not run this block)
+            statuses = [sp.status.name for sp in sps]
+            before = [(sp.shard.clone(), sp.master.detach().clone()) for sp in sps]
+            value = 2.0 + len(self.log)  # far from every weight: an edit at 16 bits too
+            with GatheredParameters(self.edited, modifier_rank=0), torch.no_grad():
+                if dist.get_rank() == 0:
+                    self.edited[0][3].fill_(value)
+                    self.edited[1][0, :5].fill_(-value)
+            kept = True
+            for sp, (shard, master), rows in zip(sps, before, (slice(3, 4), (0, slice(0, 5)))):
+                mask = torch.zeros(sp.shape, dtype=torch.bool)
+                mask[rows] = True
+                local = sp.local_slice()
+                mask = torch.cat([mask.reshape(-1), mask.new_zeros(sp.padded_numel - sp.numel)])[local]
+                n = local.stop - local.start
+                edit = value if rows == slice(3, 4) else -value
+                for now, then in ((sp.shard[:n], shard[:n]), (sp.master.detach()[:n], master[:n])):
+                    kept &= torch.equal(now[~mask], then[~mask]) and bool((now[mask] == edit).all())
+            self.log.append((statuses, kept))
+        return self.lin(h)
+
+
+class _TiedWithLaterLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 64)
+        self.late = torch.nn.Linear(64, 64)
+        self.edits = _EditsInForward(self.emb.weight, self.late.weight)
+        self.head = torch.nn.Linear(64, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.late(self.edits(self.emb(idx)))).logsumexp(-1).mean()
+
+
+def _edits_in_forward_body():
+    torch.manual_seed(0)
+    model = _TiedWithLaterLinear()
+    config = ds_config(gas=1, stage3_param_persistence_threshold=0, zero_quantized_weights=True,
+                       stage3_prefetch_bucket_size=100_000)
+    config["bf16"] = {"enabled": True}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    for _ in range(3):
+        loss = engine(torch.randint(0, 50, (2, 5)))
+        engine.backward(loss)
+        engine.step()
+    return model.edits.log
+
+
+def test_an_edit_inside_a_forward_keeps_the_master_bits_of_what_it_did_not_edit():
+    """Under qwZ a weight the engine gathered holds int8-rounded values: a modifier_rank block on it takes only the
+    elements it edited into the shards and fp32 masters, not the rounding of the others (see [Note: edits are
+    compared with what the block found] in gathered.py)."""
+    for log in run_ranks(_edits_in_forward_body, 2, timeout=TIMEOUT):
+        statuses = [s for step, _ in log[1:] for s in step]
+        assert set(statuses) == {"AVAILABLE", "INFLIGHT"}, log  # kept and prefetched by the engine: not vacuous
+        assert all(kept for _, kept in log), log
+
+
+class _HalvesALaterWeight(torch.nn.Module):
+    """Halves the weight of a module that runs after it, in a modifier_rank=0 block in its forward (the reference
+    model halves it in place)."""
+
+    def __init__(self, later: torch.nn.Parameter):
+        super().__init__()
+        self.later = [later]
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, h):
+        w = self.later[0]
+        with GatheredParameters(w, modifier_rank=0), torch.no_grad():
+            if sharded_param_of(w) is None or dist.get_rank() == 0:
+                w.mul_(0.5)
+        return self.lin(h)
+
+
+class _HalvingLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.late = torch.nn.Linear(16, 16)
+        self.halves = _HalvesALaterWeight(self.late.weight)
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, idx):
+        return self.head(self.late(self.halves(self.emb(idx)))).logsumexp(-1).mean()
+
+
+def _edit_then_backward_body(zero: dict):
+    torch.manual_seed(0)
+    model = _HalvingLM()
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0, **zero}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(4):
+        idx = torch.randint(0, 50, (2, 5), generator=g)  # the same micro-batch on every rank
+        ref_opt.zero_grad()
+        ref_loss = reference(idx)
+        ref_loss.backward()
+        ref_opt.step()
+        loss = engine(idx)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    ours = gathered_params(engine)
+    same = all(torch.equal(ours[name], p.detach()) for name, p in reference.named_parameters())
+    return losses, ref_losses, same
+
+
+@pytest.mark.parametrize("zero", [{"stage3_prefetch_bucket_size": 1}, {"stage3_prefetch_bucket_size": 100_000}],
+                         ids=["gathered by the block", "prefetched"])
+def test_an_edit_inside_a_forward_reaches_backwards_gather_from_the_hpz_secondary(zero):
+    """hpZ's backward gathers read the secondary shards a forward gather refreshed; an edit in a modifier_rank
+    block between the two changes the shards, so backward must not read the copy from before it ([Note: when a
+    secondary shard may be read] in hpz.py). Every rank trains on the same micro-batch (SGD, fp32): bitwise."""
+    zero = {"zero_hpz_partition_size": 2, **zero}
+    for losses, ref_losses, same in run_ranks(_edit_then_backward_body, 4, zero, timeout=TIMEOUT):
+        assert losses == ref_losses, (losses, ref_losses)
+        assert same, "parameters differ from the one-process run"

@@ -9,8 +9,9 @@ taken on entry) and raises instead of being silently dropped. Nested blocks and 
 module in forward, a persistent parameter, stages 1-2) are fine: only what this block gathered is released.
 
 With ``modifier_rank``, the modifier's full values are broadcast on exit and each rank takes its slice into its
-shard; only the elements that changed (compared with the shard, which holds the values from before the block)
-are written, so the fp32 master of everything not edited keeps its bits instead of being rounded to 16 bits.
+shard; only the elements that changed (compared with the values from before the block: see [Note: edits are
+compared with what the block found]) are written, so the fp32 master of everything not edited keeps its bits
+instead of being rounded to 16 bits.
 
 ``fwd_module=module`` registers the parameters as external parameters of ``module`` (external.py), as DeepSpeed does.
 
@@ -25,6 +26,14 @@ ranks only: inside the block it is a whole DTensor, ``param.to_local()`` this ra
 A parameter the engine is prefetching when the block enters (the block sits in a forward, the parameter belongs
 to a module that runs later) is waited for, not gathered again: it stays the engine's, released by its module.
 
+[Note: edits are compared with what the block found]
+A parameter the engine had gathered (in flight or whole when a block inside a forward enters) holds the values the
+forward reads, and the block sees those: under qwZ (zero/quantize.py) they are int8-rounded, not the shard's. So
+with ``modifier_rank`` the edits are the elements that differ from what the block found (this rank's slice, copied
+at entry), not from the shard: compared with the shard, every rounded element would read as an edit and the
+rounding would be written into the shards and fp32 masters. For a parameter the block gathered itself (exact) the
+two are the same values, and no copy is made.
+
 Engine calls inside the block (a forward, an eval loop) work: the parameters stay gathered for the block (the
 engine's coordinator does not release what a block holds), and the block's exit hands each one back to the
 coordinator that counted it, so its live-parameter budget stays right.
@@ -38,6 +47,7 @@ import torch.distributed as dist
 from ..comm import Communicator, init_distributed
 from .external import register_external_parameter
 from .gather import SequentialGather
+from .hpz import forget_secondaries
 from .partition import ParamStatus, ShardedParam, sharded_param_of
 from .tensor_parallel import is_dtensor
 from .unit import release_if_unused
@@ -51,19 +61,22 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.sum(), (x * weights).sum()])
 
 
-def _take_edits_into_shard(sp: ShardedParam) -> None:
-    """Write the elements of this rank's slice of ``sp.full`` that differ from its shard into the shard and into
-    every fp32 copy (master, or the master-to-be of a parameter no optimizer owns yet); the rest keep their bits."""
+def _take_edits_into_shard(sp: ShardedParam, before: torch.Tensor | None = None) -> None:
+    """Write the elements of this rank's slice of ``sp.full`` that the block changed into the shard and into every
+    fp32 copy (master, or the master-to-be of a parameter no optimizer owns yet); the rest keep their bits.
+    ``before``: that slice as the block found it, for a parameter the engine had gathered (see [Note: edits are
+    compared with what the block found]); None: the block gathered it exactly, so its shard holds those values."""
     local = sp.local_slice()
     n = local.stop - local.start
     if n == 0:
         return
     new = sp.full[local]
-    old = sp.shard[:n]
+    shard = sp.shard[:n]
+    old = shard if before is None else before
     changed = (new != old) & ~(new.isnan() & old.isnan())
     if not bool(changed.any()):
         return
-    old.copy_(torch.where(changed, new, old))
+    shard.copy_(torch.where(changed, new, shard))
     for fp32 in (None if sp.master_is_shard else sp.master, sp.master_init):
         if fp32 is not None:
             fp32[:n].copy_(torch.where(changed, new.to(fp32.dtype), fp32[:n]))
@@ -89,6 +102,7 @@ class GatheredParameters:
                         register_external_parameter(fwd_module, p)
         self._gathered: list[ShardedParam] = []
         self._fingerprints: list[torch.Tensor] = []
+        self._before: dict[int, torch.Tensor] = {}  # modifier_rank: this rank's slices the engine had gathered
 
     def __enter__(self):
         if not self.sharded:
@@ -124,7 +138,10 @@ class GatheredParameters:
                         SequentialGather(comm).issue(params, name="GatheredParameters").wait()
         for sp in self.sharded:
             sp.held_by_user += 1
-        if self.modifier_rank is None:
+        if self.modifier_rank is not None:  # see [Note: edits are compared with what the block found]
+            ours = {id(sp) for sp in self._gathered}
+            self._before = {id(sp): sp.full[sp.local_slice()].clone() for sp in self.sharded if id(sp) not in ours}
+        else:
             self._fingerprints = [_fingerprint(sp.full[: sp.numel]) for sp in self.sharded]
         return self
 
@@ -152,7 +169,8 @@ class GatheredParameters:
                     for sp in self.sharded:  # the modifier's values everywhere, then the edits into shards, masters
                         comm, src = self._modifier_of(sp)
                         comm.broadcast(sp.full, src=src, name=f"GatheredParameters {sp.fqn}")
-                        _take_edits_into_shard(sp)
+                        _take_edits_into_shard(sp, self._before.get(id(sp)))
+                    forget_secondaries(self.sharded)  # hpZ: copies from before the edit are stale
             elif self.modifier_rank is None:
                 edited = [sp.fqn or str(tuple(sp.shape)) for sp, before in zip(self.sharded, self._fingerprints)
                           if not torch.allclose(_fingerprint(sp.full[: sp.numel]), before, rtol=0, atol=0,

@@ -34,7 +34,9 @@ depend on the weights alone.
 
 [Note: what stays exact]
 Persistent parameters (small, kept whole: biases, norms) are re-gathered after each step by the exact strategy, as
-is every ``GatheredParameters`` and checkpoint gather: user-visible values are the real ones. With hpZ
+is every ``GatheredParameters`` and checkpoint gather: user-visible values are the real ones (but for a block
+inside a forward on a weight the engine has gathered: it sees what the forward reads; gathered.py's [Note: edits
+are compared with what the block found] keeps that rounding out of the shards). With hpZ
 (zero/hpz.py) the forward's quantized gather fills the 16-bit secondary shards from the dequantized values, so
 backward's gathers within the hpZ group move 16-bit copies of exactly the weights forward used (backward and
 forward agree bit for bit; only the cross-group primary gather is quantized, where the bandwidth is scarce).
