@@ -32,7 +32,7 @@ forward reads, and the block sees those: under qwZ (zero/quantize.py) they are i
 with ``modifier_rank`` the edits are the elements that differ from what the block found (this rank's slice, copied
 at entry), not from the shard: compared with the shard, every rounded element would read as an edit and the
 rounding would be written into the shards and fp32 masters. For a parameter the block gathered itself (exact) the
-two are the same values, and no copy is made.
+two are the same values, and no copy is made; the copies are this rank's slices (1/N of each parameter).
 
 Engine calls inside the block (a forward, an eval loop) work: the parameters stay gathered for the block (the
 engine's coordinator does not release what a block holds), and the block's exit hands each one back to the

@@ -21,8 +21,8 @@ With ``stage3_allgather_sequential`` every parameter is gathered on its own, as 
 [Note: when a secondary shard may be read]
 A secondary shard is a copy of the parameter as the last primary gather saw it, so it is stale as soon as a shard
 changes (the optimizer step, load_checkpoint, GatheredParameters(modifier_rank=...)). Every ``engine(...)`` forward
-starts by forgetting all of them (``invalidate``), an edit in a modifier_rank block forgets those of the parameters
-it took edits into (``forget_secondaries``: a block inside a forward, between the forward's gather and backward's),
+starts by forgetting all of them (``invalidate``), an edit in a modifier_rank block forgets those of the block's
+parameters (``forget_secondaries``: a block inside a forward, between the forward's gather and backward's),
 and a gather reads the secondary of a parameter only if a primary gather refreshed it since: in practice every
 backward gather (and a second use within the forward, a reused block), while a parameter gathered for the first time
 in the pass, or a refresh after the step, goes to the primary shards. Shards do not otherwise change between a
@@ -42,14 +42,12 @@ from .partition import ShardedParam, foreach_alloc_full, foreach_to_available, f
 
 __all__ = ["HpzGather", "forget_secondaries"]
 
-_live: "weakref.WeakSet[HpzGather]" = weakref.WeakSet()  # every engine's, for forget_secondaries
-
 
 def forget_secondaries(params: list[ShardedParam]) -> None:
     """``params``' shards changed during a pass: their secondary copies are stale, so their next gathers go to the
     primary shards (see [Note: when a secondary shard may be read]). Called by every rank (a modifier_rank block's
     exit is collective), so every rank then issues the same gathers."""
-    for hpz in list(_live):
+    for hpz in list(HpzGather.live):
         for p in params:
             hpz.valid.discard(id(p))
 
@@ -125,6 +123,8 @@ class HpzGather:
     """Wraps the engine's primary gatherer (over the world) with the secondary partition over ``hpz_comm``; an MoE
     expert parameter's secondary lies over its group's ``hpz_comm`` instead ([Note: hpZ of experts] in expert.py)."""
 
+    live: "weakref.WeakSet[HpzGather]" = weakref.WeakSet()  # every engine's: for forget_secondaries
+
     def __init__(self, primary, hpz_comm, params: list[ShardedParam], accounting=None, streams=None,
                  bucket_numel: int = 0):
         """``bucket_numel``: the longest run of small parameters one collective gathers from the secondary (the
@@ -151,7 +151,7 @@ class HpzGather:
             if p.is_available:  # built whole (not under zero.Init): its slice now
                 self.refresh_from_full(p)
         self.bytes = sum(t.numel() * t.element_size() for t in self.secondary.values())
-        _live.add(self)
+        HpzGather.live.add(self)
         if accounting is not None:
             accounting.add("params_secondary", self.bytes)
 
