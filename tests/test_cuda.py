@@ -203,3 +203,58 @@ def test_save_16bit_model_streams_to_host(tmp_path):
     growth, largest, model_bytes, devices = run_ranks(_save16_body, 1, str(tmp_path), timeout=120)[0]
     assert set(devices.values()) == {"cpu"}
     assert growth <= 2 * largest + (1 << 20) < model_bytes, (growth, largest, model_bytes)
+
+
+def _edit_with_offload_body(offload_param: bool):
+    """bf16 ZeRO-3 on CUDA with the optimizer (fp32 masters) on the host and, with ``offload_param``, the compute
+    shards too; one step, then a modifier_rank block edits one row of a weight (before and after, the fp32 values
+    of the whole weight, read from the masters), then one more step."""
+    import zero_engine
+    from zero_engine.testing.models import GPT, GPTConfig, make_batches
+    from zero_engine.utils import safe_get_full_fp32_param
+    from zero_engine.zero import GatheredParameters
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+    engine, *_ = zero_engine.initialize(model=GPT(cfg), config=config)
+    batches = list(make_batches(cfg, 2, 2))
+    losses = []
+
+    def step(x, y):
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+
+    step(*batches[0])
+    weight = engine.module.lm_head.weight
+    before = safe_get_full_fp32_param(weight)
+    with GatheredParameters(weight, modifier_rank=0), torch.no_grad():
+        weight[3].fill_(2.0)
+    after = safe_get_full_fp32_param(weight)
+    step(*batches[1])
+    shard_devices = {sp.shard.device.type for sp in engine.sharded}
+    master_devices = {sp.master.device.type for sp in engine.sharded if sp.master is not None}
+    engine.destroy()
+    return before, after, losses, shard_devices, master_devices
+
+
+@needs_cuda
+@pytest.mark.parametrize("offload_param", [False, True], ids=["masters on host", "shards and masters on host"])
+def test_an_edit_on_cuda_reaches_host_masters_and_shards_and_keeps_the_other_bits(offload_param):
+    """GatheredParameters(modifier_rank=...) compares and writes where each copy lives: the gathered weight on the
+    GPU, the shards (on the host under offload_param) and the fp32 masters (on the host under offload_optimizer)."""
+    from zero_engine.testing import run_ranks
+
+    before, after, losses, shards, masters = run_ranks(_edit_with_offload_body, 1, offload_param, timeout=120)[0]
+    assert masters == {"cpu"} and shards == ({"cpu"} if offload_param else {"cuda"}), (shards, masters)
+    assert (after[3] == 2.0).all()
+    rest = torch.ones(after.shape[0], dtype=torch.bool)
+    rest[3] = False
+    assert torch.equal(after[rest], before[rest])  # the fp32 bits of every row not edited
+    assert all(map(torch.isfinite, map(torch.tensor, losses))), losses

@@ -70,16 +70,16 @@ def _take_edits_into_shard(sp: ShardedParam, before: torch.Tensor | None = None)
     n = local.stop - local.start
     if n == 0:
         return
-    new = sp.full[local]
     shard = sp.shard[:n]
+    new = sp.full[local].to(shard.device)  # compared where the shard is: the host under offload_param
     old = shard if before is None else before
     changed = (new != old) & ~(new.isnan() & old.isnan())
     if not bool(changed.any()):
         return
     shard.copy_(torch.where(changed, new, shard))
     for fp32 in (None if sp.master_is_shard else sp.master, sp.master_init):
-        if fp32 is not None:
-            fp32[:n].copy_(torch.where(changed, new.to(fp32.dtype), fp32[:n]))
+        if fp32 is not None:  # on the host under offload_optimizer, the shard on the device
+            fp32[:n].copy_(torch.where(changed.to(fp32.device), new.to(fp32.device, fp32.dtype), fp32[:n]))
 
 
 class GatheredParameters:
@@ -140,7 +140,8 @@ class GatheredParameters:
             sp.held_by_user += 1
         if self.modifier_rank is not None:  # see [Note: edits are compared with what the block found]
             ours = {id(sp) for sp in self._gathered}
-            self._before = {id(sp): sp.full[sp.local_slice()].clone() for sp in self.sharded if id(sp) not in ours}
+            self._before = {id(sp): sp.full[sp.local_slice()].to(sp.shard.device, copy=True)
+                            for sp in self.sharded if id(sp) not in ours}
         else:
             self._fingerprints = [_fingerprint(sp.full[: sp.numel]) for sp in self.sharded]
         return self
