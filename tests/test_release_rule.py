@@ -170,6 +170,77 @@ def test_gathered_parameters_on_a_prefetched_parameter_waits_for_its_gather():
         assert not leaks and live == 0, f"still gathered after the step: {leaks}, {live} elements counted"
 
 
+def _steps_inside_a_block_body(stage: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    params = list(engine.module.parameters())
+    seen, expected = [], []
+    with GatheredParameters(params):  # read-only: the engine's steps are not the user's edits
+        for _ in range(2):
+            x = torch.randn(2, 8, generator=g)
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            ref_opt.zero_grad()
+            reference(x).square().mean().backward()
+            ref_opt.step()
+            seen.append([p.detach().clone() for p in params])
+            expected.append([p.detach().clone() for p in reference.parameters()])
+    return [all(map(torch.equal, a, b)) for a, b in zip(seen, expected)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_steps_inside_a_gathered_parameters_block_update_what_it_holds(stage):
+    """The engine's step inside a block rewrites the whole parameters it holds from their new shards (as persistent
+    ones are), so the block, and a forward inside it, read the updated weights; the read-only block's edit check
+    does not take that update for the user's edit."""
+    for same in run_ranks(_steps_inside_a_block_body, 2, stage, timeout=TIMEOUT):
+        assert same == [True, True], same
+
+
+def _bf16_steps_body(stage: int, block: bool):
+    from zero_engine.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+
+    def step():
+        loss = engine(torch.randn(2, 8, generator=g).bfloat16()).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+
+    params = list(engine.module.parameters())
+    with GatheredParameters(params, modifier_rank=0) if block else contextlib.nullcontext():
+        step()  # no edit in the block: its exit must change nothing
+        step()
+    step()
+    return losses, [safe_get_full_fp32_param(p) for p in params]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_steps_inside_a_modifier_block_keep_the_fp32_master_bits(stage):
+    """A modifier_rank block compares what it holds at exit with what it found; a step inside it rewrites that from
+    the new shards (16-bit), which must not read as an edit and round the fp32 masters."""
+    inside = run_ranks(_bf16_steps_body, 2, stage, True, timeout=TIMEOUT)
+    plain = run_ranks(_bf16_steps_body, 2, stage, False, timeout=TIMEOUT)
+    for (losses, masters), (ref_losses, ref_masters) in zip(inside, plain):
+        assert losses == ref_losses, (losses, ref_losses)
+        assert all(map(torch.equal, masters, ref_masters))
+
+
 # ---- every release site asks the one rule (a coordinator on its own) --------------------------------------------------
 PER_LAYER = 16 * 16 + 16  # build_coordinator's Linear(16, 16)
 

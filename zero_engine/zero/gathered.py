@@ -34,12 +34,15 @@ at entry), not from the shard: compared with the shard, every rounded element wo
 rounding would be written into the shards and fp32 masters. For a parameter the block gathered itself (exact) the
 two are the same values, and no copy is made; the copies are this rank's slices (1/N of each parameter).
 
-Engine calls inside the block (a forward, an eval loop) work: the parameters stay gathered for the block (the
-engine's coordinator does not release what a block holds), and the block's exit hands each one back to the
+Engine calls inside the block (a forward, an eval loop, a training step) work: the parameters stay gathered for the
+block (the engine's coordinator does not release what a block holds), a step rewrites them from their new shards
+(``rebase_open_blocks`` keeps that update from reading as an edit), and the block's exit hands each one back to the
 coordinator that counted it, so its live-parameter budget stays right.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -52,7 +55,7 @@ from .partition import ParamStatus, ShardedParam, sharded_param_of
 from .tensor_parallel import is_dtensor
 from .unit import release_if_unused
 
-__all__ = ["GatheredParameters"]
+__all__ = ["GatheredParameters", "rebase_open_blocks"]
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,24 @@ def _take_edits_into_shard(sp: ShardedParam, before: torch.Tensor | None = None)
             fp32[:n].copy_(torch.where(changed.to(fp32.device), new.to(fp32.device, fp32.dtype), fp32[:n]))
 
 
+def rebase_open_blocks(params: list[ShardedParam]) -> None:
+    """The engine rewrote ``params``' whole values from their new shards (the refresh after a step or a load): every
+    open block holding one of them takes what it found at entry again, so the engine's update is not taken for the
+    user's edit at the block's exit: a read-only block its fingerprint, a modifier_rank block its copy of what the
+    engine had gathered (dropped: the values are now the shard's, exactly). An edit made in the block before the
+    refresh is overwritten by it, as a read-only block's exit would drop it."""
+    ids = {id(sp) for sp in params}
+    for block in list(GatheredParameters.open):
+        if block._fingerprints:
+            block._fingerprints = [_fingerprint(sp.full[: sp.numel]) if id(sp) in ids else before
+                                   for sp, before in zip(block.sharded, block._fingerprints)]
+        for key in ids.intersection(block._before):
+            del block._before[key]
+
+
 class GatheredParameters:
+    open: "weakref.WeakSet[GatheredParameters]" = weakref.WeakSet()  # blocks inside their ``with``
+
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True, *,
                  _comm: Communicator | None = None):
         """``fwd_module``: as in DeepSpeed, also register the parameters as external parameters of that module
@@ -144,6 +164,7 @@ class GatheredParameters:
                             for sp in self.sharded if id(sp) not in ours}
         else:
             self._fingerprints = [_fingerprint(sp.full[: sp.numel]) for sp in self.sharded]
+        GatheredParameters.open.add(self)
         return self
 
     def _modifier_of(self, sp: ShardedParam):
@@ -161,6 +182,7 @@ class GatheredParameters:
     def __exit__(self, exc_type, exc, tb):
         if not self.sharded:
             return False
+        GatheredParameters.open.discard(self)
         edited = []
         try:
             if exc_type is None and self.modifier_rank is not None:
