@@ -348,6 +348,35 @@ def test_save_pretrained_bf16_and_fp32_masters(tmp_path):
         assert torch.equal(param.detach(), masters[name]), name
 
 
+def _nvme_masters_save_body(directory, out_dir, nvme_dir):
+    import zero_engine.hf as zhf
+    from zero_engine.utils import safe_get_full_fp32_param
+
+    config = ds_config(bf16=True)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
+    model = zhf.from_pretrained(transformers.AutoModelForCausalLM, directory)
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    zhf.save_pretrained(engine, out_dir, dtype=torch.float32)
+    masters = {name: safe_get_full_fp32_param(p) for name, p in model.named_parameters()}
+    engine.destroy()
+    return masters
+
+
+def test_save_pretrained_fp32_reads_the_masters_in_from_nvme(tmp_path):
+    """Under NVMe optimizer offload the fp32 masters live in files between steps: the save reads them in (it
+    gathered their empty placeholders, and the ranks' gathers disagreed)."""
+    directory = save(tiny_llama(), str(tmp_path / "llama"))
+    (tmp_path / "nvme").mkdir()
+    masters = run_ranks(_nvme_masters_save_body, 2, directory, str(tmp_path / "fp32"), str(tmp_path / "nvme"),
+                        timeout=TIMEOUT)[0]
+    fp32 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))
+    for name, param in fp32.named_parameters():
+        assert torch.equal(param.detach(), masters[name]), name
+
+
 def _stage0_bf16_save_body(out_dir):
     import zero_engine.hf as zhf
 

@@ -17,6 +17,7 @@ layout of transformers' own MoE experts (Mixtral's ``gate_up_proj`` / ``down_pro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -61,24 +62,25 @@ def save_pretrained(engine, path, dtype: torch.dtype | None = None, max_shard_si
         error = _try(lambda: _prepare_directory(path, model, entries))
     writer, file_index, position = None, 0, 0
     filenames = plan.filenames()
-    for name, tensor, out_dtype in entries:
-        with torch.profiler.record_function(f"zero3::hf_save {name}"):
-            value = _gather_on_rank0(tensor, out_dtype, engine, comm)
-        if comm.rank != 0 or error is not None:
-            continue
-        try:
-            if writer is None:
-                writer = SafetensorsWriter(os.path.join(path, filenames[file_index]), plan.files[file_index])
-            writer.write(name, value)
-            position += 1
-            if position == len(plan.files[file_index]):
-                writer.close()
-                writer, file_index, position = None, file_index + 1, 0
-        except Exception as exc:  # noqa: BLE001 -- keep gathering with the others; every rank raises below
-            error = exc
-            if writer is not None:
-                writer.abort()
-        del value
+    with _masters_in_memory(engine, entries):  # NVMe optimizer offload: fp32 masters read in for the save
+        for name, tensor, out_dtype in entries:
+            with torch.profiler.record_function(f"zero3::hf_save {name}"):
+                value = _gather_on_rank0(tensor, out_dtype, engine, comm)
+            if comm.rank != 0 or error is not None:
+                continue
+            try:
+                if writer is None:
+                    writer = SafetensorsWriter(os.path.join(path, filenames[file_index]), plan.files[file_index])
+                writer.write(name, value)
+                position += 1
+                if position == len(plan.files[file_index]):
+                    writer.close()
+                    writer, file_index, position = None, file_index + 1, 0
+            except Exception as exc:  # noqa: BLE001 -- keep gathering with the others; every rank raises below
+                error = exc
+                if writer is not None:
+                    writer.abort()
+            del value
     if comm.rank == 0 and error is None and len(filenames) > 1:
         error = _try(lambda: _write_json(os.path.join(path, "model.safetensors.index.json"), plan.index()))
     outcome = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
@@ -166,6 +168,18 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
         dist.gather(local, list(full.chunk(shard_comm.world_size)) if full is not None else None, dst=0,
                     group=shard_comm.group)
         return full[: sp.numel].view(sp.shape).to("cpu") if full is not None else None
+
+
+def _masters_in_memory(engine, entries):
+    """A context in which the fp32 masters that ``_source_shard`` reads for ``entries`` are in memory (under NVMe
+    optimizer offload they live in files between steps: offload/optimizer_swap.py); nothing when none is read."""
+    for _, tensor, out_dtype in entries:
+        sp = sharded_param_of(tensor)
+        if sp is not None and _source_shard(sp, out_dtype) is not sp.shard:
+            from ..utils import states_in_memory_of
+
+            return states_in_memory_of(tensor)
+    return contextlib.nullcontext()
 
 
 def _source_shard(sp: ShardedParam, out_dtype: torch.dtype) -> torch.Tensor:
