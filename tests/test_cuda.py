@@ -8,6 +8,7 @@ compute). On a GPU, cuBLAS picks different kernels for a micro-batch than for th
 """
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -258,3 +259,60 @@ def test_an_edit_on_cuda_reaches_host_masters_and_shards_and_keeps_the_other_bit
     rest[3] = False
     assert torch.equal(after[rest], before[rest])  # the fp32 bits of every row not edited
     assert all(map(torch.isfinite, map(torch.tensor, losses))), losses
+
+
+@needs_cuda
+def test_hf_offload_and_helpers_on_cuda_world1_nccl(tmp_path):
+    """from_pretrained builds the shards on the GPU; with the masters and the compute shards on the host, the
+    helpers that gather them (safe_get_full_fp32_param, save_pretrained's fp32 masters) gather on the device, and an
+    edit in GatheredParameters(modifier_rank=0) reaches the host masters (tests/cuda_offload_api_worker.py)."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from test_hf import save, tiny_llama
+
+    model_dir, save_dir, out = tmp_path / "llama", tmp_path / "saved", tmp_path / "result.json"
+    save(tiny_llama(), str(model_dir))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+           str(ROOT / "tests" / "cuda_offload_api_worker.py"), "nccl", str(model_dir), str(save_dir), str(out)]
+    proc = run_in_session(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["loaded_on"] == ["cuda"] and result["engine_device"] == "cuda", result
+    assert result["masters_on"] == ["cpu"] and result["shards_on"] == ["cpu"], result
+    assert all(map(math.isfinite, result["losses"])), result["losses"]
+    assert result["master_row3"] == [2.0] * len(result["master_row3"])
+    saved = load_file(str(save_dir / "model.safetensors"))["lm_head.weight"]
+    assert saved.dtype == torch.float32
+    assert saved[3].tolist() == result["master_row3"] and saved[0].tolist() == result["master_row0"]
+
+
+def _host_grads_read_at_once_body():
+    import zero_engine
+    from zero_engine.utils import safe_get_local_grad
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4096, bias=False)  # a 64 MB gradient shard: its copy to the host takes a while
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 1 << 25,
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    same = []
+    for _ in range(3):
+        loss = engine(torch.randn(2, 4096, device=engine.device)).square().mean()
+        engine.backward(loss)
+        at_once = safe_get_local_grad(model.weight)  # right after backward: the copy may still be running
+        torch.cuda.synchronize()
+        same.append(torch.equal(at_once, safe_get_local_grad(model.weight)))
+        engine.step()
+    engine.destroy()
+    return same
+
+
+@needs_cuda
+def test_host_gradient_shards_read_right_after_backward_on_cuda_are_complete():
+    """Under offload_optimizer the gradient shards come to pinned host memory by non-blocking copies; a helper that
+    reads them on the host (safe_get_local_grad, checkpoints) waits for those copies first."""
+    from zero_engine.testing import run_ranks
+
+    assert run_ranks(_host_grads_read_at_once_body, 1, timeout=120)[0] == [True, True, True]

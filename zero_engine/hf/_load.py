@@ -48,6 +48,7 @@ import torch.nn as nn
 from ..checkpoint._collective import agree
 from ..comm import Communicator, init_distributed
 from ..config.models import ZeroEngineSection
+from ..device import local_device
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import ShardedParam
 from ._files import find_checkpoint, open_tensor_file
@@ -283,14 +284,16 @@ def _check_renamings(plan: _Plan) -> None:
 
 # ---- partitioning and streaming ------------------------------------------------------------------------------------
 def _partition(model: nn.Module, rank: int, world: int) -> dict[int, ShardedParam]:
-    """Every meta parameter -> a released ShardedParam (shard only); meta buffers -> empty CPU tensors.
+    """Every meta parameter -> a released ShardedParam (shard only); meta buffers -> empty tensors, on this rank's
+    device.
 
     Returns {id(new param): ShardedParam}. Tied names share one parameter, hence one ShardedParam.
     """
+    device = local_device()  # this rank's accelerator, as zero.Init builds on (see [Note: one device per rank])
     replaced: dict[int, nn.Parameter] = {}
     sharded: dict[int, ShardedParam] = {}
     for index, (name, param) in enumerate(model.named_parameters()):
-        sp = ShardedParam.from_meta(param, name, index, rank, world)
+        sp = ShardedParam.from_meta(param, name, index, rank, world, device=device)
         replaced[id(param)] = sp.param
         sharded[id(sp.param)] = sp
     buffers: dict[int, torch.Tensor] = {}
@@ -301,7 +304,7 @@ def _partition(model: nn.Module, rank: int, world: int) -> dict[int, ShardedPara
         for key, buffer in module._buffers.items():
             if buffer is not None and buffer.device.type == "meta":
                 if id(buffer) not in buffers:
-                    buffers[id(buffer)] = torch.empty_like(buffer, device="cpu")
+                    buffers[id(buffer)] = torch.empty_like(buffer, device=device)
                 module._buffers[key] = buffers[id(buffer)]
     return sharded
 

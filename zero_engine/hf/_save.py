@@ -148,7 +148,7 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
 
     with shards_in_memory_of([sp]):  # NVMe parameter offload: its shard bucket read in for the gather
         source = _source_shard(sp, out_dtype)
-        local = source if source.dtype == out_dtype else source.to(out_dtype)
+        local = source.to(sp.compute_device, out_dtype)  # a master on the host (offload): NCCL needs the device
         if edp is not None:  # an expert's: sharded over its edp group (never with a mesh or tp: refused there)
             whole = whole_expert_on_rank0(local, comm, edp, sp.numel, sp.shape)
             return whole.to("cpu", copy=True) if whole is not None else None

@@ -138,12 +138,15 @@ def _loss_scale(engine) -> float:
 
 
 def _gather(engine, sp: ShardedParam, shard: torch.Tensor, what: str) -> torch.Tensor:
-    """The whole parameter-shaped fp32 tensor from every rank's ``shard`` (one all-gather)."""
-    out = torch.empty(sp.padded_numel, dtype=torch.float32, device=shard.device)
+    """The whole parameter-shaped fp32 tensor from every rank's ``shard`` (one all-gather), on the shard's device.
+    Gathered on the compute device: a master, an optimizer state or a gradient shard may be on the host (offload),
+    which NCCL does not take."""
+    device = sp.compute_device
+    out = torch.empty(sp.padded_numel, dtype=torch.float32, device=device)
     comm = engine.shard_comm if sp.group is None else sp.group.comm  # an MoE expert: its edp group (this ep rank's)
-    comm.all_gather_into_tensor(out, shard.detach().float().contiguous(),  # over its shard group
+    comm.all_gather_into_tensor(out, shard.detach().to(device, torch.float32).contiguous(),  # over its shard group
                                 name=f"{what} {sp.fqn}").wait()
-    return out[: sp.numel].view(sp.shape)
+    return out[: sp.numel].view(sp.shape).to(shard.device)
 
 
 def _local_part(sp: ShardedParam, value: torch.Tensor, what: str) -> torch.Tensor:

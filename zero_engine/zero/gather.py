@@ -237,8 +237,8 @@ def choose_sequential_buckets(buckets: list[ShardBucket], headroom_bytes: int, s
     parameters are prefetched one at a time, alone), the others coalesced. Every rank must issue the same
     collectives, so the smallest headroom over the ranks decides (one all-reduce). Logged once, on rank 0.
     """
-    left = torch.tensor([float(headroom_bytes - states_to_come)], dtype=torch.float64,
-                        device=buckets[0].flat.device if buckets else "cpu")
+    left = torch.tensor([float(headroom_bytes - states_to_come)], dtype=torch.float64,  # on the compute device:
+                        device=buckets[0].params[0].compute_device if buckets else "cpu")  # host shards, NCCL
     if comm.world_size > 1:
         comm.all_reduce(left, op="min", name="auto gather budget")
     left = float(left.item())

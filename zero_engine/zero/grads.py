@@ -63,9 +63,10 @@ converts them to fp32 one sub-group at a time.
 Under ``offload_optimizer`` (cpu or nvme) the step runs on the host, so the reducer is given ``grad_device`` (the
 CPU; pinned when ``pin_memory``): each bucket's reduce-scatter still runs on the compute device into a transient
 receive buffer, and as the bucket completes its shards are copied to the host (asynchronously from pinned memory;
-the step synchronises once before it reads them) and accumulated there across micro-steps. The device then holds
-no gradient shard between buckets. The host shards keep ``grad_dtype``, as the device's would: the values (and the
-rounding of the accumulation) are the same with and without offload, which is what makes offload bitwise exact;
+the step synchronises once before it reads them, and ``shard_grads``, through which the helpers and checkpoints read
+them, waits for such a copy: ``wait_for_host_copies``) and accumulated there across micro-steps. The device then
+holds no gradient shard between buckets. The host shards keep ``grad_dtype``, as the device's would: the values (and
+the rounding of the accumulation) are the same with and without offload, which is what makes offload bitwise exact;
 CPUAdam converts 16-bit gradients inside its kernel. On a CPU-only machine ``grad_device`` is where the shards
 already are and nothing changes (see [Note: host and device on a CPU-only machine] in offload/placement.py).
 """
@@ -131,6 +132,7 @@ class GradReducer:
         self._held: dict[int, torch.Tensor] = {}  # their gradients on this rank, until the end of the pass
         self._next_launch = 0
         self._in_flight: list[GradBucket] = []
+        self._copying_to_host: torch.device | None = None  # a non-blocking copy into host shards not waited for yet
         self.grad_bytes = 0  # gradient shards that exist now
         self.backward_end = backward_end  # the end-of-backward flush a pass's first gradient hook queues (hooks.py)
 
@@ -354,6 +356,7 @@ class GradReducer:
 
     def shard_grads(self, params: list[ShardedParam]) -> list[torch.Tensor | None]:
         """``shard_grad`` of each of ``params``, in one call (the optimizer's, once per sub-group and step)."""
+        self.wait_for_host_copies()
         views = []
         for p in params:
             bucket = self._copy_slot[id(p)][0]
@@ -370,6 +373,7 @@ class GradReducer:
         the parameters it holds, back to back in that order); parameters of a bucket without shards are in none.
         What an update that converts gradients (the optimizer's fp32 copy) does once per run instead of once per
         parameter: a sub-group's parameters lie in few buckets, in reverse (buckets follow backward's order)."""
+        self.wait_for_host_copies()
         slots = []
         for i, p in enumerate(params):
             bucket = self._copy_slot[id(p)][0]
@@ -388,6 +392,13 @@ class GradReducer:
         if members:
             runs.append((bucket.shard_grads[start:end], members))
         return runs
+
+    def wait_for_host_copies(self) -> None:
+        """Wait for the non-blocking copies into host gradient shards (see [Note: gradient shards on the host])
+        before the host reads or writes one: one stream synchronisation after such a copy, none otherwise."""
+        if self._copying_to_host is not None:
+            torch.cuda.current_stream(self._copying_to_host).synchronize()
+            self._copying_to_host = None
 
     def alloc_shard_grads(self, bucket: GradBucket) -> torch.Tensor:
         """This window's gradient shards of ``bucket`` (uninitialised: the first reduction overwrites them)."""
@@ -522,6 +533,8 @@ class GradReducer:
                     recv = recv.to(bucket.shard_grads.device)
                 bucket.shard_grads.add_(recv)
             else:  # device -> (pinned) host is asynchronous; see [Note: gradient shards on the host]
+                if recv.device != bucket.shard_grads.device:
+                    self._copying_to_host = recv.device
                 bucket.shard_grads.copy_(recv, non_blocking=recv.device != bucket.shard_grads.device)
         bucket.has_grads = True
         self._track("comm_buffers", -bucket.send.numel() * bucket.send.element_size() - bucket.workspace)
