@@ -91,6 +91,8 @@ def rebase_open_blocks(params: list[ShardedParam]) -> None:
     user's edit at the block's exit: a read-only block its fingerprint, a modifier_rank block its copy of what the
     engine had gathered (dropped: the values are now the shard's, exactly). An edit made in the block before the
     refresh is overwritten by it, as a read-only block's exit would drop it."""
+    if not GatheredParameters.open:  # the usual step: no block open, nothing to do
+        return
     ids = {id(sp) for sp in params}
     for block in list(GatheredParameters.open):
         if block._fingerprints:
