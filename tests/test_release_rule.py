@@ -64,20 +64,19 @@ class _TiedLM(nn.Module):
         return self.head(self.mid(self.emb(idx))).logsumexp(-1).mean()
 
 
-def _held_tied_weight_body():
-    torch.manual_seed(0)
-    model = _TiedLM()
+def train_beside_one_process(model: nn.Module, zero: dict, steps: int, vocab: int):
+    """``steps`` SGD steps of ``model`` under the engine (``zero``: its zero_optimization section) and of a copy in
+    one process, on the same micro-batch on every rank (at world 2 the averaged gradient is the copy's exactly):
+    the engine's losses, the copy's, the engine and the copy."""
     reference = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_max_live_parameters": 2500, "stage3_prefetch_bucket_size": 100}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": zero}
     engine, *_ = zero_engine.initialize(model=model, config=config)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     losses, ref_losses = [], []
-    for _ in range(3):
-        idx = torch.randint(0, 120, (2, 5), generator=g)
+    for _ in range(steps):
+        idx = torch.randint(0, vocab, (2, 5), generator=g)
         ref_opt.zero_grad()
         ref_loss = reference(idx)
         ref_loss.backward()
@@ -87,9 +86,21 @@ def _held_tied_weight_body():
         engine.step()
         losses.append(loss.item())
         ref_losses.append(ref_loss.item())
+    return losses, ref_losses, engine, reference
+
+
+def _leaks_and_sameness(engine, reference) -> tuple[list[str], bool]:
     leaks = [sp.fqn for sp in engine.sharded if sp.status is not ParamStatus.NOT_AVAILABLE]
-    ours, ref = full_params(engine), dict(reference.named_parameters())
-    same = all(torch.equal(v, ref[n].detach()) for n, v in ours.items())
+    ref = dict(reference.named_parameters())
+    return leaks, all(torch.equal(v, ref[n].detach()) for n, v in full_params(engine).items())
+
+
+def _held_tied_weight_body():
+    torch.manual_seed(0)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 2500,
+            "stage3_prefetch_bucket_size": 100}
+    losses, ref_losses, engine, reference = train_beside_one_process(_TiedLM(), zero, 3, 120)
+    leaks, same = _leaks_and_sameness(engine, reference)
     return losses, ref_losses, same, leaks
 
 
@@ -136,27 +147,9 @@ class _ReadsAheadLM(nn.Module):
 def _block_on_prefetched_body():
     torch.manual_seed(0)
     model = _ReadsAheadLM()
-    reference = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_prefetch_bucket_size": 100_000}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    losses, ref_losses = [], []
-    for _ in range(3):
-        idx = torch.randint(0, 50, (2, 5), generator=g)
-        ref_opt.zero_grad()
-        ref_loss = reference(idx)
-        ref_loss.backward()
-        ref_opt.step()
-        loss = engine(idx)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        ref_losses.append(ref_loss.item())
-    leaks = [sp.fqn for sp in engine.sharded if sp.status is not ParamStatus.NOT_AVAILABLE]
-    same = all(torch.equal(v, dict(reference.named_parameters())[n].detach()) for n, v in full_params(engine).items())
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 100_000}
+    losses, ref_losses, engine, reference = train_beside_one_process(model, zero, 3, 50)
+    leaks, same = _leaks_and_sameness(engine, reference)
     return losses, ref_losses, same, leaks, model.reads.seen, engine.coordinator.live_numel
 
 

@@ -487,27 +487,11 @@ class _HalvingLM(torch.nn.Module):
 
 
 def _edit_then_backward_body(zero: dict):
+    from test_release_rule import train_beside_one_process
+
     torch.manual_seed(0)
-    model = _HalvingLM()
-    reference = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_max_reuse_distance": 0, **zero}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    losses, ref_losses = [], []
-    for _ in range(4):
-        idx = torch.randint(0, 50, (2, 5), generator=g)  # the same micro-batch on every rank
-        ref_opt.zero_grad()
-        ref_loss = reference(idx)
-        ref_loss.backward()
-        ref_opt.step()
-        loss = engine(idx)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        ref_losses.append(ref_loss.item())
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, **zero}
+    losses, ref_losses, engine, reference = train_beside_one_process(_HalvingLM(), zero, 4, 50)
     ours = gathered_params(engine)
     same = all(torch.equal(ours[name], p.detach()) for name, p in reference.named_parameters())
     return losses, ref_losses, same

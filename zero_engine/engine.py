@@ -41,7 +41,7 @@ from .memory.engine_stats import memory_stats, model_state_bytes
 from .mesh import data_parallel_world, named_communicators, summed_stats
 from .offload.placement import Placement
 from .wiring import build_parts
-from .zero.gathered import rebase_open_blocks
+from .zero.gathered import refresh_whole_params
 from .zero.partition import sharded_param_of
 from .zero.streams import CommStreams
 
@@ -238,11 +238,8 @@ class ZeroEngine(DeepSpeedEngineAPI):
             self.skipped_steps += 1  # parameters, optimizer states and the LR schedule are untouched
         self.nonfinite.after_step(result.overflow, self.global_steps)
         if not result.overflow:
-            if self.stage >= 1:  # whole params (persistent ones; at stage 3 also those a user's block holds)
-                stale = [sp for sp in self.sharded if sp.is_available]
-                if stale:  # refreshed from their new shards
-                    self.refresh_gatherer.issue(stale, name="refresh after step", refresh=True).wait()
-                    rebase_open_blocks(stale)
+            if self.stage >= 1:  # whole params refreshed from their new shards
+                refresh_whole_params(self.sharded, self.refresh_gatherer, "refresh after step")
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self._step_applied = True

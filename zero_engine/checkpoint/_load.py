@@ -29,7 +29,7 @@ from ._metadata import (CLIENT_STATE_FILE, ENGINE_STATE_FILE, GRADS_LOCAL, GRADS
                         CheckpointMeta, check_buffers_match, check_params_match, read_metadata)
 from ._reader import CheckpointReader, verify_files
 from ._views import ParamView, buffer_items, param_views, states_in_memory
-from ..zero.gathered import rebase_open_blocks
+from ..zero.gathered import refresh_whole_params
 from ..zero.tensor_parallel import grad_from_local
 
 log = logging.getLogger("zero_engine.checkpoint")
@@ -258,14 +258,10 @@ def _load_buffers(engine, reader: CheckpointReader) -> None:
 
 
 def _refresh_whole_params(engine) -> None:
-    """Parameters kept whole (stages 1-2; persistent ones, and those a GatheredParameters block holds, at stage 3)
-    are re-gathered from the new shards."""
+    """Parameters kept whole re-gathered from the new shards (stages 1-3: see refresh_whole_params)."""
     if engine.stage == 0:
         return
-    whole = [sp for sp in engine.sharded if sp.is_available]
-    if whole:
-        engine.refresh_gatherer.issue(whole, name="refresh after load_checkpoint", refresh=True).wait()
-        rebase_open_blocks(whole)
+    refresh_whole_params(engine.sharded, engine.refresh_gatherer, "refresh after load_checkpoint")
 
 
 def _reset_gradients(engine, views: list[ParamView]) -> None:

@@ -36,7 +36,7 @@ two are the same values, and no copy is made; the copies are this rank's slices 
 
 Engine calls inside the block (a forward, an eval loop, a training step) work: the parameters stay gathered for the
 block (the engine's coordinator does not release what a block holds), a step rewrites them from their new shards
-(``rebase_open_blocks`` keeps that update from reading as an edit), and the block's exit hands each one back to the
+(``refresh_whole_params``; that update does not read as an edit), and the block's exit hands each one back to the
 coordinator that counted it, so its live-parameter budget stays right.
 """
 
@@ -55,7 +55,7 @@ from .partition import ParamStatus, ShardedParam, sharded_param_of
 from .tensor_parallel import is_dtensor
 from .unit import release_if_unused
 
-__all__ = ["GatheredParameters", "rebase_open_blocks"]
+__all__ = ["GatheredParameters", "refresh_whole_params"]
 
 
 def _fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -83,6 +83,16 @@ def _take_edits_into_shard(sp: ShardedParam, before: torch.Tensor | None = None)
     for fp32 in (None if sp.master_is_shard else sp.master, sp.master_init):
         if fp32 is not None:  # on the host under offload_optimizer, the shard on the device
             fp32[:n].copy_(torch.where(changed.to(fp32.device), new.to(fp32.device, fp32.dtype), fp32[:n]))
+
+
+def refresh_whole_params(sharded: list[ShardedParam], gatherer, name: str) -> None:
+    """Re-gather the parameters of ``sharded`` that are whole now from their shards, which changed (the step, a
+    load): persistent ones, all of them at stages 1-2, and those a block holds at stage 3. Then tell the open blocks
+    (``rebase_open_blocks``)."""
+    whole = [sp for sp in sharded if sp.is_available]
+    if whole:
+        gatherer.issue(whole, name=name, refresh=True).wait()
+        rebase_open_blocks(whole)
 
 
 def rebase_open_blocks(params: list[ShardedParam]) -> None:
