@@ -737,3 +737,25 @@ def test_changed_kernel_sources_build_and_load_under_their_own_name(tmp_path, mo
     assert before.name != after.name and builder.build_directory(before) != builder.build_directory(after)
     assert f"-DZE_OP_NAMESPACE={after.name}" in after.cflags
     assert builder.plan_build("cpu_adam").name == after.name  # the same sources: the same build, found again
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path, caplog):
+    """[Note: a build lock left behind]: torch waits forever while its build lock exists; one untouched for longer
+    than any build of ours is a killed build's, removed with a warning, and a recent one is waited for."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - builder.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING", logger=builder.logger.name):
+        builder._wait_for_build_lock(str(tmp_path), poll_s=0.01)
+    assert not lock.exists() and str(lock) in caplog.text
+
+    lock.touch()  # a build running in another process: its lock goes when it ends
+    threading.Timer(0.3, lock.unlink).start()
+    started = time.perf_counter()
+    builder._wait_for_build_lock(str(tmp_path), poll_s=0.01)
+    assert time.perf_counter() - started >= 0.25 and not lock.exists()

@@ -36,6 +36,15 @@ build cache shared between machines (a network home directory, a CI cache) could
 AVX-512 instructions to a CPU without them; explicit flags put the level into the command line, the
 extension name and the op namespace, so each level is built and cached separately.
 
+[Note: a build lock left behind]
+torch builds an op holding a lock file in its build directory, and a process that finds the file waits for it to go,
+without end. A process killed while building (Ctrl-C during the first run, a cancelled CI job) leaves the file
+behind, and every later run then hung at its first op, silently (seen here: a killed test run left one, and the
+next run's every test timed out in its session fixture). A build of ours takes seconds (a cold ``cpu_adam`` about
+10 s, ``fused_adam``'s nvcc about a minute), so ``_wait_for_build_lock`` waits for a lock as torch would, but takes
+one untouched for ``STALE_LOCK_S`` (15 minutes) for such a leftover: it removes it, with a warning naming the file,
+and the build goes on.
+
 Environment:
     ZERO_ENGINE_DISABLE_OPS     ``1``/``all`` disables every op, or a comma list such as ``cpu_adam``;
                                 a disabled op fails to "build", which makes the fallback testable.
@@ -72,6 +81,7 @@ CSRC_DIR = Path(str(importlib.resources.files("zero_engine") / "csrc")).resolve(
 INCLUDE_DIR = CSRC_DIR / "includes"
 
 _ERROR_TAIL_CHARS = 3000
+STALE_LOCK_S = 15 * 60  # see [Note: a build lock left behind]
 
 
 class OpBuildError(RuntimeError):
@@ -267,6 +277,26 @@ def build_directory(plan: BuildPlan) -> str:
     return os.path.join(root, plan.name)
 
 
+def _wait_for_build_lock(directory: str, stale_after_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
+    """Wait while another process builds in ``directory`` (its lock file exists); a lock untouched for
+    ``stale_after_s`` was left by a killed build and is removed (see [Note: a build lock left behind])."""
+    lock = os.path.join(directory, "lock")
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return  # no lock (the usual case), or it just went
+        if age > stale_after_s:
+            logger.warning("removing %s, a build lock untouched for %.0f minutes: left by a build that was killed "
+                           "(torch would wait for it forever)", lock, age / 60)
+            try:
+                os.remove(lock)
+            except FileNotFoundError:
+                pass
+            return
+        time.sleep(poll_s)
+
+
 def load_op(op_name: str, *, verbose: bool = False) -> Any:
     """Build (first use) or load (cached) ``op_name`` and return its ``torch.ops`` namespace.
 
@@ -280,6 +310,7 @@ def load_op(op_name: str, *, verbose: bool = False) -> Any:
         from torch.utils.cpp_extension import load
 
         started = time.perf_counter()
+        _wait_for_build_lock(build_directory(plan))
         try:
             load(name=plan.name, sources=[str(path) for path in plan.sources], extra_cflags=list(plan.cflags),
                  extra_cuda_cflags=list(plan.cuda_cflags), extra_ldflags=list(plan.ldflags),
