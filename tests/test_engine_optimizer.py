@@ -170,3 +170,38 @@ def test_fp32_gradients_for_a_torch_optimizer_are_converted_once_per_run_of_shar
         assert muls == runs == buckets == 4, (muls, runs, buckets)  # one sub-group; each bucket one run
         assert copies <= runs + 2, copies  # and the norm's own (its fp64 sum); 30 and 28 mul_ one per parameter
         assert params == 28
+
+
+def _zero_grad_mid_window_body(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+    engine, optimizer, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)  # the same micro-batches on every rank
+    for _ in range(3):
+        for micro in range(2):
+            x = torch.randn(2, 8, generator=g)
+            if micro == 1:  # the user's zero_grad inside the window: the first micro-step's gradient is dropped
+                optimizer.zero_grad()
+                ref_opt.zero_grad()
+            (reference(x).square().mean() / 2).backward()
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    from zero_engine.zero import GatheredParameters
+
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        return [torch.equal(p.detach(), r.detach()) for p, r in zip(params, reference.parameters())]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_users_zero_grad_inside_an_accumulation_window_clears_it_at_every_stage(stage):
+    """optimizer.zero_grad() between micro-steps drops the gradients accumulated so far, as in PyTorch and
+    DeepSpeed, at every stage (stage 1 kept them: its gradients wait in the parameters' .grad until the step)."""
+    for same in run_ranks(_zero_grad_mid_window_body, 2, stage, timeout=120):
+        assert all(same), same

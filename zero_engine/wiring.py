@@ -90,7 +90,8 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
                                          optimizer, engine.config.optimizer, groups, zc.sub_group_size,
                                          engine.placement, zc.offload_optimizer, engine.config.aio,
                                          loss_scaler=engine.loss_scaler, unit_groups=unit_groups,
-                                         norm_counted=norm_counted(engine.sharded, engine.mesh)) \
+                                         norm_counted=norm_counted(engine.sharded, engine.mesh),
+                                         grads_in_params=engine.stage == 1) \
             if trains else None
         if engine.param_swapper is not None:  # the optimizer aliased its masters to the shards: now swap out
             if engine.optimizer is not None:

@@ -178,10 +178,12 @@ class ZeroOptimizer(_OptimizerWrapper):
     def __init__(self, sharded: list[ShardedParam], reducer: GradReducer, comm, gradient_clipping: float,
                  optimizer, opt_config, groups: list[dict], sub_group_size: int = 10**9, placement=None,
                  offload=None, aio=None, loss_scaler=None, unit_groups: list[list[ShardedParam]] | None = None,
-                 norm_counted: set[int] | None = None):
+                 norm_counted: set[int] | None = None, grads_in_params: bool = False):
         """``norm_counted``: with tensor parallelism, the ids of the parameters whose gradient shards this rank adds
-        to the norm summed over the world (``comm``); None: all, summed over the shard group (tensor_parallel.py)."""
+        to the norm summed over the world (``comm``); None: all, summed over the shard group (tensor_parallel.py).
+        ``grads_in_params``: the window's gradients wait in the parameters' ``.grad`` until the step (stage 1)."""
         self.loss_scaler = loss_scaler
+        self.grads_in_params = grads_in_params
         self.norm_counted = norm_counted
         self.reducer = reducer
         self.comm = comm
@@ -348,8 +350,13 @@ class ZeroOptimizer(_OptimizerWrapper):
         return math.sqrt(value) if math.isfinite(value) else float("inf")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """End the accumulation window: its gradients are dropped, wherever they wait (the gradient shards; at stage
+        1 the parameters' own ``.grad``, reduced only in the step), as torch's and DeepSpeed's zero_grad do."""
         for master in self.masters.values():
             master.grad = None
+        if self.grads_in_params:  # stages 2-3 take each .grad in its hook: nothing waits there
+            for sp in self.sharded:
+                sp.param.grad = None
         self.reducer.zero_grad()
 
     @property
