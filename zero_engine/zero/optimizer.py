@@ -316,8 +316,7 @@ class ZeroOptimizer(_OptimizerWrapper):
         """One all-reduce of the summed squares; inf/nan on any rank makes the result non-finite everywhere. Read
         on the host with the step fingerprint's verdict: see [Note: host syncs per step]."""
         # On the gradients' device: NCCL all-reduces device tensors only.
-        if self.host_copies and self.device.type == "cuda":  # offload only: see [Note: host syncs per step]
-            torch.cuda.current_stream(self.device).synchronize()  # host gradient shards copied (grads.py)
+        self.reducer.wait_for_host_copies()  # offload only: see [Note: host syncs per step]
         self.reducer.average_across_replicas()  # a window that ended with no pass marked last: [Note: gradients
         # across replicas] in grads.py (a no-op otherwise)
         counted = self.norm_counted
@@ -441,7 +440,9 @@ NORM_PIECE_NUMEL = 1 << 18
 #     ``torch.tensor(..., device=cuda)``, which waits for its own host-to-device copy -> a pinned host tensor
 #     copied with non_blocking=True: none;
 #   - step, offload_optimizer with an accelerator only: a stream synchronize before the norm (the gradient shards
-#     copied to the host must be complete before the host computes their norm) -> unchanged, off the default path.
+#     copied to the host must be complete before the host computes their norm) -> unchanged, off the default path;
+#     it is ``GradReducer.wait_for_host_copies``, which the helpers and checkpoints that read those shards call too,
+#     and which synchronises only after such a copy: the update's ``shard_grads`` after it adds none.
 # Not counted: a step whose norm is non-finite (naming the ranks costs an object exchange), the first step and trace
 # deviations (the trace check and the presence walk), and collectives' own waits (gloo completes on the host).
 # tests/test_host_syncs.py counts them (CPU: wrapped Tensor methods; CUDA: torch.cuda.set_sync_debug_mode, at world 1
