@@ -52,6 +52,11 @@ def _exercise_all_collectives(full_numel: int, debug: bool) -> dict:
             raise TypeError(f"expected Pending, got {type(pending)}")
         results[f"all_gather_{tag}"] = pending.wait().tolist()
 
+        dst = world - 1  # onto one rank (a save's whole tensors), not the first, so the group's ranks are mapped
+        into = torch.full((padded,), -1.0) if rank == dst else None
+        pending = comm.gather(into, _rank_data(rank, shard), dst=dst, async_op=async_op, name="save")
+        results[f"gather_{tag}"] = pending.wait().tolist() if rank == dst else None
+
         for op in ("sum", "avg"):
             shard_out = torch.full((shard,), -1.0)
             pending = comm.reduce_scatter_tensor(shard_out, _rank_data(rank, padded), op=op, async_op=async_op,
@@ -86,6 +91,7 @@ def _reference(full_numel: int, world: int, rank: int) -> dict:
     full = torch.stack([_rank_data(r, full_numel) for r in range(world)])
     for tag in ("sync", "async"):
         reference[f"all_gather_{tag}"] = gathered
+        reference[f"gather_{tag}"] = gathered if rank == world - 1 else None
         reference[f"reduce_scatter_sum_{tag}"] = summed_input[my_slice].tolist()
         reference[f"reduce_scatter_avg_{tag}"] = (summed_input[my_slice] / world).tolist()
         reference[f"all_reduce_sum_{tag}"] = full.sum(0).tolist()
@@ -113,6 +119,8 @@ def test_collectives_match_local_reference_and_count_exactly(world_size, full_nu
         # all_gather counts the gathered output: 2 fp32 calls + 1 bf16 call.
         "all_gather": {"calls": 3, "bytes": 2 * padded_bytes_fp32 + shard * world_size * 2},
         # reduce_scatter counts the unreduced input: (sum, avg) x (sync, async).
+        # gather counts the gathered tensor on every rank, as all_gather, though only its destination receives it
+        "gather": {"calls": 2, "bytes": 2 * padded_bytes_fp32},
         "reduce_scatter": {"calls": 4, "bytes": 4 * padded_bytes_fp32},
         "all_reduce": {"calls": 8, "bytes": 8 * full_bytes},
         "broadcast": {"calls": 2, "bytes": 2 * full_bytes},
@@ -122,7 +130,8 @@ def test_collectives_match_local_reference_and_count_exactly(world_size, full_nu
     for rank, result in enumerate(results):
         reference = _reference(full_numel, world_size, rank)
         for key, expected in reference.items():
-            assert result[key] == (expected if key == "object" else pytest.approx(expected)), f"rank {rank} {key}"
+            exact = key == "object" or expected is None
+            assert result[key] == (expected if exact else pytest.approx(expected)), f"rank {rank} {key}"
         stats = result["stats"]
         for kind, counts in expected_stats.items():
             assert stats[kind] == counts, f"rank {rank} {kind}: {stats[kind]} != {counts}"
@@ -600,6 +609,14 @@ def test_wrong_sizes_and_ops_are_rejected_with_the_rank_and_the_fix():
             comm.all_to_all_single(torch.empty(8, dtype=torch.float16), torch.empty(8))
         with pytest.raises(ValueError, match=r"broadcast.*contiguous"):
             comm.broadcast(torch.empty(4, 4).t(), src=0)
+        with pytest.raises(ValueError, match=r"gather 's' on rank 2 .*output must be given on rank dst=0 and only"):
+            comm.gather(torch.empty(12), torch.empty(3), dst=0, name="s")
+        with pytest.raises(ValueError, match=r"gather 's' on rank 2 .*output must be given on rank dst=2 and only"):
+            comm.gather(None, torch.empty(3), dst=2, name="s")
+        with pytest.raises(ValueError, match=r"gather 's' on rank 2 .*expected world_size x input = 4 x 3 = 12"):
+            comm.gather(torch.empty(10), torch.empty(3), dst=2, name="s")
+        with pytest.raises(ValueError, match=r"gather.*dst=4 is not a rank"):
+            comm.gather(None, torch.empty(3), dst=4)
         with pytest.raises(ValueError, match=r"all_gather 'g' on rank 2: 2 outputs for 1 inputs"):
             comm.all_gather_grouped([torch.empty(4), torch.empty(4)], [torch.empty(1)], name="g")
         with pytest.raises(ValueError, match=r"all_gather 'g' on rank 2 .*an output has 10 elements; expected"):

@@ -377,6 +377,34 @@ def test_save_pretrained_fp32_reads_the_masters_in_from_nvme(tmp_path):
         assert torch.equal(param.detach(), masters[name]), name
 
 
+def _save_on_rank0_only_body(directory, out_dir):
+    """A common mistake: ``if rank == 0: save_pretrained(...)``. Rank 0 waits in the save's first gather, rank 1
+    goes on to destroy(); with the watchdog each must name the other, not wait without end."""
+    import zero_engine.hf as zhf
+
+    config = {**ds_config(), "zero_engine": {"stall_timeout_s": 2.0}}
+    engine, *_ = zero_engine.initialize(model=zhf.from_pretrained(transformers.AutoModelForCausalLM, directory),
+                                        config=config)
+    if dist.get_rank() == 0:
+        zhf.save_pretrained(engine, out_dir)
+    engine.destroy()  # raises: the group is left with a collective stuck in it, so the pool must be replaced
+
+
+def test_save_pretrained_on_one_rank_only_is_named_not_waited_for(tmp_path):
+    """The save's gathers go through the watched communicator (they were raw ``dist.gather`` calls: rank 0 waited
+    for the group's timeout, 30 minutes by default)."""
+    directory = save(tiny_llama(), str(tmp_path / "llama"))
+    from zero_engine.testing import RankError
+
+    with pytest.raises(RankError) as caught:
+        run_ranks(_save_on_rank0_only_body, 2, directory, str(tmp_path / "out"), timeout=TIMEOUT,
+                  grace_after_failure=30)
+    rank0, rank1 = (failure.exception for failure in sorted(caught.value.failures, key=lambda f: f.rank))
+    assert rank0.startswith("RankDivergenceError") and "rank 1 has finished" in rank0, rank0
+    assert "save_pretrained" in rank0, rank0
+    assert rank1.startswith("RankDivergenceError") and "rank 1 never issued" in rank1, rank1
+
+
 def _stage0_bf16_save_body(out_dir):
     import zero_engine.hf as zhf
 

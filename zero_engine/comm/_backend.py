@@ -408,6 +408,12 @@ class CollectiveIssuer:
         """Native on NCCL and on gloo (CPU tensors; checked with torch 2.13's gloo, sync and async)."""
         return dist.all_to_all_single(output, input, group=self.group, async_op=True), None
 
+    def gather(self, output: Optional[torch.Tensor], input: torch.Tensor, dst: int) -> Issued:
+        """Every rank's ``input`` into ``output`` on rank ``dst`` (rank r's at row r; None on the other ranks)."""
+        global_dst = dist.get_global_rank(self.group, dst) if self.group is not None else dst
+        rows = list(output.view(self.world_size, *input.shape).unbind(0)) if output is not None else None
+        return dist.gather(input, rows, dst=global_dst, group=self.group, async_op=True), None
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> Issued:
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return dist.broadcast(tensor, src=global_src, group=self.group, async_op=True), None

@@ -4,6 +4,7 @@
 ``stats()`` counts one call per logical collective issued and these bytes (numel * element size):
 
 * ``all_gather``: the OUTPUT, i.e. the full gathered tensor (world_size x the shard);
+* ``gather``: the same on every rank, though only the destination receives it (a save's whole tensors on rank 0);
 * ``reduce_scatter``: the INPUT, i.e. the full unreduced tensor (world_size x the shard);
 * ``all_to_all``: the INPUT, i.e. every chunk this rank sends (ZeRO++ qgZ's quantized gradients, zero/quantize.py);
 * ``all_reduce`` and ``broadcast``: the tensor;
@@ -37,7 +38,7 @@ from zero_engine.comm._consistency import (
     mismatch_message,
 )
 
-_COUNTED_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast", "object")
+_COUNTED_KINDS = ("all_gather", "gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast", "object")
 _REDUCE_SCATTER_OPS = ("sum", "avg")
 
 
@@ -456,6 +457,31 @@ class Communicator:
             self._check_consistency(kind, tensor, tensor.numel(), tensor.numel(), op=op, name=name)
         return self._issue(kind, kind, name, tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(),
                            self._issuer.all_reduce, (tensor, op), tensor, async_op)
+
+    def gather(self, output: Optional[torch.Tensor], input: torch.Tensor, dst: int = 0, async_op: bool = False,
+               name: str = "") -> Pending:
+        """Gather every rank's ``input`` into ``output`` on rank ``dst`` (rank r's data at
+        ``output.view(-1)[r*n:(r+1)*n]``); ``output`` is None on the other ranks. For what only one rank writes (a
+        save's whole tensors): an all-gather would hold the whole tensor on every rank. Counts world_size x input
+        bytes on every rank. Watched as every collective here, so a rank that never calls it is named, not waited
+        for without end."""
+        kind = "gather"
+        if not (0 <= dst < self.world_size and input.is_contiguous() and (output is None) == (self.rank != dst)):
+            self._require(0 <= dst < self.world_size, kind, name, f"dst={dst} is not a rank of this group "
+                          f"(0..{self.world_size - 1})")
+            self._require(input.is_contiguous(), kind, name, "input must be contiguous")
+            self._require(False, kind, name, f"output must be given on rank dst={dst} and only there")
+        total = input.numel() * self.world_size
+        if output is not None and not (output.dtype == input.dtype and output.device == input.device
+                                       and output.is_contiguous() and output.numel() == total):
+            self._check_pair(kind, name, output, input)
+            self._require(False, kind, name,
+                          f"output has {output.numel()} elements; expected world_size x input = "
+                          f"{self.world_size} x {input.numel()} = {total}")
+        if self._checking[0]:
+            self._check_consistency(kind, input, input.numel(), total, src=dst, name=name)
+        return self._issue(kind, kind, name, input.dtype, input.numel(), total * input.element_size(),
+                           self._issuer.gather, (output, input, dst), output, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, name: str = "") -> Pending:
         """Copy ``tensor`` from rank ``src`` (a rank of this communicator's group) to every rank. Counts its bytes."""

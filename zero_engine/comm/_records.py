@@ -25,7 +25,7 @@ __all__ = ["CollectiveRecord", "ProgressLog"]
 
 class CollectiveRecord(NamedTuple):
     seq: int
-    kind: str  # all_gather, reduce_scatter, all_reduce, broadcast, object, barrier
+    kind: str  # all_gather, gather, reduce_scatter, all_reduce, broadcast, object, barrier
     dtype: str
     numel: int  # elements this rank contributes (the input)
     name: str  # module, bucket or purpose

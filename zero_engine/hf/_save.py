@@ -3,7 +3,7 @@
     zero_engine.hf.save_pretrained(engine, "out/model")                      # compute dtype (bf16 under bf16)
     zero_engine.hf.save_pretrained(engine, "out/model", dtype=torch.float32) # from the fp32 master weights
 
-Collective: every rank calls it. Each tensor is gathered on its own onto rank 0 (``dist.gather`` of the shards
+Collective: every rank calls it. Each tensor is gathered on its own onto rank 0 (a watched ``gather`` of the shards
 into one buffer there; the other ranks allocate nothing), written into the open safetensors shard and dropped, so
 rank 0's extra memory is one tensor and the others' is none. The files: ``config.json`` (``dtype`` and
 ``architectures`` set as transformers sets them), ``generation_config.json`` when the model has one, and
@@ -25,7 +25,6 @@ import os
 import re
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint._atomic import private_temporary
 from ..zero.expert import whole_expert_on_rank0
@@ -165,8 +164,7 @@ def _gather_on_rank0(tensor: torch.Tensor, out_dtype: torch.dtype, engine, comm)
         if not engine.mesh.saves_shards or engine.mesh.tp_rank != 0:  # replica 0 of tp rank 0 (world rank 0's)
             return None
         full = torch.empty(sp.padded_numel, dtype=out_dtype, device=local.device) if comm.rank == 0 else None
-        dist.gather(local, list(full.chunk(shard_comm.world_size)) if full is not None else None, dst=0,
-                    group=shard_comm.group)
+        shard_comm.gather(full, local, dst=0, name=f"save_pretrained {sp.fqn}")
         return full[: sp.numel].view(sp.shape).to("cpu") if full is not None else None
 
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
@@ -148,7 +147,7 @@ def whole_expert_on_rank0(shard: torch.Tensor, comm, edp: int, numel: int, shape
     world, shard_numel = comm.world_size, shard.numel()
     ep = world // edp
     rows = torch.empty(world, shard_numel, dtype=shard.dtype, device=shard.device) if comm.rank == 0 else None
-    dist.gather(shard.contiguous(), list(rows) if rows is not None else None, dst=0, group=comm.group)
+    comm.gather(rows, shard.contiguous(), dst=0, name="an expert parameter whole on rank 0")
     if rows is None:
         return None
     # world rank d * ep + e holds shard d of ep rank e's tensor: rows [edp, ep] -> [ep, edp], each ep rank's unpadded
