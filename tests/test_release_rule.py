@@ -163,6 +163,102 @@ def test_gathered_parameters_on_a_prefetched_parameter_waits_for_its_gather():
         assert not leaks and live == 0, f"still gathered after the step: {leaks}, {live} elements counted"
 
 
+class _HalvesALaterWeight(nn.Module):
+    """Halves the weight of a module that runs after it with ``safe_set_full_fp32_param`` in its forward (the
+    reference model, in place). From the second step on, the engine's prefetch has that weight in flight."""
+
+    def __init__(self, later: nn.Linear):
+        super().__init__()
+        self.later_weight = [later.weight]
+        self.lin = nn.Linear(16, 16)
+        self.seen: list[str] = []
+
+    def forward(self, h):
+        from zero_engine.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+        w = self.later_weight[0]
+        if hasattr(w, "ds_status"):
+            self.seen.append(w.ds_status.name)
+            safe_set_full_fp32_param(w, safe_get_full_fp32_param(w) * 0.5)
+        else:
+            with torch.no_grad():
+                w.mul_(0.5)
+        return self.lin(h)
+
+
+class _HalvingLM(_ReadsAheadLM):
+    def __init__(self):
+        super().__init__()
+        self.reads = _HalvesALaterWeight(self.late)
+
+
+def _set_on_prefetched_body():
+    torch.manual_seed(0)
+    model = _HalvingLM()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 100_000}
+    losses, ref_losses, engine, reference = train_beside_one_process(model, zero, 3, 50)
+    leaks, same = _leaks_and_sameness(engine, reference)
+    return losses, ref_losses, same, leaks, model.reads.seen
+
+
+def test_safe_set_full_fp32_param_on_a_prefetched_parameter_is_not_undone_by_its_gather():
+    """The set waits for the engine's gather in flight; before, the gather landed after the set, and the forward
+    computed with the old weight (losses off one process from the second step)."""
+    for losses, ref_losses, same, leaks, seen in run_ranks(_set_on_prefetched_body, 2, timeout=TIMEOUT):
+        assert "INFLIGHT" in seen, f"the prefetch never had the weight in flight at the set: {seen}"
+        assert losses == ref_losses, (losses, ref_losses)  # bitwise at world 2
+        assert same and not leaks, (same, leaks)
+
+
+class _ThreeLayerLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.late = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, idx):
+        return self.head(self.late(self.emb(idx))).logsumexp(-1).mean()
+
+
+def _set_between_forward_and_backward_body(zero: dict):
+    from zero_engine.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    torch.manual_seed(0)
+    model = _ThreeLayerLM()
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        idx = torch.randint(0, 50, (2, 5), generator=g)
+        ref_opt.zero_grad()
+        ref_loss = reference(idx)
+        reference.late.weight.data.mul_(0.5)  # backward's input gradient reads the halved weight
+        ref_loss.backward()
+        ref_opt.step()
+        loss = engine(idx)
+        safe_set_full_fp32_param(model.late.weight, safe_get_full_fp32_param(model.late.weight) * 0.5)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    return losses, ref_losses, _leaks_and_sameness(engine, reference)[1]
+
+
+@pytest.mark.parametrize("world,zero", [(2, {}), (4, {"zero_hpz_partition_size": 2})], ids=["flat", "hpz"])
+def test_safe_set_full_fp32_param_between_forward_and_backward_reaches_backwards_gather(world, zero):
+    """Backward gathers the weight again, so it computes with the set value, as one process's backward reads the
+    parameter as it is then. Under hpZ that gather reads the secondary shard the forward's gather refreshed: the set
+    forgets it (it read the copy from before the set; the flat case passes before too, as the control)."""
+    for losses, ref_losses, same in run_ranks(_set_between_forward_and_backward_body, world, zero, timeout=TIMEOUT):
+        assert losses == ref_losses, (losses, ref_losses)
+        assert same, "parameters differ from the one-process run"
+
+
 def _steps_inside_a_block_body(stage: int):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))

@@ -35,7 +35,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mesh import value_comms
-from ..zero.partition import ShardedParam, sharded_param_of
+from ..zero.hpz import forget_secondaries
+from ..zero.partition import ParamStatus, ShardedParam, sharded_param_of
 from ..zero.tensor_parallel import is_dtensor, local_grad
 from ..zero.units import (get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
                           set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module)
@@ -212,9 +213,12 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
             param.copy_(value.reshape(param.shape))
             _whole_master(engine, param).copy_(value.reshape(param.shape))
         return
+    if sp.status is ParamStatus.INFLIGHT:  # prefetched: its gather would land the old value over the new one
+        sp.live_owner.acquire([sp])  # waits for it (issued on every rank); its module still releases it
     _write_master(sp, _local_part(sp, value, "safe_set_full_fp32_param"))
-    if sp.is_available:  # whole parameters (stages 1-2, persistent ones at stage 3) are refreshed too
+    if sp.is_available:  # whole parameters (stages 1-2, gathered or persistent ones at stage 3) are refreshed too
         sp.full[: sp.numel].copy_(value.detach().reshape(-1))
+    forget_secondaries([sp])  # hpZ: a copy from a forward gather before the set is stale for backward's
 
 
 @_with_states_in_memory
