@@ -183,6 +183,43 @@ def test_resume_is_bitwise_identical(tmp_path, stage, precision):
             assert ref_summary["scale"]["scale"] != 2.0 ** 8
 
 
+def _between_backward_and_step_body(stage, save_dir):
+    from zero_engine.utils import safe_get_full_grad
+
+    cfg = config(stage)
+    reference, *_ = zero_engine.initialize(model=tiny_gpt(0), config=cfg)
+    batches = rank_micro_batches(reference.module.cfg, STEPS, GAS, MICRO)
+    ref_losses = train(reference, batches, 0, len(batches))
+    engine, *_ = zero_engine.initialize(model=tiny_gpt(0), config=cfg)
+    start = SAVE_STEP * GAS + 1  # through the window's first micro-batch: its backward ran, its step() did not
+    train(engine, batches, 0, start - 1)
+    engine.backward(engine(*batches[start - 1]))
+    weight = engine.module.blocks[0].attn.qkv.weight
+    saved = (engine.is_gradient_accumulation_boundary(), safe_get_full_grad(weight))
+    engine.save_checkpoint(save_dir, tag="between")
+    engine.destroy()
+    engine, *_ = zero_engine.initialize(model=tiny_gpt(seed=7), config=cfg)
+    engine.load_checkpoint(save_dir, tag="between")
+    weight = engine.module.blocks[0].attn.qkv.weight
+    loaded = (engine.is_gradient_accumulation_boundary(), safe_get_full_grad(weight))
+    engine.step()
+    losses = train(engine, batches, start, len(batches))
+    return ref_losses[start:], losses, diff_keys(gathered(engine), gathered(reference)), saved, loaded
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_checkpoint_saved_between_backward_and_step_resumes_bitwise(tmp_path, stage):
+    """The window's place is saved with the counters: the loaded engine's step() is the boundary's, as the saving
+    engine's would have been. Before, the loaded engine took the micro-batch whose backward had run for the next one:
+    its step() updated with half the window, and the gradient helpers returned None (no backward since the load)."""
+    for ref_losses, losses, differ, saved, loaded in run_ranks(_between_backward_and_step_body, 2, stage,
+                                                               str(tmp_path), timeout=TIMEOUT):
+        assert not saved[0] and not loaded[0], (saved[0], loaded[0])  # gas 2: its step() ends no window
+        assert saved[1] is not None and loaded[1] is not None and torch.equal(saved[1], loaded[1])
+        assert losses == ref_losses, (losses, ref_losses)
+        assert differ == [], differ
+
+
 # ---- another world size ------------------------------------------------------------------------------------------
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 

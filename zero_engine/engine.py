@@ -307,6 +307,23 @@ class ZeroEngine(DeepSpeedEngineAPI):
         self.global_samples -= dropped * self.config.train_micro_batch_size_per_gpu * self.mesh.data_parallel_size
         return dropped
 
+    def counters(self) -> dict[str, int]:
+        """The step counters and the accumulation window's place in it (a checkpoint saves them)."""
+        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                "backwards_since_update": self._backwards_since_update, "awaiting_step": int(self._awaiting_step),
+                "stepped_at_micro_step": self._stepped_at_micro_step}
+
+    def load_counters(self, counters: dict, with_gradients: bool) -> None:
+        """Restore ``counters()``. Without the window's gradients (not saved, or not loaded) the window restarts at
+        its micro-step; a checkpoint from before the window's keys was saved after a step() (or at a boundary)."""
+        self.global_steps, self.micro_steps = int(counters["global_steps"]), int(counters["micro_steps"])
+        self.global_samples, self.skipped_steps = int(counters["global_samples"]), int(counters["skipped_steps"])
+        into_window = self.micro_steps % self.gradient_accumulation_steps()
+        self._stepped_at_micro_step = int(counters.get("stepped_at_micro_step", self.micro_steps - into_window))
+        self._backwards_since_update = int(counters.get("backwards_since_update", into_window)) * with_gradients
+        self._awaiting_step = bool(counters.get("awaiting_step", 0)) and with_gradients
+
     # ---- queries -------------------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []

@@ -115,8 +115,7 @@ def _restore_training_state(engine, views, reader, meta, engine_state, optimizer
     if full_resume:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and engine_state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
-        for key, value in meta.counters.items():
-            setattr(engine, key, int(value))
+        engine.load_counters(meta.counters, with_gradients=optimizer_state is not None)
         _load_rng_states(engine, reader, meta)
     return _client_state(reader.directory)
 

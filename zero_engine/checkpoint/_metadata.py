@@ -105,7 +105,7 @@ class CheckpointMeta:
     masters: bool  # separate fp32 master shards were saved (16-bit training)
     gradients: str  # GRADS_NONE, GRADS_SHARDED or GRADS_LOCAL
     optimizer: str  # class name of the torch optimizer
-    counters: dict  # global_steps, micro_steps, global_samples, skipped_steps
+    counters: dict  # ZeroEngine.counters(): the step counters and the accumulation window's place
     files: dict  # file name -> {"bytes": n, "sha256": hex}
     config: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)

@@ -246,8 +246,7 @@ def _finish(engine, views, reports, save_dir: str, staging: str, tag: str, save_
         state_dict_keys=tuple(state_dict_layout(engine.module)),
         masters=any(v.master is not None for v in views), gradients=reports[0][1],
         optimizer=type(engine.optimizer.optimizer).__name__,
-        counters={"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                  "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps},
+        counters=engine.counters(),
         files=files, config=engine.config.model_dump(mode="json"),
         versions={"zero_engine": __version__, "torch": torch.__version__}, tp_size=engine.mesh.tp_size)
     write_metadata(staging, meta)
