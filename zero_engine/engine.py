@@ -57,6 +57,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
     grad_hooks: tuple = ()  # stage >= 2: the gradient hooks on the parameters, removed by destroy()
     # Parts an engine may lack (by its config, or construction failed before them): destroy() reads these defaults.
     coordinator = reducer = hooks = optimizer = backward_end = snapshot = None
+    loaded_state = None  # LoadStateDictHooks: model.load_state_dict reaches shards and masters (loaded_state.py)
     # the mesh's communicators (mesh.py): parameters are sharded over shard_comm (the world's when flat), gradient
     # shards averaged across replicas over replicate_comm (None when flat)
     shard_comm = replicate_comm = None

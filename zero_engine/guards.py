@@ -152,6 +152,8 @@ def tear_down(engine, wait: bool = True) -> None:
             engine.hooks.remove()  # the model no longer gathers on forward; parameters stay partitioned
         for handle in engine.grad_hooks:
             handle.remove()
+        if engine.loaded_state is not None:
+            engine.loaded_state.remove()  # model.load_state_dict is torch's alone again
         for sp in engine.reducer.params if engine.reducer is not None else ():
             if sp.grad_reducer is engine.reducer:  # the model no longer holds this engine
                 sp.grad_reducer = None

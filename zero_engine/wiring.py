@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .compile import CompiledModules, log_whole_model_compiled
 from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state
+from .loaded_state import LoadStateDictHooks
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
 from .memory.timeline import MemoryTimeline
@@ -100,6 +101,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
     engine.lr_scheduler = None  # initialize() sets these two: see initialize.py
     engine.training_dataloader = None
     register_engine(engine)  # zero_engine.utils.safe_get_* find the engine from a parameter
+    engine.loaded_state = LoadStateDictHooks(engine)  # model.load_state_dict reaches shards and masters
     if engine.comm.rank == 0:
         log.info("zero_engine: stage %d, world %d, mesh %s, %d parameters (%d elements), gather %s",
                  engine.stage, engine.comm.world_size, engine.mesh.describe(), sum(1 for _ in model.parameters()),

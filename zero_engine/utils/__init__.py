@@ -207,7 +207,15 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
 @_with_states_in_memory
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the whole fp32 value of ``param`` (and its compute-dtype copy). Collective; same value on every rank."""
-    engine, sp = _require(param, "safe_set_full_fp32_param")
+    engine, _ = _require(param, "safe_set_full_fp32_param")
+    set_whole_value(engine, param, value, "safe_set_full_fp32_param")
+
+
+def set_whole_value(engine, param: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    """Write the whole ``value`` of ``param`` (trained or frozen) into what ``engine`` holds of it: its fp32 master,
+    this rank's shard and, where the parameter is whole, the parameter. Not collective (every rank passes the same
+    value): ``safe_set_full_fp32_param`` and ``model.load_state_dict`` after initialize (loaded_state.py)."""
+    sp = sharded_param_of(param) if engine.stage > 0 else None
     if sp is None:
         with torch.no_grad():
             param.copy_(value.reshape(param.shape))
@@ -215,7 +223,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
         return
     if sp.status is ParamStatus.INFLIGHT:  # prefetched: its gather would land the old value over the new one
         sp.live_owner.acquire([sp])  # waits for it (issued on every rank); its module still releases it
-    _write_master(sp, _local_part(sp, value, "safe_set_full_fp32_param"))
+    _write_master(sp, _local_part(sp, value, what))
     if sp.is_available:  # whole parameters (stages 1-2, gathered or persistent ones at stage 3) are refreshed too
         sp.full[: sp.numel].copy_(value.detach().reshape(-1))
     forget_secondaries([sp])  # hpZ: a copy from a forward gather before the set is stale for backward's
