@@ -316,3 +316,33 @@ def test_host_gradient_shards_read_right_after_backward_on_cuda_are_complete():
     from zero_engine.testing import run_ranks
 
     assert run_ranks(_host_grads_read_at_once_body, 1, timeout=120)[0] == [True, True, True]
+
+
+def _cuda_rng_body(save_dir):
+    import zero_engine
+    from zero_engine.checkpoint._reader import CheckpointReader
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 1}}
+    engine, *_ = zero_engine.initialize(model=torch.nn.Linear(8, 8), config=config)
+    torch.cuda.manual_seed(5)
+    saved = torch.cuda.get_rng_state()
+    engine.save_checkpoint(save_dir, tag="rng")
+    torch.cuda.manual_seed(9)
+    engine.load_checkpoint(save_dir, tag="rng")
+    restored = torch.equal(torch.cuda.get_rng_state(), saved)
+    with CheckpointReader(os.path.join(save_dir, "rng")) as reader:
+        names = sorted(n for n in reader.file(0).entries if n.startswith("rng/cuda"))
+    engine.destroy()
+    return restored, names
+
+
+@needs_cuda
+def test_a_checkpoint_keeps_the_cuda_rng_state_of_the_ranks_own_device_only(tmp_path):
+    """One entry, the current device's: restoring every visible device's states failed where the loading rank sees
+    fewer devices than the saving one (a per-rank CUDA_VISIBLE_DEVICES)."""
+    from zero_engine.testing import run_ranks
+
+    restored, names = run_ranks(_cuda_rng_body, 1, str(tmp_path), timeout=120)[0]
+    assert restored and names == ["rng/cuda"], (restored, names)

@@ -302,9 +302,13 @@ def _load_rng_states(engine, reader: CheckpointReader, meta: CheckpointMeta) -> 
         return
     own = reader.file(engine.mesh.data_parallel_rank)  # this world rank's file (same world and tp size)
     torch.set_rng_state(own.read("rng/torch"))
-    cuda_states = sorted(n for n in own.entries if n.startswith("rng/cuda/"))
-    if cuda_states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([own.read(n) for n in sorted(cuda_states, key=lambda n: int(n.split("/")[-1]))])
+    # The state of the rank's own device (the current one). Earlier checkpoints kept every visible device's, as
+    # rng/cuda/<index>; restoring them all failed where a rank sees fewer devices than when it saved (a per-rank
+    # CUDA_VISIBLE_DEVICES), and a rank draws from its own device only.
+    if torch.cuda.is_available():
+        own_device = "rng/cuda" if "rng/cuda" in own.entries else f"rng/cuda/{torch.cuda.current_device()}"
+        if own_device in own.entries:
+            torch.cuda.set_rng_state(own.read(own_device))
     version, state, gauss = json.loads(own.metadata["rng_python"])
     random.setstate((version, tuple(state), gauss))
     if "rng_numpy" in own.metadata:

@@ -11,7 +11,8 @@
 
 Tensor names inside a rank file: ``param/<fqn>``, ``master/<fqn>``, ``optim/<key>/<fqn>`` (sharded like the
 master), ``optim_scalar/<key>/<fqn>`` (rank 0; e.g. Adam's step), ``grad/<fqn>`` (stages 2-3, reduced shards),
-``local_grad/<fqn>`` (stages 0-1, this rank's unreduced gradient), ``buffer/<name>`` (rank 0), ``rng/...``.
+``local_grad/<fqn>`` (stages 0-1, this rank's unreduced gradient), ``buffer/<name>`` (rank 0), ``rng/torch``,
+``rng/cuda`` (the rank's own device's state, with CUDA), ``rng/numpy``.
 
 [Note: checkpoints of a tensor-parallel model]
 With a ``tp`` mesh dim (tp_size > 1 in the metadata), the tp ranks hold different local pieces of the parameters

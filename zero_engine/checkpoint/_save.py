@@ -202,9 +202,8 @@ def _require_json(value, what: str) -> None:
 
 def _add_rng_states(tensors: dict, file_meta: dict) -> None:
     tensors["rng/torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for index, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng/cuda/{index}"] = state
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's device only: see _load_rng_states
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
     file_meta["rng_python"] = json.dumps(random.getstate())
     if "numpy" in sys.modules:  # only when the program uses numpy; never imported for this
         kind, keys, position, has_gauss, cached = sys.modules["numpy"].random.get_state()

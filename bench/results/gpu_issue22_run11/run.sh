@@ -18,7 +18,7 @@ T0=$(date +%s); el() { echo "== $(( $(date +%s) - T0 )) s: $*" | tee -a "$R/time
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$R/device.txt"
 el "cuda tests"   # added 2026-12-07: the paths that meet host and device copies (offload, from_pretrained, edits)
 timeout 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py \
-  -k "edit_on_cuda or hf_offload or after_backward_on_cuda" > "$R/cuda_tests.log" 2>&1; tail -3 "$R/cuda_tests.log"
+  -k "edit_on_cuda or hf_offload or after_backward_on_cuda or cuda_rng_state" > "$R/cuda_tests.log" 2>&1; tail -3 "$R/cuda_tests.log"
 run() { timeout 95 python3 bench/gpu_check.py --part-timeout 90 --steps 10 "$@" > /dev/null 2>&1; }
 for i in 1 2 3; do   # alternated, each a fresh process
   el "zero3_compiled $i"; run --parts zero3_compiled --out "$R/ours$i"
