@@ -239,6 +239,11 @@ def _changes_body(stage, change):
         engine2_model = model  # noqa: F841 -- the flip back below is what a user re-enabling would do
     elif change == "add_module":
         model.extra = nn.Linear(4, 4)
+    elif change == "to_bf16":  # at stage 3 the parameters are partitioned: .to() on them raises itself
+        try:
+            model.to(torch.bfloat16)
+        except RuntimeError as error:
+            return type(error).__name__, str(error)
     elif change == "initialize_again":
         try:
             zero_engine.initialize(model=model, config=cfg(stage))
@@ -256,9 +261,12 @@ def _changes_body(stage, change):
     ("freeze", "blocks.1.mlp.fc.weight: requires_grad changed from True to False after initialize"),
     ("add_module", "extra.weight was added to the model after initialize"),
     ("initialize_again", "already wrapped by a live zero_engine engine"),
+    ("to_bf16", "dtype changed from torch.float32 to torch.bfloat16 after initialize"),
 ])
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 1, 3])
 def test_changes_after_initialize_are_clear_errors(stage, change, expected):
+    if change == "to_bf16" and stage == 3:
+        expected = "is partitioned (ZeRO-3)"
     for kind, message in run_ranks(_changes_body, 2, stage, change, timeout=TIMEOUT):
         assert message is not None and expected in message, (kind, message)
 

@@ -103,24 +103,32 @@ def refuse_partitioned_at_stage0(model: nn.Module) -> None:
 
 
 class ModelSnapshot:
-    """The parameters initialize partitioned and their requires_grad flags; ``check`` compares the model now.
+    """The parameters initialize partitioned, their requires_grad flags and dtypes; ``check`` compares the model now.
 
     ``check`` runs at every training forward, so it does not walk the module tree: a parameter or module registered
     anywhere after initialize (torch's global registration hooks) marks the snapshot changed, and only then is the
-    model walked by name; otherwise it compares the flags of the parameters it knows (one read each; a walk of
-    ``named_parameters()`` cost 0.44 ms a forward on a 32-layer model here)."""
+    model walked by name; otherwise it compares the flags of the parameters it knows (two reads each; a walk of
+    ``named_parameters()`` cost 0.44 ms a forward on a 32-layer model here). initialize takes the dtypes again
+    (``settle()``) once it has cast the parameters to the compute dtype."""
 
     def __init__(self, model: nn.Module):
         self.params = list(model.parameters())
-        self.flags = [p.requires_grad for p in self.params]
         self.requires_grad = {id(p): p.requires_grad for p in self.params}
+        self.settle()
         self.changed = False
         self.close = watch_registrations(self, parameters=True)  # destroy() calls it; else garbage collection
 
-    def check(self, model: nn.Module) -> None:
+    def settle(self) -> None:
+        """Take the dtypes (again at the end of initialize, which casts to the compute dtype)."""
+        self.dtypes = {id(p): p.dtype for p in self.params}
+        self.flags = self._flags()
+
+    def _flags(self) -> list:
         with torch._C.DisableTorchFunctionSubclass():  # a released parameter's check would run per read (partition.py)
-            flags = [p.requires_grad for p in self.params]
-        if not self.changed and flags == self.flags:
+            return [(p.requires_grad, p.dtype) for p in self.params]
+
+    def check(self, model: nn.Module) -> None:
+        if not self.changed and self._flags() == self.flags:
             return
         self._walk(model)
         self.changed = False  # a registration elsewhere (another model): nothing of ours changed
@@ -137,6 +145,13 @@ class ModelSnapshot:
                     f"{name}: requires_grad changed from {known} to {p.requires_grad} after initialize; the engine "
                     "decided at initialize which parameters get gradient buckets and optimizer states. Freeze or "
                     "unfreeze parameters before initialize (or initialize a new engine)")
+            if p.dtype != self.dtypes.get(id(p), p.dtype):
+                raise RuntimeError(
+                    f"{name}: dtype changed from {self.dtypes[id(p)]} to {p.dtype} after initialize (model.to(), "
+                    ".half(), .bfloat16()?); the engine set its compute dtype, gradient buckets and fp32 masters at "
+                    "initialize from the config, and its next step would write the parameters back in that dtype. "
+                    "Train in 16 bits with the config's \"bf16\": {\"enabled\": true} (or \"fp16\"), or initialize "
+                    "a new engine")
 
 
 # ---- tearing an engine down: destroy(), and a failed initialize ----------------------------------------------------

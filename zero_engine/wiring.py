@@ -101,6 +101,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
     engine.lr_scheduler = None  # initialize() sets these two: see initialize.py
     engine.training_dataloader = None
     register_engine(engine)  # zero_engine.utils.safe_get_* find the engine from a parameter
+    engine.snapshot.settle()  # the parameters' dtypes, now cast to the compute dtype
     engine.loaded_state = LoadStateDictHooks(engine)  # model.load_state_dict reaches shards and masters
     if engine.comm.rank == 0:
         log.info("zero_engine: stage %d, world %d, mesh %s, %d parameters (%d elements), gather %s",
