@@ -97,15 +97,25 @@ def _refusals_body():
             out[name] = "no error"
         except Exception as error:  # noqa: BLE001 -- the message is the result
             out[name] = f"{type(error).__name__}: {error}"
+    out["unchanged by the refused loads"] = torch.equal(safe_get_full_fp32_param(engine.module.wte.weight),
+                                                        _gpt(0).wte.weight.detach())
     missing = dict(loaded)
     missing.pop("blocks.1.mlp.fc.bias")
     out["non-strict"] = engine.module.load_state_dict(missing, strict=False).missing_keys
+    block = {k.removeprefix("blocks.0."): v * 2 for k, v in loaded.items() if k.startswith("blocks.0.")}
+    out["a submodule's load"] = str(engine.module.blocks[0].load_state_dict(block))
+    out["its values"] = torch.equal(safe_get_full_fp32_param(engine.module.blocks[0].mlp.fc.weight),
+                                    block["mlp.fc.weight"])
     engine.destroy()
     return out
 
 
 def test_a_wrong_shape_and_assign_are_refused_with_the_key_and_missing_keys_are_reported():
+    """A refused load writes nothing (the values wait for the end of the load); a submodule's load_state_dict writes
+    too (the load's root is the module it was called on)."""
     out = run_ranks(_refusals_body, 2, timeout=TIMEOUT)[0]
+    assert out["unchanged by the refused loads"] and out["its values"], out
+    assert out["a submodule's load"] == "<All keys matched successfully>", out
     assert "size mismatch for blocks.0.attn.qkv.weight: copying a param with shape torch.Size([3, 3])" in out["shape"]
     assert "the shape in current model is torch.Size([99, 33])" in out["shape"], out["shape"]
     assert out["assign"].startswith("UsageError") and "assign=True" in out["assign"], out["assign"]
