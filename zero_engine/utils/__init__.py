@@ -213,8 +213,9 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def set_whole_value(engine, param: torch.Tensor, value: torch.Tensor, what: str) -> None:
     """Write the whole ``value`` of ``param`` (trained or frozen) into what ``engine`` holds of it: its fp32 master,
-    this rank's shard and, where the parameter is whole, the parameter. Not collective (every rank passes the same
-    value): ``safe_set_full_fp32_param`` and ``model.load_state_dict`` after initialize (loaded_state.py)."""
+    this rank's shard and, where the parameter is whole, the parameter. Nothing is exchanged, but every rank calls it
+    alike with the same value (under hpZ it changes which shards the next gathers read): ``safe_set_full_fp32_param``
+    and ``model.load_state_dict`` after initialize (loaded_state.py)."""
     sp = sharded_param_of(param) if engine.stage > 0 else None
     if sp is None:
         with torch.no_grad():
