@@ -64,10 +64,11 @@ class _TiedLM(nn.Module):
         return self.head(self.mid(self.emb(idx))).logsumexp(-1).mean()
 
 
-def train_beside_one_process(model: nn.Module, zero: dict, steps: int, vocab: int):
+def train_beside_one_process(model: nn.Module, zero: dict, steps: int, vocab: int, between=None):
     """``steps`` SGD steps of ``model`` under the engine (``zero``: its zero_optimization section) and of a copy in
     one process, on the same micro-batch on every rank (at world 2 the averaged gradient is the copy's exactly):
-    the engine's losses, the copy's, the engine and the copy."""
+    the engine's losses, the copy's, the engine and the copy. ``between(model, under_engine)`` runs between each
+    forward and its backward, on either model."""
     reference = copy.deepcopy(model)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": zero}
@@ -79,9 +80,13 @@ def train_beside_one_process(model: nn.Module, zero: dict, steps: int, vocab: in
         idx = torch.randint(0, vocab, (2, 5), generator=g)
         ref_opt.zero_grad()
         ref_loss = reference(idx)
+        if between is not None:
+            between(reference, False)
         ref_loss.backward()
         ref_opt.step()
         loss = engine(idx)
+        if between is not None:
+            between(model, True)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -221,31 +226,21 @@ class _ThreeLayerLM(nn.Module):
         return self.head(self.late(self.emb(idx))).logsumexp(-1).mean()
 
 
-def _set_between_forward_and_backward_body(zero: dict):
+def _halve_the_late_weight(model: nn.Module, under_engine: bool) -> None:
     from zero_engine.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
+    w = model.late.weight
+    if under_engine:
+        safe_set_full_fp32_param(w, safe_get_full_fp32_param(w) * 0.5)
+    else:
+        w.data.mul_(0.5)  # backward's input gradient reads the halved weight
+
+
+def _set_between_forward_and_backward_body(zero: dict):
     torch.manual_seed(0)
-    model = _ThreeLayerLM()
-    reference = copy.deepcopy(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
-    engine, *_ = zero_engine.initialize(model=model, config=config)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    losses, ref_losses = [], []
-    for _ in range(3):
-        idx = torch.randint(0, 50, (2, 5), generator=g)
-        ref_opt.zero_grad()
-        ref_loss = reference(idx)
-        reference.late.weight.data.mul_(0.5)  # backward's input gradient reads the halved weight
-        ref_loss.backward()
-        ref_opt.step()
-        loss = engine(idx)
-        safe_set_full_fp32_param(model.late.weight, safe_get_full_fp32_param(model.late.weight) * 0.5)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        ref_losses.append(ref_loss.item())
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}
+    losses, ref_losses, engine, reference = train_beside_one_process(_ThreeLayerLM(), zero, 3, 50,
+                                                                     between=_halve_the_late_weight)
     return losses, ref_losses, _leaks_and_sameness(engine, reference)[1]
 
 
