@@ -619,18 +619,21 @@ def test_a_failing_rank_is_named_with_its_error_in_the_pool(where, error, tmp_pa
     assert detected < DETECT_WITHIN_S, failures
 
 
-@pytest.mark.parametrize("where, error", [
-    ("between_steps", "ValueError: bad sample 17: token id 99999 is out of the vocabulary"),
-    ("initialize", "NvmeError: [Errno 2] offload nvme_path")])
-def test_a_rank_that_fails_is_named_with_its_error_not_as_a_divergence(tmp_path, where, error):
+@pytest.mark.parametrize("where, error, rank1_late_s", [
+    ("between_steps", "ValueError: bad sample 17: token id 99999 is out of the vocabulary", 0.0),
+    ("initialize", "NvmeError: [Errno 2] offload nvme_path", 0.0),
+    ("initialize", "NvmeError: [Errno 2] offload nvme_path", 0.5)])
+def test_a_rank_that_fails_is_named_with_its_error_not_as_a_divergence(tmp_path, where, error, rank1_late_s):
     """Rank 0 raises and exits as a script does (sys.excepthook, interpreter exit); rank 1 names its error, where it
     used to say that rank 0 had finished early (RankDivergenceError). Inside initialize() the failed engine is undone
-    (its watchdog stopped) before the error reaches the excepthook, which must still post it."""
+    (its watchdog stopped) before the error reaches the excepthook, which must still post it, and rank 0's exit must
+    still wait for rank 1 to read it: rank 0 hosts the store. Rank 1 late by 0.5 s (not yet in a collective when
+    rank 0 fails) got "the store is unreachable" (RankLostError) when the exit did not wait."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "rank_failure_worker.py"), where,
-                               str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               str(tmp_path), str(rank1_late_s)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "RANK": str(rank),
                                    "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port)})

@@ -28,7 +28,9 @@ A reader marks the note as read (``mark_read``), and a failing process waits for
 ``stall_timeout_s`` and a little (``StallWatchdog.await_failure_readers``): the ranks waiting in a collective read
 the note at their next stall check, and the store may be hosted by the failing process itself (rank 0 with
 ``MASTER_ADDR``), so without the wait a fast exit would take the note with it and leave the others with only "the
-store is unreachable". A rank that is failing, exiting or done itself is not waited for.
+store is unreachable". A rank that is failing, exiting or done itself is not waited for. The exit waits through the
+last watchdog stopped without a word when none lives: an initialize() that raises undoes its engine before the
+excepthook posts the note.
 """
 
 from __future__ import annotations

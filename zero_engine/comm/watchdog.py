@@ -101,6 +101,10 @@ UNUSABLE = ("The process group cannot be used any more (a collective is left pen
 
 _instances = itertools.count()
 _live: "weakref.WeakSet[StallWatchdog]" = weakref.WeakSet()
+# The last watchdog stopped without a word to the others (an initialize() undone by its error, a broken group): the
+# error may yet escape the program, whose excepthook posts a note after this watchdog stopped, and the exit must
+# still wait for that note to be read (the store lives as long as the process group, not the watchdog).
+_stopped_silently: Optional["StallWatchdog"] = None
 
 
 # An engine of this process ran on a gloo group, and no group failed since (a broken group is not one to destroy at
@@ -118,9 +122,10 @@ GROUP_LEFT_TO_EXIT = (
 
 
 def _stop_all_at_exit() -> None:
-    for watchdog in list(_live):
-        if liveness.posted_failure():  # sys.excepthook posted why this process fails: let the others read it
+    if liveness.posted_failure():  # sys.excepthook posted why this process fails: let the others read it
+        for watchdog in list(_live) or ([_stopped_silently] if _stopped_silently is not None else []):
             watchdog.await_failure_readers()
+    for watchdog in list(_live):
         watchdog.stop(mark="exited")  # the process ends without engine.destroy()
     heartbeat.stop()
     _close_waiter()
@@ -244,10 +249,13 @@ class StallWatchdog:
         """Stop watching; the heartbeat thread stops (joined) with the last live watchdog of the process. ``mark``
         tells the other ranks why: "left" (engine.destroy(): this rank is done), "exited" (the process ends without
         it), None (nothing to say)."""
+        global _stopped_silently
         if self.stopped:
             return
         self.stopped = True
         _live.discard(self)
+        if mark is None:
+            _stopped_silently = self
         if not _live:  # the last watchdog of the process: its threads end now, not at interpreter exit
             heartbeat.stop()
             _close_waiter()
