@@ -7,6 +7,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -195,7 +196,8 @@ def test_a_short_read_names_the_file(store):
 
 # ---- after a crash: SIGTERM and reclaiming abandoned directories ([Note: swap after a crash]) --------------------
 _HOLD_SWAP = """
-import os, signal, sys, time, torch
+import faulthandler, os, signal, sys, time, torch
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's report, should the child not end
 from zero_engine.offload.nvme import NvmeStore
 if {previous!r} == "exit":
     def handler(signum, frame):  # e.g. a trainer that checkpoints on SIGTERM: it still needs the swap files
@@ -215,12 +217,18 @@ def test_sigterm_removes_this_process_swap_files(tmp_path, previous):
     """torchrun SIGTERMs the surviving ranks when one fails: their swap directories must go. With the default
     disposition the process still dies of SIGTERM; a handler installed before is called first and decides."""
     child = subprocess.Popen([sys.executable, "-c", _HOLD_SWAP.format(path=str(tmp_path), previous=previous)],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         assert len(os.listdir(tmp_path)) == 2  # two stores (without torchrun: two run directories)
         child.send_signal(subprocess.signal.SIGTERM)
-        out, _ = child.communicate(timeout=60)
+        try:
+            out, _ = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say where every thread of the child is, not only that it hangs
+            child.send_signal(subprocess.signal.SIGUSR1)
+            time.sleep(2)
+            child.kill()
+            pytest.fail(f"the child did not end within 60 s of SIGTERM; its threads:\n{child.communicate()[1]}")
     finally:
         child.kill()
     if previous == "default":
