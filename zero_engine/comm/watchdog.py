@@ -101,9 +101,9 @@ UNUSABLE = ("The process group cannot be used any more (a collective is left pen
 
 _instances = itertools.count()
 _live: "weakref.WeakSet[StallWatchdog]" = weakref.WeakSet()
-# The last watchdog stopped without a word to the others (an initialize() undone by its error, a broken group): the
-# error may yet escape the program, whose excepthook posts a note after this watchdog stopped, and the exit must
-# still wait for that note to be read (the store lives as long as the process group, not the watchdog).
+# The process's latest watchdog, when it stopped without a word to the others (an initialize() undone by its error, a
+# broken group): the error may yet escape the program, whose excepthook posts a note after this watchdog stopped,
+# and the exit must still wait for that note to be read (the store lives as long as the process group).
 _stopped_silently: Optional["StallWatchdog"] = None
 
 
@@ -240,6 +240,8 @@ class StallWatchdog:
         liveness.install_excepthook()
         heartbeat.track(store, rank, progress)
         _live.add(self)
+        global _stopped_silently
+        _stopped_silently = None  # an engine after the undone one: its watchdog waits at exit, if any does
 
     def _key(self, what: str, rank: int) -> str:
         return f"{self.prefix}{what}/{rank}"
@@ -254,8 +256,7 @@ class StallWatchdog:
             return
         self.stopped = True
         _live.discard(self)
-        if mark is None:
-            _stopped_silently = self
+        _stopped_silently = self if mark is None else None  # the latest watchdog of the process only
         if not _live:  # the last watchdog of the process: its threads end now, not at interpreter exit
             heartbeat.stop()
             _close_waiter()
