@@ -205,3 +205,58 @@ def test_the_users_zero_grad_inside_an_accumulation_window_clears_it_at_every_st
     DeepSpeed, at every stage (stage 1 kept them: its gradients wait in the parameters' .grad until the step)."""
     for same in run_ranks(_zero_grad_mid_window_body, 2, stage, timeout=120):
         assert all(same), same
+
+
+class _LayerDrop(torch.nn.Module):
+    """Residual layers, some skipped in a step (LayerDrop, a tower a batch does not use): the same on every rank."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, layers: int = 3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab)
+        self.skip: set[int] = set()
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                h = h + torch.tanh(layer(h))
+        return self.head(h).logsumexp(-1).mean()
+
+
+def _no_gradient_anywhere_body(stage):
+    torch.manual_seed(0)
+    model = _LayerDrop()
+    reference = copy.deepcopy(model)
+    params = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": params},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), **params)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        model.skip = reference.skip = {step % 3}  # the same micro-batch and the same skip on every rank
+        idx = torch.randint(0, 64, (2, 5), generator=g)
+        ref_opt.zero_grad(set_to_none=True)
+        reference(idx).backward()
+        for p in reference.parameters():  # what DeepSpeed does, and this engine: a missing gradient is zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_opt.step()
+        engine.backward(engine(idx))
+        engine.step()
+    ref = dict(reference.named_parameters())
+    same = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), ref[n].detach())
+               for n, p in model.named_parameters())
+    engine.destroy()
+    return same
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_without_a_gradient_on_any_rank_is_stepped_with_zeros_as_deepspeed_does(stage):
+    """A layer skipped on every rank for a step is stepped with a zero gradient at every stage, as DeepSpeed fills
+    missing gradients with zeros: weight decay and momentum move it. torch's optimizers, DDP and FSDP2 leave a
+    parameter whose .grad is None untouched (README, "Every rank issues the same collectives"). Bitwise against one
+    process whose missing gradients are zeros (world 2, the same micro-batch on every rank)."""
+    assert run_ranks(_no_gradient_anywhere_body, 2, stage, timeout=120) == [True, True]
