@@ -633,7 +633,8 @@ def test_a_rank_that_fails_is_named_with_its_error_not_as_a_divergence(tmp_path,
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "rank_failure_worker.py"), where,
-                               str(tmp_path), str(rank1_late_s)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               str(tmp_path), str(rank1_late_s)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "RANK": str(rank),
                                    "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port)})
