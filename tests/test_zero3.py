@@ -807,3 +807,71 @@ def test_large_parameters_gathered_as_one_group_train_bitwise_as_gathered_one_by
         # position embedding in one gather, not gathered on demand after it ([Note: a released parameter is
         # prefetched in order]): one call fewer than before
         assert (gathers["calls"], g_gathers["calls"]) == (17, 9)
+
+
+class _Encoder(nn.Module):
+    """torch's own Transformer encoder: its layers call ``self_attn(x, x, x)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, idx):
+        return self.head(self.enc(self.emb(idx))).logsumexp(-1).mean()
+
+
+class _SeesIdentity(nn.Module):
+    """Records whether its three inputs arrived as one tensor, as nn.MultiheadAttention tests them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.same: list[bool] = []
+
+    def forward(self, query, key, value):
+        self.same.append(query is key and key is value)
+        return self.proj(query)
+
+
+def _input_passed_thrice_body():
+    torch.manual_seed(0)
+    model = _Encoder()
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    grads_equal = []
+    for _ in range(3):
+        idx = torch.randint(0, 64, (2, 5), generator=g)  # the same micro-batch on every rank
+        ref_opt.zero_grad()
+        reference(idx).backward()
+        engine.backward(engine(idx))
+        grads_equal.append(all(torch.equal(zero_engine.utils.safe_get_full_grad(p), q.grad)
+                               for p, q in zip(model.parameters(), reference.parameters())))
+        ref_opt.step()
+        engine.step()
+    params_equal = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), q.detach())
+                       for p, q in zip(model.parameters(), reference.parameters()))
+    engine.destroy()
+
+    seer = nn.Sequential(nn.Linear(16, 16))
+    seer.attn = _SeesIdentity()
+    engine, *_ = zero_engine.initialize(model=seer, config=config)
+    x = engine.module[0](torch.randn(2, 16))  # requires grad: the unit's identity function wraps it
+    engine.module.attn(x, x, x).sum().backward()
+    engine.destroy()
+    return grads_equal, params_equal, seer.attn.same
+
+
+def test_an_input_passed_several_times_to_a_unit_stays_one_tensor():
+    """[Note: an input passed twice stays one tensor] (hooks.py): a unit called as ``self_attn(x, x, x)`` got three
+    different tensors from the identity function on its inputs, so nn.MultiheadAttention took its three-matmul path:
+    gradients off one process's in the last bits from the first step (up to 4e-9 here). Now bitwise."""
+    for grads_equal, params_equal, same in run_ranks(_input_passed_thrice_body, 2, timeout=120):
+        assert grads_equal == [True] * 3 and params_equal, (grads_equal, params_equal)
+        assert same == [True], same

@@ -45,6 +45,13 @@ lock and a table of graph tasks, since a tensor's hook already runs once per bac
 complete. On the demo (8 units) that is 0.9 of the hooks' 2.9 ms of CPU a step (docs/benchmarks.md); any other
 call takes the general path.
 
+[Note: an input passed twice stays one tensor]
+The identity function on a unit's inputs returns a new tensor for each input it is given. A tensor passed at several
+places must come out as one tensor at all of them: modules test their inputs for identity, and
+``nn.MultiheadAttention`` (called ``self_attn(x, x, x)`` by ``nn.TransformerEncoderLayer``) projects query, key and
+value with one matmul only when ``query is key is value``. Given three tensors, it took its three-matmul path: the
+same values forward, gradients that differed from one process's in the last bits, and three matmuls for one.
+
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
 as a scope even when it has no parameters of its own.
@@ -167,9 +174,15 @@ class ModuleHooks:
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions:
             return None  # its release in backward is left to the end-of-backward callback
-        wrapped = _PostBackward.apply(lambda: self._post_backward(module), *(leaves[i] for i in positions))
-        for i, tensor in zip(positions, wrapped):
-            leaves[i] = tensor
+        if len(positions) == 1:
+            wrapped = _PostBackward.apply(lambda: self._post_backward(module), leaves[positions[0]])
+            leaves[positions[0]] = wrapped[0]
+        else:  # one tensor passed at several places stays one: see [Note: an input passed twice stays one tensor]
+            distinct = {id(leaves[i]): leaves[i] for i in positions}
+            wrapped = _PostBackward.apply(lambda: self._post_backward(module), *distinct.values())
+            wrapped_of = dict(zip(distinct, wrapped))
+            for i in positions:
+                leaves[i] = wrapped_of[id(leaves[i])]
         return (tuple(leaves), kwargs) if plain else tree_unflatten(leaves, spec)
 
     @_eager
