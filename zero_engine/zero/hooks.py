@@ -52,6 +52,15 @@ places must come out as one tensor at all of them: modules test their inputs for
 value with one matmul only when ``query is key is value``. Given three tensors, it took its three-matmul path: the
 same values forward, gradients that differed from one process's in the last bits, and three matmuls for one.
 
+[Note: an input modified in place]
+An output of that identity function is, to autograd, a view of the input made inside a custom Function, and torch
+forbids modifying such a view in place ("... is a view and is being modified inplace"): a module whose forward runs
+``x.add_(b)`` or ``x.mul_(g)`` (timm's ``LayerScale(inplace=True)``) on its input trains at stages 0-2 and raises at
+stage 3, as under FSDP2, which wraps inputs the same way. Returning aliases that are not views (``detach()``) would
+let the operation through, but when the caller uses that input again (a residual ``x + block(x)``), autograd would
+not see the change and the gradient of what was added would miss that use: silently wrong. So the error stays, and
+the post-forward hook adds a note naming the unit and the fix (``_explain_in_place_on_an_input``).
+
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
 as a scope even when it has no parameters of its own.
@@ -59,6 +68,7 @@ as a scope even when it has no parameters of its own.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -107,6 +117,24 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.on_backward()
         return (None, *grads)
+
+
+_VIEW_MODIFIED_IN_PLACE = "Output 0 of _PostBackward is a view and is being modified inplace"
+
+
+def _explain_in_place_on_an_input(error: BaseException, unit: str) -> None:
+    """Add to torch's error for an in-place operation on a unit's input what it means here and the fix, once (the
+    innermost unit running names itself; its parents' hooks see the note). See [Note: an input modified in place]."""
+    if not isinstance(error, RuntimeError) or _VIEW_MODIFIED_IN_PLACE not in str(error):
+        return
+    if any(note.startswith("zero_engine:") for note in getattr(error, "__notes__", ())):
+        return
+    error.add_note(
+        f"zero_engine: the forward of {unit} (or a module it calls) modified in place a tensor given to a module as "
+        "its input. At ZeRO stage 3 each module's inputs pass through an identity function that releases its "
+        "parameters after its backward, and torch forbids in-place operations on that function's outputs (FSDP2's "
+        "inputs are the same). Make the operation out of place (x = x + y for x += y, x = x * g for x.mul_(g)), or "
+        "clone the input before modifying it (x = x.clone()).")
 
 
 def _recomputing() -> bool:
@@ -187,6 +215,9 @@ class ModuleHooks:
 
     @_eager
     def _post_forward(self, module: nn.Module, args, output):
+        failed = sys.exc_info()[1]  # always_call: the hook runs inside torch's handler of an error in the forward
+        if failed is not None:
+            _explain_in_place_on_an_input(failed, self.coordinator.unit_of(module).name)
         external.leave_forward(module, is_unit=True)
         outputs = _tensors(output)
         for x in outputs:
