@@ -606,6 +606,33 @@ def _failing_rank_body(where: str, nvme_dir: str):
     return "no error"
 
 
+def _exit_waits_through_body(nvme_dir: str):
+    from zero_engine.comm import watchdog
+    from zero_engine.offload.nvme import NvmeError
+
+    config = _config(3, stall=1.0)
+    a_file = os.path.join(nvme_dir, f"a-file-{dist.get_rank()}")
+    open(a_file, "w").close()
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": a_file}
+    seen = []
+    try:
+        zero_engine.initialize(model=GPT(GPTConfig()), config=config)
+    except NvmeError:
+        seen.append(watchdog._stopped_silently is not None)  # the undone engine's: an exit waits through it
+    engine, *_ = zero_engine.initialize(model=GPT(GPTConfig()), config=_config(3, stall=1.0))
+    seen.append(watchdog._stopped_silently is None)  # a later engine's watchdog waits, if one does
+    engine.destroy()
+    seen.append(watchdog._stopped_silently is None)  # left cleanly: nothing to wait for at exit
+    return seen
+
+
+def test_the_exit_waits_through_an_undone_engines_watchdog_only_while_it_is_the_latest(tmp_path):
+    """After a failed initialize() the exit waits, through its stopped watchdog, for the failure note to be read
+    (next tests); once a later engine has run, the exit must not wait through the stale one: that waited up to
+    stall_timeout_s at the exit of a job whose other ranks had finished cleanly and would never read a note."""
+    assert run_ranks(_exit_waits_through_body, 2, str(tmp_path), timeout=TIMEOUT) == [[True, True, True]] * 2
+
+
 @pytest.mark.parametrize("where, error", [("between_steps", "ValueError: bad sample 17"),
                                           ("initialize", "NvmeError: [Errno 2] offload nvme_path")])
 def test_a_failing_rank_is_named_with_its_error_in_the_pool(where, error, tmp_path):

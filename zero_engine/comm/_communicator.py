@@ -181,7 +181,7 @@ class Communicator:
         try:
             if self.watchdog is not None:
                 if self.watchdog.failed or not wait:  # not "left": the others would read a clean finish
-                    self.watchdog.stop(mark=None)
+                    self.watchdog.stop(mark=None, silently=True)
                 else:
                     self.watchdog.leave()
             elif wait and self.world_size > 1 and self.backend != "fake":

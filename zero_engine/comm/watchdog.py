@@ -247,16 +247,18 @@ class StallWatchdog:
         return f"{self.prefix}{what}/{rank}"
 
     # ---- shutdown ----------------------------------------------------------------------------------------------
-    def stop(self, mark: Optional[str] = "left") -> None:
+    def stop(self, mark: Optional[str] = "left", silently: bool = False) -> None:
         """Stop watching; the heartbeat thread stops (joined) with the last live watchdog of the process. ``mark``
         tells the other ranks why: "left" (engine.destroy(): this rank is done), "exited" (the process ends without
-        it), None (nothing to say)."""
+        it), None (nothing to say). ``silently``: the engine was undone, or its group broke, without a word to the
+        others; this process may yet post a failure note, which its exit then waits through this watchdog to see
+        read (``_stopped_silently``)."""
         global _stopped_silently
         if self.stopped:
             return
         self.stopped = True
         _live.discard(self)
-        _stopped_silently = self if mark is None else None  # the latest watchdog of the process only
+        _stopped_silently = self if silently else None  # the latest watchdog of the process only
         if not _live:  # the last watchdog of the process: its threads end now, not at interpreter exit
             heartbeat.stop()
             _close_waiter()
