@@ -125,8 +125,8 @@ class BackendSupport:
     # the repeat saves (1.07-1.41 x at world 4): there the all-to-all stays, and at world 2, where nothing is
     # repeated, the two were even: there the one all-to-all stays too. The same bytes, the same result bitwise.
     # gloo's point-to-point works cannot be waited with a timeout (a timed-out wait closes the connection) and
-    # report completion only once waited, so the watchdog waits them on its helper thread (watchdog.py,
-    # ``_BlockingWaiter``): they are recorded as "send_recv", whose waits do not honour timeouts.
+    # report completion only once waited, so the watchdog waits them on its helper thread
+    # (_blocking_waiter.py): they are recorded as "send_recv", whose waits do not honour timeouts.
     all_gather_by_send_recv: bool = False
     logged: set = field(default_factory=set)
 

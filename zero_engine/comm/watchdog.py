@@ -67,16 +67,14 @@ import datetime
 import itertools
 import json
 import logging
-import queue
 import sys
-import threading
 import time
 import weakref
 from typing import Optional
 
 import torch.distributed as dist
 
-from zero_engine.comm import liveness
+from zero_engine.comm import _blocking_waiter as blocking_waiter, liveness
 from zero_engine.comm._records import CollectiveRecord, ProgressLog, describe_pair
 from zero_engine.comm.liveness import HEARTBEAT_PERIOD_S, default_store, heartbeat
 from zero_engine.errors import DistributedError, RankDivergenceError, RankFailedError, RankLostError
@@ -91,7 +89,7 @@ _PUBLISHED_RECORDS = 48
 # gloo's work.wait(timeout) returns on time for these (all_to_all: checked with torch 2.13, it raises "Operation
 # timed out" on time, and is_completed() turns True without a wait). Its reduce-scatter (torch 2.13) ignores the
 # timeout and its is_completed() stays False until wait() is called, so that one is waited on a helper thread
-# (_BlockingWaiter).
+# (_blocking_waiter.py).
 _WAIT_HONOURS_TIMEOUT = frozenset({"all_gather", "all_reduce", "all_to_all", "broadcast", "barrier"})
 
 BRANCH_ADVICE = ("make data-dependent branches agree across ranks (decide on rank 0 and broadcast the decision), "
@@ -128,69 +126,12 @@ def _stop_all_at_exit() -> None:
     for watchdog in list(_live):
         watchdog.stop(mark="exited")  # the process ends without engine.destroy()
     heartbeat.stop()
-    _close_waiter()
+    blocking_waiter.close_shared()
     if _advise_at_exit and dist.is_initialized() and not liveness.posted_failure():
         log.warning("zero_engine, rank %d: %s", dist.get_rank(), GROUP_LEFT_TO_EXIT)
 
 
 atexit.register(_stop_all_at_exit)
-
-
-class _BlockingWaiter:
-    """One helper thread that calls ``work.wait()`` for works whose wait cannot be sliced, so that the main thread
-    waits on an Event (in slices) instead. A work stuck for good leaves this thread stuck with it, which is harmless:
-    the process group is unusable by then and the thread is a daemon."""
-
-    def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._current: Optional[tuple] = None
-        self._thread = threading.Thread(target=self._run, name="zero_engine-blocking-wait", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._wait_for(*item)
-            del item  # hold no work between waits: a work keeps its group (and gloo's threads) alive
-
-    @staticmethod
-    def _wait_for(work, done: threading.Event, outcome: list) -> None:
-        try:
-            work.wait()
-        except BaseException as error:  # noqa: BLE001 -- handed to the waiting thread
-            outcome.append(error)
-        done.set()
-
-    def wait(self, work, seconds: float) -> bool:
-        """True once ``work`` completed (re-raising its error); False if ``seconds`` passed first."""
-        if self._current is None or self._current[0] is not work:
-            self._current = (work, threading.Event(), [])
-            self._queue.put(self._current)
-        _, done, outcome = self._current
-        if not done.wait(seconds):
-            return False
-        self._current = None
-        if outcome:
-            raise outcome[0]
-        return True
-
-    def close(self) -> None:
-        """End the thread and join it, unless it is stuck in a work of a failed group (then it stays a daemon)."""
-        self._queue.put(None)
-        if self._current is None:
-            self._thread.join(timeout=5.0)
-
-
-def _close_waiter() -> None:
-    global _waiter
-    waiter, _waiter = _waiter, None
-    if waiter is not None:
-        waiter.close()
-
-
-_waiter: Optional[_BlockingWaiter] = None  # one per process; replaced when a failed group leaves it stuck
 
 
 class StallWatchdog:
@@ -232,7 +173,7 @@ class StallWatchdog:
         self._processes: dict[int, str] = {}  # rank -> its process identity (liveness.process_identity)
         self._hb_seen: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat value, when it changed)
         self._silence_logged: set[int] = set()
-        self._waiter: Optional[_BlockingWaiter] = None
+        self._waiter: Optional[blocking_waiter.BlockingWaiter] = None
         self.stopped = False
         self.failed = False  # a DistributedError was raised: the process group is unusable
         self.store.set(self._key("proc", rank), liveness.process_identity())
@@ -261,7 +202,7 @@ class StallWatchdog:
         _stopped_silently = self if silently else None  # the latest watchdog of the process only
         if not _live:  # the last watchdog of the process: its threads end now, not at interpreter exit
             heartbeat.stop()
-            _close_waiter()
+            blocking_waiter.close_shared()
         if mark is not None:
             try:
                 self.store.set(self._key(mark, self.rank), self.progress.position())
@@ -367,11 +308,11 @@ class StallWatchdog:
             raise
 
     def _mark_failed(self) -> None:
-        global _waiter, _advise_at_exit
+        global _advise_at_exit
         self.failed = True
         _advise_at_exit = False
-        if self._waiter is not None and self._waiter._current is not None and _waiter is self._waiter:
-            _waiter = None  # its thread is stuck in a work of the broken group: the next group gets a fresh one
+        if self._waiter is not None:
+            blocking_waiter.abandon_if_stuck(self._waiter)
 
     def _wait(self, work, record: Optional[CollectiveRecord], started: float, held: bool = False) -> None:
         stall_at = started + self.stall_timeout_s
@@ -418,12 +359,9 @@ class StallWatchdog:
                 self.explain_failure(record, real)
                 raise  # explain_failure raises; unreachable
 
-    def _blocking_waiter(self) -> _BlockingWaiter:
-        global _waiter
-        if _waiter is None:
-            _waiter = _BlockingWaiter()
-        self._waiter = _waiter
-        return _waiter
+    def _blocking_waiter(self) -> blocking_waiter.BlockingWaiter:
+        self._waiter = blocking_waiter.shared()
+        return self._waiter
 
     def _what(self, record: Optional[CollectiveRecord]) -> str:
         return f"collective #{record.seq} {record.describe()}" if record is not None else "a collective"
