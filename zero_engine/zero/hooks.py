@@ -202,15 +202,11 @@ class ModuleHooks:
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions:
             return None  # its release in backward is left to the end-of-backward callback
-        if len(positions) == 1:
-            wrapped = _PostBackward.apply(lambda: self._post_backward(module), leaves[positions[0]])
-            leaves[positions[0]] = wrapped[0]
-        else:  # one tensor passed at several places stays one: see [Note: an input passed twice stays one tensor]
-            distinct = {id(leaves[i]): leaves[i] for i in positions}
-            wrapped = _PostBackward.apply(lambda: self._post_backward(module), *distinct.values())
-            wrapped_of = dict(zip(distinct, wrapped))
-            for i in positions:
-                leaves[i] = wrapped_of[id(leaves[i])]
+        # one tensor passed at several places stays one: see [Note: an input passed twice stays one tensor]
+        distinct = {id(leaves[i]): leaves[i] for i in positions}
+        wrapped = dict(zip(distinct, _PostBackward.apply(lambda: self._post_backward(module), *distinct.values())))
+        for i in positions:
+            leaves[i] = wrapped[id(leaves[i])]
         return (tuple(leaves), kwargs) if plain else tree_unflatten(leaves, spec)
 
     @_eager
