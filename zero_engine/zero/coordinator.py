@@ -190,6 +190,9 @@ class ParamCoordinator:
         self._params = list(unique.values())  # every unit's, once each (external ones join from among these)
         self._sharded_of = {id(p.param): p for p in self._params}  # nn.Parameter -> its state, this model only
         self._held: dict[int, ShardedParam] = {}  # held by the engine until the end of the step (external.py)
+        # a backward that builds a graph ran in this step: nothing is released before its end (see [Note: a
+        # gradient penalty's graph reads the parameters] in hooks.py)
+        self.keep_until_step_ends = False
         ParamCoordinator.live.add(self)
         for p in unique.values():
             if p.status is not ParamStatus.NOT_AVAILABLE:
@@ -236,6 +239,7 @@ class ParamCoordinator:
         self._drop_holds()
         for p in self._params:
             p.active_users = 0
+        self.keep_until_step_ends = False
         release_unused(self._params)
         if self._in_step and adopt_trace and self._recording and (self.trace is None or not self._following
                                                                    or self._pos != len(self.trace.events)):
@@ -298,6 +302,8 @@ class ParamCoordinator:
         [Note: shared parameters stay within a pass] a tied weight (embedding / LM head) is kept between its uses
         inside one forward or one backward, so it is gathered once per pass; the live budget still rules: _make_room
         gives kept parameters up first when a fetch needs room."""
+        if self.keep_until_step_ends:
+            return
         unit = self._unit_of[module]
         next_uses = next_events = None
         if self._following:  # the trace says which parameters are used again soon

@@ -61,6 +61,16 @@ let the operation through, but when the caller uses that input again (a residual
 not see the change and the gradient of what was added would miss that use: silently wrong. So the error stays, and
 the post-forward hook adds a note naming the unit and the fix (``_explain_in_place_on_an_input``).
 
+[Note: a gradient penalty's graph reads the parameters]
+A gradient penalty (WGAN-GP, R1) takes ``torch.autograd.grad(out, x, create_graph=True)`` inside the step's forward:
+a backward that builds a graph, whose nodes (``grad_x = grad_h @ W``) read the parameters themselves, saved as they
+were, and are run by the step's backward. Torch runs a backward's hooks with grad mode on only then
+(``create_graph``): the engine's own backward never builds one. So a pre-backward hook that finds grad mode on
+neither ends the step when that backward ends (its end-of-backward callback is the step's), nor lets anything be
+released until the step's backward ends (``keep_until_step_ends``, read by the coordinator's release): the units
+that backward gathered stay gathered, and the step's end releases them. Released, their storage was empty when the
+step's backward ran those nodes ("setStorage: ... out of bounds for storage of size 0").
+
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
 as a scope even when it has no parameters of its own.
@@ -231,7 +241,10 @@ class ModuleHooks:
     # ---- backward ------------------------------------------------------------------------------------------------
     @_eager
     def _pre_backward(self, module: nn.Module) -> None:
-        self.backward_end.queue_if_needed()
+        if torch.is_grad_enabled():  # a backward that builds a graph: see [Note: a gradient penalty's graph ...]
+            self.coordinator.keep_until_step_ends = True
+        else:
+            self.backward_end.queue_if_needed()
         self.coordinator.fetch(module, "backward")
 
     @_eager
