@@ -22,6 +22,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int,
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:  # nn.Embedding(sparse=True)'s: averaged dense, as at the other stages
+            p.grad = p.grad.to_dense()
     grads = [p.grad for p in params]
     outs = grads if into is None else into
     start = 0

@@ -254,6 +254,8 @@ class GradReducer:
             p.param.grad = None
         if type(grad) is not torch.Tensor:
             grad = local_grad(p.param, grad)  # a DTensor's: its local piece (tensor_parallel.py)
+        if grad.is_sparse:  # nn.Embedding(sparse=True)'s: reduced dense, as partitioned reductions have no sparse form
+            grad = grad.to_dense()
         if grad.numel() != p.numel:  # the last line of defence: see external.py for how reads are gathered
             raise RuntimeError(
                 f"{p.fqn}: gradient of {grad.numel()} elements on rank {self.comm.rank}, expected {p.numel} "
