@@ -27,6 +27,7 @@ from .zero.expert import GroupedGather, expert_shard_groups
 from .zero.gather import CoalescedGather, choose_sequential_buckets, make_gatherer
 from .zero.grads import GradReducer, hand_gradient_to_reducer
 from .zero.hooks import BackwardEndCallback, ModuleHooks
+from .zero.module_zero_grad import install_module_zero_grad
 from .zero.optimizer import DataParallelOptimizer, ZeroOptimizer, param_groups_of
 from .zero.partition import ShardedParam, flatten_shards, sharded_param_of
 from .zero.presence import GradientPresence
@@ -168,6 +169,7 @@ def _partition(engine, model: nn.Module, zc, fp32_masters: bool) -> list[list[Sh
             sp.grad_reducer = engine.reducer
         engine.grad_hooks = [sp.param.register_post_accumulate_grad_hook(hand_gradient_to_reducer)
                              for sp in trainable]
+        install_module_zero_grad(model)  # the hooks take .grad: a module's zero_grad reaches the reducer instead
     if engine.stage < 3:
         for sp in engine.sharded:
             sp.is_persistent = True

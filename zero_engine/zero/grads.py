@@ -411,9 +411,17 @@ class GradReducer:
             self._track("grads", bucket.per_rank * bucket.shard_grads.element_size())
         return bucket.shard_grads
 
-    def zero_grad(self) -> None:
-        """End the accumulation window: the gradient shards are freed (see [Note: gradient shard lifetime])."""
+    def zero_grad(self, params: set[int] | None = None) -> None:
+        """End the accumulation window: the gradient shards are freed (see [Note: gradient shard lifetime]).
+        ``params``: the ids of some parameters (a module's zero_grad, zero/module_zero_grad.py), whose gradients
+        alone are dropped: their slices zeroed, and a bucket freed once all of its parameters are dropped."""
         for bucket in self.buckets:
+            dropped = bucket.params if params is None else [p for p in bucket.params if id(p) in params]
+            if len(dropped) < len(bucket.params):
+                for view in self.shard_grads(dropped) if dropped else ():
+                    if view is not None:
+                        view.zero_()
+                continue
             if bucket.shard_grads is not None:
                 self._track("grads", -bucket.per_rank * bucket.shard_grads.element_size())
                 bucket.shard_grads = None
