@@ -982,3 +982,57 @@ def test_a_gradient_penalty_trains_as_one_process(zero):
     for losses, same, left_gathered in run_ranks(_gradient_penalty_body, 2, zero, timeout=120):
         assert losses == [True] * 3 and same, (losses, same)
         assert left_gathered == [], left_gathered
+
+
+def _copy_for_an_ema_body(stage):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    refused = ""
+    try:
+        copy.deepcopy(model)
+    except RuntimeError as error:
+        refused = str(error)
+    params = list(model.parameters())
+    with zero_engine.zero.GatheredParameters(params):
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))  # a deepcopy of the model
+    ref_ema = AveragedModel(reference, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    plain = all(type(p) is nn.Parameter for p in ema.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)  # the same micro-batch on every rank
+        ref_opt.zero_grad()
+        reference(x).square().mean().backward()
+        ref_opt.step()
+        ref_ema.update_parameters(reference)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        with zero_engine.zero.GatheredParameters(params):
+            ema.update_parameters(model)
+    x = torch.randn(4, 8, generator=g)
+    same = (all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), r.detach())
+                for p, r in zip(params, reference.parameters()))
+            and all(torch.equal(a, b) for a, b in zip(ema.parameters(), ref_ema.parameters()))
+            and torch.equal(ema(x), ref_ema(x)))
+    engine.destroy()
+    return refused, plain, same
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_copy_of_the_model_is_a_plain_model_taken_gathered(stage):
+    """[Note: a copy of the model] (hooks.py): copy.deepcopy of a stage-3 model (AveragedModel, an EMA, a reference
+    model) failed with "cannot pickle 'ProcessGroup'": it copied the hooks with the engine. Inside GatheredParameters
+    the copy is a plain model with whole parameters, whose forward the engine does not see; an EMA of it trains
+    bitwise as one process's, and the engine too. Released, a parameter's copy is refused by name."""
+    for refused, plain, same in run_ranks(_copy_for_an_ema_body, 2, stage, timeout=120):
+        assert plain and same, (plain, same)
+        if stage == 3:
+            assert refused.startswith("copy.deepcopy() of 0.weight, which ZeRO-3 has partitioned"), refused
+        else:
+            assert refused == "", refused

@@ -71,6 +71,15 @@ released until the step's backward ends (``keep_until_step_ends``, read by the c
 that backward gathered stay gathered, and the step's end releases them. Released, their storage was empty when the
 step's backward ran those nodes ("setStorage: ... out of bounds for storage of size 0").
 
+[Note: a copy of the model]
+``copy.deepcopy(model)`` (an EMA, AveragedModel, a reference model) copies each module's hook dicts, and each hook,
+a method bound to the ModuleHooks, with its object: the engine's whole state, up to its process group, which cannot
+be copied ("cannot pickle 'ProcessGroup'"). The copy is a plain model instead. Its hooks are bound to a ModuleHooks
+without a coordinator, and return at once; its parameters are plain ``nn.Parameter``s holding the whole value
+(``ZeroParameter.__deepcopy__``), so a copy is taken of gathered parameters: inside
+``GatheredParameters(list(model.parameters()))`` at stage 3, where a released one would copy nothing but its
+shard and is refused by name.
+
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
 as a scope even when it has no parameters of its own.
@@ -184,6 +193,12 @@ class ModuleHooks:
         self._handles.append(root.register_forward_hook(self._leave_model, always_call=True))
         external.watch_parameter_reads(root)
 
+    def __deepcopy__(self, memo):
+        """Hooks that do nothing, for a copy of the model: see [Note: a copy of the model]."""
+        inert = object.__new__(ModuleHooks)
+        inert.coordinator = None
+        return inert
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -193,16 +208,22 @@ class ModuleHooks:
     # ---- the model's forward (the root's scope, see external.py) -------------------------------------------------
     @_eager
     def _enter_model(self, module: nn.Module, args) -> None:
+        if self.coordinator is None:  # a copy's: [Note: a copy of the model]
+            return None
         external.enter_forward(self.coordinator, module, is_unit=False)
 
     @_eager
     def _leave_model(self, module: nn.Module, args, output) -> None:
+        if self.coordinator is None:  # a copy's: [Note: a copy of the model]
+            return None
         external.leave_forward(module, is_unit=False)
         self.coordinator.end_model_forward()
 
     # ---- forward -------------------------------------------------------------------------------------------------
     @_eager
     def _pre_forward(self, module: nn.Module, args, kwargs):
+        if self.coordinator is None:  # a copy's: [Note: a copy of the model]
+            return None
         self.coordinator.fetch(module, "forward")
         external.enter_forward(self.coordinator, module, is_unit=True, own=self.coordinator.unit_of(module).read_ids)
         if not torch.is_grad_enabled():
@@ -221,6 +242,8 @@ class ModuleHooks:
 
     @_eager
     def _post_forward(self, module: nn.Module, args, output):
+        if self.coordinator is None:  # a copy's: [Note: a copy of the model]
+            return None
         failed = sys.exc_info()[1]  # always_call: the hook runs inside torch's handler of an error in the forward
         if failed is not None:
             _explain_in_place_on_an_input(failed, self.coordinator.unit_of(module).name)

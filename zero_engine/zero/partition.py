@@ -147,6 +147,21 @@ class ZeroParameter(nn.Parameter):
         """Kept whole between uses (small parameters at stage 3; every parameter at stages 1-2)."""
         return _state_of(self).is_persistent
 
+    def __deepcopy__(self, memo):
+        """A plain ``nn.Parameter`` with the whole value (see [Note: a copy of the model] in hooks.py); refused while
+        released, when this rank holds only the shard."""
+        sp = sharded_param_of(self)
+        if sp is not None and sp.status is not ParamStatus.AVAILABLE:
+            raise RuntimeError(
+                f"copy.deepcopy() of {sp.fqn or 'a parameter'}, which ZeRO-3 has partitioned: this rank holds only "
+                "its shard. Copy the model while its parameters are gathered, on every rank: `with "
+                "zero_engine.zero.GatheredParameters(list(model.parameters())): copied = copy.deepcopy(model)` gives "
+                "a plain model with whole parameters (or copy it before initialize)")
+        with torch._C.DisableTorchFunctionSubclass():
+            copied = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
     def __getstate__(self):
         """What a pickle or copy of the parameter keeps: not its partition state (see [Note: a parameter holds its
         partition state])."""
