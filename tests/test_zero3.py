@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -1020,6 +1021,19 @@ def _copy_for_an_ema_body(stage):
                 for p, r in zip(params, reference.parameters()))
             and all(torch.equal(a, b) for a, b in zip(ema.parameters(), ref_ema.parameters()))
             and torch.equal(ema(x), ref_ema(x)))
+    try:
+        torch.save(model, io.BytesIO())
+    except RuntimeError as error:
+        refused += " | " + str(error)
+    buffer = io.BytesIO()
+    with zero_engine.zero.GatheredParameters(params):
+        torch.save(model, buffer)  # a whole-model pickle
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    plain = plain and all(type(p) is nn.Parameter for p in loaded.parameters())
+    same = same and torch.equal(loaded(x), reference(x))
+    loaded.load_state_dict(ref_ema.module.state_dict())  # torch's load alone: the engine's model is untouched
+    same = same and torch.equal(loaded(x), ref_ema(x)) and torch.equal(engine(x), reference(x))
     engine.destroy()
     return refused, plain, same
 
@@ -1027,12 +1041,15 @@ def _copy_for_an_ema_body(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_copy_of_the_model_is_a_plain_model_taken_gathered(stage):
     """[Note: a copy of the model] (hooks.py): copy.deepcopy of a stage-3 model (AveragedModel, an EMA, a reference
-    model) failed with "cannot pickle 'ProcessGroup'": it copied the hooks with the engine. Inside GatheredParameters
-    the copy is a plain model with whole parameters, whose forward the engine does not see; an EMA of it trains
-    bitwise as one process's, and the engine too. Released, a parameter's copy is refused by name."""
+    model) failed with "cannot pickle 'ProcessGroup'", and torch.save(model) at every stage ("cannot pickle
+    'weakref'"): they copied the hooks with the engine. Inside GatheredParameters a copy is a plain model with whole
+    parameters, whose forward and load_state_dict the engine does not see; an EMA of it trains bitwise as one
+    process's, and the engine too. Released, a parameter's copy is refused by name."""
     for refused, plain, same in run_ranks(_copy_for_an_ema_body, 2, stage, timeout=120):
         assert plain and same, (plain, same)
         if stage == 3:
-            assert refused.startswith("copy.deepcopy() of 0.weight, which ZeRO-3 has partitioned"), refused
+            deepcopy, pickle = refused.split(" | ")
+            assert deepcopy.startswith("copy.deepcopy() of 0.weight, which ZeRO-3 has partitioned"), deepcopy
+            assert pickle.startswith("pickling (torch.save) of 0.weight, which ZeRO-3 has partitioned"), pickle
         else:
             assert refused == "", refused

@@ -52,6 +52,11 @@ class LoadStateDictHooks:
             self.handles.append(module.register_load_state_dict_pre_hook(self._take))
             self.handles.append(module.register_load_state_dict_post_hook(self._finish))
 
+    def __reduce__(self):
+        """A copy or pickle of the model gets hooks that leave its loads to torch: see [Note: a copy of the model]
+        in zero/hooks.py (the engine's weak reference would otherwise be shared with the copy)."""
+        return _inert_load_hooks, ()
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -91,6 +96,16 @@ class LoadStateDictHooks:
         with states_in_memory_of(next(iter(values.values()))[0]):  # NVMe optimizer offload: masters read in
             for key, (param, value) in values.items():
                 set_whole_value(engine, param, value, f"load_state_dict {key}")
+
+
+def _inert_load_hooks() -> LoadStateDictHooks:
+    inert = object.__new__(LoadStateDictHooks)
+    inert.engine, inert.root, inert.values, inert.errors, inert.handles = _no_engine, None, {}, [], []
+    return inert
+
+
+def _no_engine() -> None:
+    return None
 
 
 def _refuse_unsupported(engine, key: str, param: torch.Tensor, local_metadata: dict) -> None:

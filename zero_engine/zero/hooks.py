@@ -72,13 +72,13 @@ that backward gathered stay gathered, and the step's end releases them. Released
 step's backward ran those nodes ("setStorage: ... out of bounds for storage of size 0").
 
 [Note: a copy of the model]
-``copy.deepcopy(model)`` (an EMA, AveragedModel, a reference model) copies each module's hook dicts, and each hook,
-a method bound to the ModuleHooks, with its object: the engine's whole state, up to its process group, which cannot
-be copied ("cannot pickle 'ProcessGroup'"). The copy is a plain model instead. Its hooks are bound to a ModuleHooks
-without a coordinator, and return at once; its parameters are plain ``nn.Parameter``s holding the whole value
-(``ZeroParameter.__deepcopy__``), so a copy is taken of gathered parameters: inside
-``GatheredParameters(list(model.parameters()))`` at stage 3, where a released one would copy nothing but its
-shard and is refused by name.
+``copy.deepcopy(model)`` (an EMA, AveragedModel, a reference model) and ``torch.save(model)`` copy each module's
+hook dicts, and each hook, a method bound to the ModuleHooks, with its object: the engine's whole state, up to its
+process group, which cannot be copied ("cannot pickle 'ProcessGroup'"). The copy is a plain model instead. Its
+hooks are bound to a ModuleHooks without a coordinator, and return at once (LoadStateDictHooks' likewise); its
+parameters are plain ``nn.Parameter``s holding the whole value (``ZeroParameter.__deepcopy__``,
+``__reduce_ex__``), so a copy is taken of gathered parameters: inside ``GatheredParameters(list(model.parameters()))``
+at stage 3, where a released one would copy nothing but its shard and is refused by name.
 
 Parameters a forward uses without owning them (read through an attribute, returned to the caller, registered):
 external.py. For that the hooks keep external.py's list of the forwards running, and the model's root is entered
@@ -193,11 +193,9 @@ class ModuleHooks:
         self._handles.append(root.register_forward_hook(self._leave_model, always_call=True))
         external.watch_parameter_reads(root)
 
-    def __deepcopy__(self, memo):
-        """Hooks that do nothing, for a copy of the model: see [Note: a copy of the model]."""
-        inert = object.__new__(ModuleHooks)
-        inert.coordinator = None
-        return inert
+    def __reduce__(self):
+        """A copy or pickle of the model gets hooks that do nothing: see [Note: a copy of the model]."""
+        return _inert_module_hooks, ()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -273,3 +271,9 @@ class ModuleHooks:
     @_eager
     def _post_backward(self, module: nn.Module) -> None:
         self.coordinator.release(module)
+
+
+def _inert_module_hooks() -> ModuleHooks:
+    inert = object.__new__(ModuleHooks)
+    inert.coordinator = None
+    return inert

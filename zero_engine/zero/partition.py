@@ -150,22 +150,31 @@ class ZeroParameter(nn.Parameter):
     def __deepcopy__(self, memo):
         """A plain ``nn.Parameter`` with the whole value (see [Note: a copy of the model] in hooks.py); refused while
         released, when this rank holds only the shard."""
-        sp = sharded_param_of(self)
-        if sp is not None and sp.status is not ParamStatus.AVAILABLE:
-            raise RuntimeError(
-                f"copy.deepcopy() of {sp.fqn or 'a parameter'}, which ZeRO-3 has partitioned: this rank holds only "
-                "its shard. Copy the model while its parameters are gathered, on every rank: `with "
-                "zero_engine.zero.GatheredParameters(list(model.parameters())): copied = copy.deepcopy(model)` gives "
-                "a plain model with whole parameters (or copy it before initialize)")
+        _refuse_copy_if_released(self, "copy.deepcopy()")
         with torch._C.DisableTorchFunctionSubclass():
             copied = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
         memo[id(self)] = copied
         return copied
 
+    def __reduce_ex__(self, protocol):
+        """A pickle (``torch.save(model)``) is of a plain ``nn.Parameter``, as ``__deepcopy__``'s copy."""
+        _refuse_copy_if_released(self, "pickling (torch.save)")
+        return super().__reduce_ex__(protocol)
+
     def __getstate__(self):
         """What a pickle or copy of the parameter keeps: not its partition state (see [Note: a parameter holds its
         partition state])."""
         return {k: v for k, v in self.__dict__.items() if k != _STATE}
+
+
+def _refuse_copy_if_released(param: ZeroParameter, what: str) -> None:
+    sp = sharded_param_of(param)
+    if sp is not None and sp.status is not ParamStatus.AVAILABLE:
+        raise RuntimeError(
+            f"{what} of {sp.fqn or 'a parameter'}, which ZeRO-3 has partitioned: this rank holds only its shard. "
+            "Copy the model while its parameters are gathered, on every rank: inside `with zero_engine.zero."
+            "GatheredParameters(list(model.parameters())):` a copy is a plain model with whole parameters (or "
+            "copy it before initialize)")
 
 
 def _dynamo_is_tracing() -> bool:
