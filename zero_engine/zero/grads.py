@@ -43,6 +43,11 @@ rare cases copy one parameter at a time as before: a group that is not complete 
 parameter without gradient this pass, or reduced on its own: [Note: a gradient on some ranks only]) and a second
 gradient for a parameter whose group was already copied.
 
+[Note: a gradient after its bucket]
+A block applied several times under reentrant checkpointing (each application's backward its own, so autograd
+cannot sum them first) gives its parameters gradients after their bucket was reduced. Each is held, as an irregular
+one, and reduced on its own at the end of the pass: every rank runs the same graph and issues it.
+
 [Note: buckets of one group]
 Each bucket's parameters share one shard group: the reducer's (``comm``: the world when flat), or an MoE expert's
 expert-data-parallel group (``ShardedParam.group``, zero/expert.py), whose reduce-scatter runs on that group and is
@@ -85,8 +90,7 @@ MAX_IN_FLIGHT = 2
 
 
 def hand_gradient_to_reducer(param: torch.Tensor) -> None:
-    """The post-accumulate-grad hook of every trainable parameter at stages 2-3: see [Note: one call per
-    gradient]."""
+    """Every trainable parameter's post-accumulate-grad hook at stages 2-3: [Note: one call per gradient]."""
     sp = sharded_param_of(param)
     sp.grad_reducer.add(sp, param)
 
@@ -268,11 +272,10 @@ class GradReducer:
             self._held[key] = grad.detach() if held is None else held + grad.detach()
             return
         bucket, group, i = self._copy_slot[key]
-        if bucket.pending is not None or bucket.index < self._next_launch:
-            raise RuntimeError(
-                f"{p.fqn}: gradient arrived after its bucket was reduced on rank {self.comm.rank}; the parameter got "
-                "a second gradient in one backward pass (reentrant activation checkpointing?). Use "
-                "torch.utils.checkpoint with use_reentrant=False.")
+        if bucket.pending is not None or bucket.index < self._next_launch:  # [Note: a gradient after its bucket]
+            self._irregular = {*self._irregular, key}  # a new set: the coordinator's recorded one is not ours
+            self._held[key] = grad.detach()
+            return
         if bucket.send is None and len(bucket.params) == 1 and self._adopt(bucket, p, grad):
             self._launch_ready()
             return
@@ -412,9 +415,8 @@ class GradReducer:
         return bucket.shard_grads
 
     def zero_grad(self, params: set[int] | None = None) -> None:
-        """End the accumulation window: the gradient shards are freed (see [Note: gradient shard lifetime]).
-        ``params``: the ids of some parameters (a module's zero_grad, zero/module_zero_grad.py), whose gradients
-        alone are dropped: their slices zeroed, and a bucket freed once all of its parameters are dropped."""
+        """End the accumulation window: the gradient shards are freed ([Note: gradient shard lifetime]). ``params``
+        (ids; a module's zero_grad): only theirs dropped, their slices zeroed, a bucket freed once all of its are."""
         for bucket in self.buckets:
             dropped = bucket.params if params is None else [p for p in bucket.params if id(p) in params]
             if len(dropped) < len(bucket.params):
