@@ -393,3 +393,43 @@ def test_a_submodules_zero_grad_inside_a_window_drops_only_its_parameters_gradie
     """A submodule's zero_grad drops its parameters' gradients alone: their slices of a shared gradient bucket
     zeroed (one-bucket), or their buckets freed (bucket-per-param), as torch does with their .grad."""
     assert run_ranks(_submodule_zero_grad_body, 2, stage, bucket, timeout=120) == [True, True]
+
+
+def _backward_outside_the_engine_body(stage, gas):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+    engine, optimizer, *_ = zero_engine.initialize(model=model, config=config)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    engine(x).square().mean().backward()  # not engine.backward: nothing would be counted, scaled or updated
+    try:
+        engine.step()
+        refused = ""
+    except zero_engine.UsageError as error:
+        refused = str(error)
+    engine.zero_grad()  # then the loop written right trains as one process
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(gas):
+        (reference(x).square().mean() / gas).backward()
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    ref_opt.step()
+    engine.step()  # after the update, with nothing waiting: the boundary is consumed, a warning as before
+    same = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), r.detach())
+               for p, r in zip(model.parameters(), reference.parameters()))
+    engine.destroy()
+    return refused, same
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_after_loss_backward_is_refused_not_a_silent_no_op(stage, gas):
+    """loss.backward() then engine.step() updated nothing at any stage: micro-steps are counted by engine.backward,
+    so the boundary was never reached (gas 2: silently) or taken as consumed (gas 1: a warning that step() was
+    "called again"). Now a UsageError says to call engine.backward(loss)."""
+    for refused, same in run_ranks(_backward_outside_the_engine_body, 2, stage, gas, timeout=120):
+        assert refused.startswith("rank ") and "found gradients from a backward that did not go through the " \
+            "engine (loss.backward()?)" in refused, refused
+        assert same

@@ -35,7 +35,8 @@ from .deepspeed_api import DeepSpeedEngineAPI
 from .device import local_device, place_module
 from .errors import ArgumentError, UsageError
 from .guards import (claim_model, client_optimizer_restorer, discard_failed_backward, refuse_after_destroy,
-                     refuse_partitioned_at_stage0, tear_down, undo_failed_initialize, warn_backward_without_step)
+                     refuse_gradients_from_outside, refuse_partitioned_at_stage0, tear_down, undo_failed_initialize,
+                     warn_backward_without_step)
 from .memory import reset_rss_peak
 from .memory.engine_stats import memory_stats, model_state_bytes
 from .mesh import data_parallel_world, named_communicators, summed_stats
@@ -206,6 +207,7 @@ class ZeroEngine(DeepSpeedEngineAPI):
         if self._inside_no_sync:
             raise UsageError("step() inside engine.no_sync() is not allowed (as in DeepSpeed): leave the block, "
                              "run the last micro-batch's backward, then call step()")
+        refuse_gradients_from_outside(self)
         at_boundary = self.is_gradient_accumulation_boundary()
         self._awaiting_step = False
         self._step_applied = False

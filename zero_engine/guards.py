@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._registrations import watch_registrations
-from .errors import DistributedError
+from .errors import DistributedError, UsageError
 from .zero.partition import sharded_param_of
 from .zero.tensor_parallel import local_of
 
@@ -327,6 +327,25 @@ def warn_backward_without_step(engine) -> None:
                 "engine.backward() (it updates only at the accumulation boundary), and raise "
                 "gradient_accumulation_steps to accumulate over more micro-batches. (Warned once.)",
                 engine.comm.rank, engine.global_steps, engine.gradient_accumulation_steps())
+
+
+def refuse_gradients_from_outside(engine) -> None:
+    """step() with no engine.backward() since the last update, while gradients wait (in ``.grad``, or reduced at
+    stages 2-3 by the hooks): they came from ``loss.backward()`` or ``torch.autograd.backward``. Such a step updated
+    nothing, as micro-steps (and so the accumulation boundary) are counted by engine.backward, and its loss had not
+    been divided by gradient_accumulation_steps nor scaled for fp16; so it is refused. Checked only when no
+    engine.backward() ran, which a training loop never does."""
+    if engine.backwards_since_update:
+        return
+    waiting = engine.reducer is not None and engine.reducer.grad_bytes > 0
+    if not waiting and not any(p.grad is not None for p in engine.module.parameters() if p.requires_grad):
+        return
+    raise UsageError(
+        f"rank {engine.comm.rank}: step() at step {engine.global_steps} found gradients from a backward that did not "
+        "go through the engine (loss.backward()?), and no engine.backward() since the last update. Call "
+        "engine.backward(loss) instead: it divides the loss by gradient_accumulation_steps, applies the fp16 loss "
+        "scale and counts the micro-step by which step() finds the accumulation boundary; after loss.backward() "
+        "step() would update nothing")
 
 
 def refuse_after_destroy(engine, call: str) -> None:
