@@ -433,3 +433,55 @@ def test_a_step_after_loss_backward_is_refused_not_a_silent_no_op(stage, gas):
         assert refused.startswith("rank ") and "found gradients from a backward that did not go through the " \
             "engine (loss.backward()?)" in refused, refused
         assert same
+
+
+class _WithDtype(torch.nn.Module):
+    """A float32 layer and a parameter of another dtype: float64 (scientific models), complex64 (spectral ones)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(8, 8, dtype=dtype) * 0.1)
+
+    def forward(self, x):
+        return (self.layer(x).to(self.w.dtype) @ self.w).abs().square().mean()
+
+
+def _other_dtype_body(stage, dtype):
+    torch.manual_seed(0)
+    model = _WithDtype(dtype)
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage}}
+    try:
+        engine, *_ = zero_engine.initialize(model=model, config=config)
+    except NotImplementedError as error:
+        return str(error)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)  # the same on every rank
+        ref_opt.zero_grad()
+        reference(x).backward()
+        ref_opt.step()
+        engine.backward(engine(x))
+        engine.step()
+    same = all(torch.equal(p, r) for p, r in zip(model.parameters(), reference.parameters()))
+    engine.destroy()
+    return same
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=["float64", "complex64"])
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_float64_or_complex_parameter_trains_at_stage_0_and_is_refused_above(stage, dtype):
+    """Stage 0 averaged every gradient in one float32 bucket: a float64 one lost precision (3e-10 off one process
+    after 3 steps) and a complex one its imaginary part (4e-3 off). Buckets are cut where the dtype changes now, and
+    never reduce narrower than the gradient: bitwise. Stages 1-3 cast such a parameter to the compute dtype (and
+    then failed in the model's forward, "double != float"); they refuse it by name now."""
+    for result in run_ranks(_other_dtype_body, 2, stage, dtype, timeout=120):
+        if stage == 0:
+            assert result is True
+        else:
+            name = str(dtype).removeprefix("torch.")
+            assert result.startswith(f"w: a {name} parameter at zero_optimization.stage {stage} is not supported "
+                                     "yet"), result

@@ -102,6 +102,20 @@ def refuse_partitioned_at_stage0(model: nn.Module) -> None:
             "model without zero.Init")
 
 
+def refuse_unpartitioned_dtypes(model: nn.Module, stage: int, compute_dtype: torch.dtype) -> None:
+    """Stages 1-3 hold parameters in flat shards of the compute dtype, with fp32 masters: a float64 parameter would
+    be cast (silently losing the precision its owner chose) and a complex one lose its imaginary part."""
+    for name, p in model.named_parameters():
+        if p.is_complex() or p.dtype == torch.float64:
+            dtype, compute = (str(t).removeprefix("torch.") for t in (p.dtype, compute_dtype))
+            fix = ("represent it as two real parameters (torch.view_as_complex in the forward)" if p.is_complex()
+                   else "cast it to float32 before initialize")
+            raise NotImplementedError(
+                f"{name}: a {dtype} parameter at zero_optimization.stage {stage} is not supported yet: stages 1-3 "
+                f"hold parameters in flat shards of the compute dtype ({compute}), so it would be cast to it. Use "
+                f"stage 0, which trains it as it is (its gradient averaged in {dtype}), or {fix}")
+
+
 class ModelSnapshot:
     """The parameters initialize partitioned, their requires_grad flags and dtypes; ``check`` compares the model now.
 

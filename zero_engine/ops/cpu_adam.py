@@ -84,7 +84,8 @@ class CPUAdam(OpAdamBase):
         for param, grad in zip(params, grads):
             if param.device.type != "cpu" or param.dtype != torch.float32 or not param.is_contiguous():
                 raise ValueError(f"CPUAdam needs contiguous fp32 CPU parameters, got {param.dtype} on {param.device} "
-                                 f"(contiguous={param.is_contiguous()}, shape {tuple(param.shape)})")
+                                 f"(contiguous={param.is_contiguous()}, shape {tuple(param.shape)}); \"torch_adam\": "
+                                 "true in the config optimizer's params selects torch's Adam")
             if grad.dtype not in _GRAD_DTYPES or grad.device.type != "cpu":
                 raise ValueError(f"CPUAdam needs fp32/bf16/fp16 CPU gradients, got {grad.dtype} on {grad.device} "
                                  f"for a parameter of shape {tuple(param.shape)}")

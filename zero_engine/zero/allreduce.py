@@ -18,7 +18,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int,
     not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do).
     ``into``: one tensor per parameter that receives the average instead of ``param.grad`` (fp16/bf16 training:
     the fp32 master's gradient). ``reduce_dtype``: the dtype the buckets are averaged in (communication_data_type;
-    default the destination's dtype: 16-bit gradients are averaged in fp32, as at the other stages)."""
+    default the destination's dtype; never narrower than the destination, a bucket cut where that changes: 16-bit
+    gradients are averaged in fp32, as at the other stages, and a float64 parameter's in float64)."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -29,13 +30,19 @@ def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int,
     start = 0
     while start < len(grads):
         end, size = start, 0
-        while end < len(grads) and (end == start or size + grads[end].numel() <= bucket_numel):
+        dtype = _reduced_in(outs[start], reduce_dtype)
+        while end < len(grads) and (end == start or size + grads[end].numel() <= bucket_numel
+                                    and _reduced_in(outs[end], reduce_dtype) == dtype):
             size += grads[end].numel()
             end += 1
-        flat = torch.cat([g.reshape(-1).to(reduce_dtype or outs[start].dtype) for g in grads[start:end]])
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads[start:end]])
         comm.all_reduce(flat, op="avg", name="grads")
         offset = 0
         for out in outs[start:end]:
             out.copy_(flat[offset: offset + out.numel()].view_as(out))
             offset += out.numel()
         start = end
+
+
+def _reduced_in(out: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    return out.dtype if reduce_dtype is None else torch.promote_types(reduce_dtype, out.dtype)
