@@ -209,6 +209,12 @@ def test_the_users_zero_grad_inside_an_accumulation_window_clears_it_at_every_st
         assert all(same), same
 
 
+def _equal_to_one_process(model, reference) -> bool:
+    """Every parameter's fp32 value, gathered, bitwise equal to the one-process reference's (a collective)."""
+    return all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), r.detach())
+               for p, r in zip(model.parameters(), reference.parameters()))
+
+
 class _LayerDrop(torch.nn.Module):
     """Residual layers, some skipped in a step (LayerDrop, a tower a batch does not use): the same on every rank."""
 
@@ -248,9 +254,7 @@ def _no_gradient_anywhere_body(stage):
         ref_opt.step()
         engine.backward(engine(idx))
         engine.step()
-    ref = dict(reference.named_parameters())
-    same = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), ref[n].detach())
-               for n, p in model.named_parameters())
+    same = _equal_to_one_process(model, reference)
     engine.destroy()
     return same
 
@@ -285,8 +289,7 @@ def _sparse_embedding_body(stage):
             engine.step()
         ref_opt.step()
         ref_opt.zero_grad()
-    same = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), r.detach())
-               for p, r in zip(model.parameters(), reference.parameters()))
+    same = _equal_to_one_process(model, reference)
     engine.destroy()
     return same
 
@@ -333,9 +336,7 @@ def _gan_body(stage):
         gen.zero_grad()
         engine_g.backward(bce(disc(fake), ones))
         engine_g.step()
-    same = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), r.detach())
-               for model, ref in ((gen, ref_gen), (disc, ref_disc))
-               for p, r in zip(model.parameters(), ref.parameters()))
+    same = all([_equal_to_one_process(gen, ref_gen), _equal_to_one_process(disc, ref_disc)])
     engine_g.destroy()
     engine_d.destroy()
     return same
@@ -381,8 +382,7 @@ def _submodule_zero_grad_body(stage, bucket):
             engine.step()
         ref_opt.step()
         ref_opt.zero_grad()
-    same = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), r.detach())
-               for p, r in zip(model.parameters(), reference.parameters()))
+    same = _equal_to_one_process(model, reference)
     engine.destroy()
     return same
 
@@ -417,8 +417,7 @@ def _backward_outside_the_engine_body(stage, gas):
         engine.step()
     ref_opt.step()
     engine.step()  # after the update, with nothing waiting: the boundary is consumed, a warning as before
-    same = all(torch.equal(zero_engine.utils.safe_get_full_fp32_param(p), r.detach())
-               for p, r in zip(model.parameters(), reference.parameters()))
+    same = _equal_to_one_process(model, reference)
     engine.destroy()
     return refused, same
 
