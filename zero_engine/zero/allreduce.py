@@ -18,8 +18,8 @@ def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int,
     not taken here) contributes zeros, so every rank all-reduces the same buffers (as the reducer's buckets do).
     ``into``: one tensor per parameter that receives the average instead of ``param.grad`` (fp16/bf16 training:
     the fp32 master's gradient). ``reduce_dtype``: the dtype the buckets are averaged in (communication_data_type;
-    default the destination's dtype; never narrower than the destination, a bucket cut where that changes: 16-bit
-    gradients are averaged in fp32, as at the other stages, and a float64 parameter's in float64)."""
+    default the destination's dtype: 16-bit gradients are averaged in fp32, as at the other stages), but a float64
+    or complex gradient in its own dtype (``_reduced_in``), a bucket cut where that changes."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -45,4 +45,5 @@ def all_reduce_grads(params: list[torch.nn.Parameter], comm, bucket_numel: int,
 
 
 def _reduced_in(out: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
-    return out.dtype if reduce_dtype is None else torch.promote_types(reduce_dtype, out.dtype)
+    """``reduce_dtype`` (communication_data_type, as configured), but a float64 or complex gradient in its own."""
+    return out.dtype if reduce_dtype is None or out.dtype.itemsize > 4 else reduce_dtype
