@@ -484,3 +484,37 @@ def test_a_float64_or_complex_parameter_trains_at_stage_0_and_is_refused_above(s
             name = str(dtype).removeprefix("torch.")
             assert result.startswith(f"w: a {name} parameter at zero_optimization.stage {stage} is not supported "
                                      "yet"), result
+
+
+def _lazy_module_body(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage}}
+    try:
+        zero_engine.initialize(model=model, config=config)
+        refused = ""
+    except zero_engine.UsageError as error:
+        refused = str(error)
+    model(torch.zeros(1, 8))  # the fix the message gives: a dummy batch materializes the lazy parameters
+    reference = copy.deepcopy(model)
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    reference(x).square().mean().backward()
+    ref_opt.step()
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    same = _equal_to_one_process(model, reference)
+    engine.destroy()
+    return refused, same
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_lazy_module_not_materialized_is_refused_on_every_rank(stage):
+    """nn.LazyLinear before its first forward: rank 0 failed alone broadcasting the uninitialized parameter while the
+    others waited in the step's all-reduce (a hang until the collective timeout). Every rank refuses it now, with
+    the fix; materialized, the model trains as one process."""
+    for refused, same in run_ranks(_lazy_module_body, 2, stage, timeout=120):
+        assert refused.startswith("0.weight is not initialized yet (nn.LazyLinear"), refused
+        assert same

@@ -102,11 +102,17 @@ def refuse_partitioned_at_stage0(model: nn.Module) -> None:
             "model without zero.Init")
 
 
-def refuse_unpartitioned_dtypes(model: nn.Module, stage: int, compute_dtype: torch.dtype) -> None:
-    """Stages 1-3 hold parameters in flat shards of the compute dtype, with fp32 masters: a float64 parameter would
-    be cast (silently losing the precision its owner chose) and a complex one lose its imaginary part."""
+def refuse_unsupported_parameters(model: nn.Module, stage: int, compute_dtype: torch.dtype) -> None:
+    """A lazy module's parameter not materialized yet has no value to broadcast or partition (rank 0 failed alone,
+    and the others waited). Stages 1-3 hold parameters in flat shards of the compute dtype, with fp32 masters: a
+    float64 parameter would be cast (silently losing the precision its owner chose), a complex one its imaginary
+    part."""
     for name, p in model.named_parameters():
-        if p.is_complex() or p.dtype == torch.float64:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise UsageError(
+                f"{name} is not initialized yet (nn.LazyLinear or another lazy module): its shape is decided by the "
+                "first forward. Run a forward with a dummy batch before initialize to materialize it")
+        if stage > 0 and (p.is_complex() or p.dtype == torch.float64):
             dtype, compute = (str(t).removeprefix("torch.") for t in (p.dtype, compute_dtype))
             fix = ("represent it as two real parameters (torch.view_as_complex in the forward)" if p.is_complex()
                    else "cast it to float32 before initialize")

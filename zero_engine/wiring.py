@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .compile import CompiledModules, log_whole_model_compiled
-from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, refuse_unpartitioned_dtypes
+from .guards import ModelSnapshot, NonFiniteSteps, broadcast_initial_state, refuse_unsupported_parameters
 from .loaded_state import LoadStateDictHooks
 from .memory import MemoryAccounting
 from .memory.headroom import memory_budget
@@ -59,6 +59,7 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
         raise NotImplementedError(f"MoE expert parameters (allreduce=False) with a tp mesh dim "
                                   f"({engine.mesh.describe()}) are not supported yet; use expert parallelism or "
                                   "tensor parallelism, not both")
+    refuse_unsupported_parameters(model, engine.stage, compute_dtype_of(engine.config))
     broadcast_initial_state(model, value_comms(engine.mesh, engine.comm, engine.shard_comm, engine.replicate_comm),
                             engine.shard_groups)
     engine.snapshot = ModelSnapshot(model)
@@ -87,7 +88,6 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
         if engine.compute_dtype != torch.float32:  # fp32: the model as given, as DeepSpeed
             cast_floating_(model, engine.compute_dtype)  # after the fp32 masters were taken
     else:
-        refuse_unpartitioned_dtypes(model, engine.stage, engine.compute_dtype)
         unit_groups = _partition(engine, model, zc, fp32_masters=trains)
         engine.optimizer = ZeroOptimizer(engine.sharded, engine.reducer, engine.comm, engine.config.gradient_clipping,
                                          optimizer, engine.config.optimizer, groups, zc.sub_group_size,
