@@ -52,6 +52,15 @@ places must come out as one tensor at all of them: modules test their inputs for
 value with one matmul only when ``query is key is value``. Given three tensors, it took its three-matmul path: the
 same values forward, gradients that differed from one process's in the last bits, and three matmuls for one.
 
+[Note: the sum of a unit input's gradients]
+The identity function on a unit's inputs also groups the gradients that reach an input: those from inside the unit
+are summed at its output first, then added to those from outside it (the residual stream, another unit). Plain torch
+sums them all in one sequence, as they arrive. A tensor read at two places or more inside a unit and elsewhere too
+(an RMSNorm reads its input twice, ``x.pow(2)`` and ``x * rsqrt(...)``, and the residual add once more) then gets a
+sum associated differently, which can differ in the last bits: HF Llama at stage 3 with one-module units, up to
+3e-8 on the embedding's gradient at the first backward (the forward bitwise, stage 2 bitwise; bitwise there with a
+leaf unit around each decoder layer). FSDP2 and DeepSpeed wrap their units' inputs the same way.
+
 [Note: an input modified in place]
 An output of that identity function is, to autograd, a view of the input made inside a custom Function, and torch
 forbids modifying such a view in place ("... is a view and is being modified inplace"): a module whose forward runs
