@@ -354,7 +354,16 @@ def _is_parameter(model: nn.Module, key: str) -> bool:
 
 
 def _initialize_missing(model, sharded: dict[int, ShardedParam], loaded: set[int], comm: Communicator) -> None:
-    """transformers' initialize_weights() over the not-loaded tensors, gathered; rank 0's values kept."""
+    """transformers' initialize_weights() over the not-loaded tensors, gathered; rank 0's values kept.
+
+    A module whose every parameter and buffer (its submodules' too) was loaded is marked initialised first, as
+    transformers marks a module it has initialised, so initialize_weights() passes it by: an ``_init_weights`` may
+    read a loaded parameter's shape before its init function skips that parameter (Whisper's encoder builds its
+    sinusoids from ``embed_positions.weight.shape``), and a loaded parameter is released here, with 0 elements."""
+    for module in model.modules():
+        tensors = [*module.parameters(), *module.buffers()]
+        if tensors and all(id(t) in loaded for t in tensors):
+            module._is_hf_initialized = True
     missing = [sp for key, sp in sharded.items() if key not in loaded]
     with GatheredParameters([sp.param for sp in missing], modifier_rank=0, _comm=comm):
         model.initialize_weights()
