@@ -639,3 +639,65 @@ def test_other_architectures_load_and_train_as_one_process(tmp_path, name):
     reloaded = type(model).from_pretrained(directory + "-trained")  # save_pretrained's files, read by transformers
     for n, p in reloaded.named_parameters():
         assert torch.equal(p.detach(), results[0][3][n]), n
+
+
+# ---- resize_token_embeddings on a partitioned model ----------------------------------------------------------------
+def _resize_body(directory, bf16, mean_resizing):
+    import zero_engine.hf as zhf
+    from zero_engine.utils import safe_get_full_fp32_param
+
+    cls = transformers.AutoModelForCausalLM
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "bf16": {"enabled": bf16}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    model = zhf.from_pretrained(cls, directory, config=config, dtype=torch.bfloat16 if bf16 else torch.float32)
+    reference = cls.from_pretrained(directory)
+    torch.manual_seed(3)
+    reference.resize_token_embeddings(110, mean_resizing=mean_resizing)
+    torch.manual_seed(3 + dist.get_rank())  # ranks drawn apart: rank 0's new rows must be every rank's
+    model.resize_token_embeddings(110, mean_resizing=mean_resizing)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    engine, *_ = zero_engine.initialize(model=model.train(), config=config)
+    masters = {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
+    ref = dict(reference.named_parameters())
+    if bf16:  # the file's exact fp32 values stay the masters of the kept rows (a 16-bit model's new rows differ)
+        return all(torch.equal(m[:97], ref[n].detach()[:97]) for n, m in masters.items()), tied
+    start = max((m - ref[n].detach()).abs().max().item() for n, m in masters.items())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, 110, (2, 8), generator=g)  # the new tokens too; the same batch on every rank
+        ref_opt.zero_grad()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    trained = max((safe_get_full_fp32_param(p) - ref[n].detach()).abs().max().item()
+                  for n, p in model.named_parameters())
+    try:
+        model.resize_token_embeddings(120)
+        after = "not refused"
+    except zero_engine.UsageError as error:
+        after = str(error)
+    engine.destroy()
+    return start, trained, after, tied
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied"])
+@pytest.mark.parametrize("mean_resizing", [False, True])
+def test_resize_token_embeddings_of_a_partitioned_model(tmp_path, name, mean_resizing):
+    """transformers' resize_token_embeddings read a released embedding (0 elements) and failed ("not enough values
+    to unpack"); it now runs on the gathered embedding and head (hf/_resize.py): the resized model equals
+    transformers' own resize with rank 0's seed, bitwise (a tied head stays tied), and trains as one process
+    ([Note: the sum of a unit input's gradients]: within 1e-6). After initialize it is refused by name."""
+    directory = save(MODELS[name](), str(tmp_path / name))
+    for start, trained, after, tied in run_ranks(_resize_body, 2, directory, False, mean_resizing, timeout=TIMEOUT):
+        assert start == 0.0 and trained <= 1e-6, (start, trained)
+        assert tied == TIED[name]
+        assert "resize_token_embeddings() after zero_engine.initialize()" in after, after
+
+
+def test_resize_token_embeddings_keeps_the_exact_fp32_masters_of_a_16bit_model(tmp_path):
+    """A bf16 model loaded from an fp32 checkpoint keeps the file's fp32 values as masters ([Note: the masters of
+    resized rows] in hf/_resize.py): the kept rows' too, not their bf16 rounding."""
+    directory = save(MODELS["llama"](), str(tmp_path / "llama"))
+    assert run_ranks(_resize_body, 2, directory, True, False, timeout=TIMEOUT) == [(True, False), (True, False)]

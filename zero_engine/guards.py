@@ -33,7 +33,7 @@ from .zero.tensor_parallel import local_of
 
 log = logging.getLogger("zero_engine.engine")
 
-__all__ = ["broadcast_initial_state", "claim_model", "release_model", "refuse_partitioned_at_stage0",
+__all__ = ["broadcast_initial_state", "claim_model", "engine_of", "release_model", "refuse_partitioned_at_stage0",
            "tear_down", "client_optimizer_restorer", "undo_failed_initialize", "ModelSnapshot", "NonFiniteSteps",
            "discard_failed_backward", "warn_backward_without_step", "refuse_after_destroy"]
 
@@ -81,6 +81,12 @@ def claim_model(model: nn.Module, engine) -> None:
             "engine's destroy() on every rank first (the new engine then adopts the model as it is, partitioned "
             "parameters included), keep using it, or build a new model")
     _ENGINE_OF[model] = weakref.ref(engine)
+
+
+def engine_of(model: nn.Module):
+    """The live engine wrapping ``model``, or None (none yet, or it was destroyed)."""
+    found = _ENGINE_OF.get(model)
+    return None if found is None else found()
 
 
 def release_model(model: nn.Module, engine) -> None:

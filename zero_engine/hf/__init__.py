@@ -16,9 +16,10 @@ one of these is used.
 """
 
 from ._load import from_pretrained
+from ._resize import resize_token_embeddings
 from ._save import save_pretrained
 
-__all__ = ["from_pretrained", "save_pretrained", "ZeroTrainer", "ZeroTrainerMixin"]
+__all__ = ["from_pretrained", "resize_token_embeddings", "save_pretrained", "ZeroTrainer", "ZeroTrainerMixin"]
 
 
 def __getattr__(name):

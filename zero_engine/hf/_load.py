@@ -52,6 +52,7 @@ from ..device import local_device
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import ShardedParam
 from ._files import find_checkpoint, open_tensor_file
+from ._resize import install_resize_token_embeddings
 from ._transformers import require_transformers
 
 log = logging.getLogger("zero_engine.hf")
@@ -156,6 +157,7 @@ def from_pretrained(model_class, path, config=None, **hf_kwargs):
 
     log_state_dict_report(model, path, ignore_mismatched, plan.info, logger=report_logger)
     model.eval()
+    install_resize_token_embeddings(model)  # transformers' own cannot read partitioned embeddings (_resize.py)
     _load_generation_config(model, path, transformers)
     if rank == 0:
         log.info("loaded %s from %s into shards over %d ranks (%s, %d tensors, dtype %s)",

@@ -184,6 +184,10 @@ class Init:
         if exc_type is None:
             for module in self._roots:  # parameters registered on a module that never became anyone's child
                 self._partition(module)
+                if hasattr(module, "resize_token_embeddings"):  # a transformers model: its own cannot resize shards
+                    from ..hf._resize import install_resize_token_embeddings
+
+                    install_resize_token_embeddings(module)
             for sp in self._built:
                 sp.cast_(self.dtype)
         self._roots.clear()
