@@ -16,7 +16,9 @@ building them (nanoGPT's ``self.apply(self._init_weights)``, Hugging Face's post
 tensors; during the block a TorchFunctionMode catches any ``torch.nn.init`` function or in-place tensor method
 called on a partitioned parameter, gathers it, runs the call on the full tensor (drawing the same random numbers
 as without Init), broadcasts rank 0's result and re-partitions. Writes through ``param.data`` cannot be seen this
-way: use ``torch.nn.init`` functions or GatheredParameters(modifier_rank=0) in such code.
+way: use ``torch.nn.init`` functions or GatheredParameters(modifier_rank=0) in such code. A transformers model's
+``_init_weights`` reads more than that (an embedding's padding row, a shape): for the block, its
+``initialize_weights`` gathers each module's parameters around that module's init (hf/_init_weights.py).
 
 [Note: experts under zero.Init]
 An MoE expert parameter (DeepSpeed's marks, ep size above 1: zero/expert.py) is a different tensor on each ep rank,
@@ -29,7 +31,9 @@ cannot broadcast edits of experts yet).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
@@ -170,12 +174,19 @@ class Init:
         ]
         self._mode = _GatherOnInitCall()
         self._mode.__enter__()
+        self._hf_init = contextlib.nullcontext()
+        if "transformers.modeling_utils" in sys.modules:  # its models' _init_weights: hf/_init_weights.py
+            from ..hf._init_weights import gathered_initialize_weights
+
+            self._hf_init = gathered_initialize_weights()
+        self._hf_init.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if not self.enabled:
             return False
         try:
+            self._hf_init.__exit__(None, None, None)  # transformers' initialize_weights back
             self._mode.__exit__(exc_type, exc, tb)
         finally:
             for handle in self._handles:
