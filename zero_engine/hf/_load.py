@@ -10,6 +10,7 @@ How, so that no rank ever holds the whole model (nor one whole layer beyond a mo
    (``ShardedParam.from_meta``): the full tensor is never allocated.
 3. Each checkpoint tensor is read once per rank, only the byte range of that rank's shard (see
    [Note: reading only this rank's bytes] in _files.py), straight into the shard; buffers (small) are read whole.
+   A parameter transformers stacks from a tensor per expert (MoE) reads the ranges of those it overlaps (_merged.py).
    A 16-bit model's fp32 master (``ShardedParam.master_init``) is filled from the file's own values, so a 16-bit
    model loaded from an fp32 checkpoint trains from the exact fp32 weights.
 4. Missing weights are initialised by transformers' own ``initialize_weights()`` (``_init_weights`` of each module;
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,7 @@ from ..device import local_device
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import ShardedParam
 from ._files import find_checkpoint, open_tensor_file
+from ._merged import Run, merged_runs, read_runs
 from ._resize import install_resize_token_embeddings
 from ._transformers import require_transformers
 
@@ -236,12 +239,13 @@ class _Plan:
     def __init__(self, info):
         self.info = info  # transformers' LoadStateDictInfo
         self.sources: dict[str, tuple[int, str]] = {}  # model key -> (reader index, checkpoint key)
-        self.converted: list[str] = []  # checkpoint keys a WeightConverter (merge/split) would need
+        self.merged: dict[str, list[Run]] = {}  # model key -> its runs of checkpoint tensors (_merged.py)
+        self.converted: list[str] = []  # checkpoint keys of a conversion that _merged.py cannot do
 
 
 def _plan(model, readers, key_mapping, transformers) -> _Plan:
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, rename_source_key
     from transformers.utils.loading_report import LoadStateDictInfo
 
     expected = model.state_dict(keep_vars=True)  # meta tensors; tied weights under each of their names
@@ -252,6 +256,7 @@ def _plan(model, readers, key_mapping, transformers) -> _Plan:
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     prefix = model.base_model_prefix
+    merging: dict[str, list[tuple[str, int, str, tuple]]] = {}  # model key -> its converter's sources
     for index, reader in enumerate(readers):
         for ckpt_key, entry in reader.entries.items():
             key, pattern = rename_source_key(ckpt_key, renamings, converters, prefix, expected)
@@ -261,7 +266,8 @@ def _plan(model, readers, key_mapping, transformers) -> _Plan:
                 info.unexpected_keys.add(ckpt_key)
                 continue
             if pattern is not None:
-                plan.converted.append(ckpt_key)
+                merging.setdefault(key, []).append((pattern, index, apply_renamings(ckpt_key, renamings),
+                                                    entry.shape))
                 continue
             target = expected[key]
             if tuple(target.shape) != entry.shape:
@@ -269,9 +275,19 @@ def _plan(model, readers, key_mapping, transformers) -> _Plan:
                 continue
             plan.sources[key] = (index, ckpt_key)
             info.missing_keys.discard(key)
+    # the runs name the renamed keys (where each expert's index is found); read by the checkpoint's own
+    original = {apply_renamings(k, renamings): k for reader in readers for k in reader.entries} if merging else {}
+    for key, sources in merging.items():
+        converter = next(c for c in converters if sources[0][0] in c.source_patterns)
+        runs = merged_runs(converter, sources, tuple(expected[key].shape))
+        if runs is None:
+            plan.converted.append(original[sources[0][2]])
+            continue
+        plan.merged[key] = [(index, original[name], first, count) for index, name, first, count in runs]
+        info.missing_keys.discard(key)
     # Tied weights: a name whose tensor is loaded under another of its names is not missing (transformers'
     # tie_weights(missing_keys=...) discards it the same way).
-    loaded_ids = {id(expected[k]) for k in plan.sources}
+    loaded_ids = {id(expected[k]) for k in [*plan.sources, *plan.merged]}
     info.missing_keys = {k for k in info.missing_keys if id(expected[k]) not in loaded_ids}
     return plan
 
@@ -279,9 +295,9 @@ def _plan(model, readers, key_mapping, transformers) -> _Plan:
 def _check_renamings(plan: _Plan) -> None:
     if plan.converted:
         raise NotImplementedError(
-            f"zero_engine.hf: this checkpoint needs transformers' weight conversion (merging or splitting tensors, "
-            f"e.g. {plan.converted[0]}), which cannot stream one tensor into one shard; save it once with plain "
-            "transformers (model.save_pretrained) to get a checkpoint in the model's own layout")
+            f"zero_engine.hf: this checkpoint needs a transformers weight conversion other than stacking and "
+            f"concatenating whole tensors (e.g. for {plan.converted[0]}): not supported yet. Load the model with "
+            "transformers' own from_pretrained (each rank then holds it whole once) and pass it to initialize()")
 
 
 # ---- partitioning and streaming ------------------------------------------------------------------------------------
@@ -313,10 +329,18 @@ def _partition(model: nn.Module, rank: int, world: int) -> dict[int, ShardedPara
 
 def _stream(model, sharded: dict[int, ShardedParam], plan: _Plan, readers) -> set[int]:
     """Read every planned tensor into its shard (parameters) or whole (buffers); return ids of loaded tensors."""
+    loaded: set[int] = set()
+    for key, runs in plan.merged.items():  # first: their runs may be in any of the files
+        param = model.get_parameter(key)
+        loaded.add(id(param))
+        file_dtype = readers[runs[0][0]].entries[runs[0][1]].dtype
+        with torch.profiler.record_function(f"zero3::hf_load {key}"), torch.no_grad():
+            _read_shard(lambda start, stop, out, runs=runs: read_runs(readers, runs, start, stop, out),
+                        file_dtype, sharded[id(param)])
+        param._is_hf_initialized = True
     by_reader: dict[int, list[tuple[str, str]]] = {}
     for key, (index, ckpt_key) in plan.sources.items():
         by_reader.setdefault(index, []).append((key, ckpt_key))
-    loaded: set[int] = set()
     for index, pairs in sorted(by_reader.items()):
         reader = readers[index]
         for key, ckpt_key in pairs:
@@ -329,23 +353,23 @@ def _stream(model, sharded: dict[int, ShardedParam], plan: _Plan, readers) -> se
                 if sp is None:
                     reader.read_into(ckpt_key, 0, tensor.numel(), tensor.view(-1))
                 else:
-                    _read_shard(reader, ckpt_key, sp)
+                    _read_shard(partial(reader.read_into, ckpt_key), reader.entries[ckpt_key].dtype, sp)
             tensor._is_hf_initialized = True  # transformers' marker: its init functions skip this tensor
         reader.close()
     return loaded
 
 
-def _read_shard(reader, ckpt_key: str, sp: ShardedParam) -> None:
+def _read_shard(read, file_dtype: torch.dtype, sp: ShardedParam) -> None:
+    """``read(start, stop, out)``: elements ``[start, stop)`` of the parameter's value, flattened, into ``out``."""
     local = sp.local_slice()
     n = local.stop - local.start
     if n == 0:
         return  # this rank holds only padding of a parameter smaller than the world
-    file_dtype = reader.entries[ckpt_key].dtype
     if sp.master_init is not None and file_dtype != sp.dtype:
-        reader.read_into(ckpt_key, local.start, local.stop, sp.master_init[:n])  # exact file values in fp32
+        read(local.start, local.stop, sp.master_init[:n])  # exact file values in fp32
         sp.shard[:n].copy_(sp.master_init[:n])
         return
-    reader.read_into(ckpt_key, local.start, local.stop, sp.shard[:n])
+    read(local.start, local.stop, sp.shard[:n])
     if sp.master_init is not None:
         sp.master_init[:n].copy_(sp.shard[:n])
 
