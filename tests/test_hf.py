@@ -14,6 +14,7 @@ of the sharded run's forward may differ) and to bf16 resolution (1e-2) for a bf1
 
 from __future__ import annotations
 
+import copy
 import json
 from functools import partial
 import os
@@ -28,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import zero_engine  # noqa: E402
-from zero_engine.testing import run_ranks  # noqa: E402
+from zero_engine.testing import RankError, run_ranks  # noqa: E402
 from zero_engine.zero.partition import sharded_param_of  # noqa: E402
 
 from session_run import run_in_session  # noqa: E402
@@ -793,3 +794,37 @@ def test_moe_checkpoints_with_one_tensor_per_expert_load_into_shards(tmp_path, n
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     for n, p in reloaded.named_parameters():
         assert torch.equal(p.detach(), results[0][1][n]), n
+
+
+# ---- generate on several ranks after initialize ----------------------------------------------------------------------
+def _uneven_generate_body(synced):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zero_engine.initialize(model=model, config=config)
+    model.eval()
+    rank = dist.get_rank()
+    prompt = torch.tensor([[3, 4, 5 + rank]])
+    eos = list(range(97)) if rank == 0 else None  # rank 0's sequence ends at its first token, rank 1's runs on
+    kwargs = {} if synced is None else {"synced_gpus": synced}
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=eos, **kwargs)
+        expected = reference.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=eos)
+    engine.destroy()  # where the rank that finished first meets the divergence, without synced_gpus
+    return torch.equal(out, expected), out.shape[1] - 3
+
+
+def test_generate_after_initialize_keeps_ranks_that_finish_first_in_step():
+    """At stage 3 a forward gathers, so a rank whose sequences end first must keep running forwards while another
+    generates (transformers' synced_gpus, which it turns on for DeepSpeed and FSDP only). Before, rank 0 stopped and
+    the run failed with RankDivergenceError; initialize now makes synced_gpus=True the default of the model's
+    generate (hf/_engine_methods.py): each rank generates what one process generates from its prompt. Passing
+    synced_gpus=False still gets the divergence error, not a hang."""
+    assert run_ranks(_uneven_generate_body, 2, None, timeout=TIMEOUT) == [(True, 1), (True, 6)]
+    with pytest.raises(RankError) as excinfo:  # the group is then unusable: run_ranks replaces the pool
+        run_ranks(_uneven_generate_body, 2, False, timeout=TIMEOUT, grace_after_failure=30)
+    failures = {f.rank: f.exception for f in excinfo.value.failures}
+    assert sorted(failures) == [0, 1] and all(m.startswith("RankDivergenceError") for m in failures.values()), failures

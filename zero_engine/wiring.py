@@ -63,10 +63,11 @@ def build_parts(engine, model: nn.Module, optimizer, model_parameters, mesh=None
     broadcast_initial_state(model, value_comms(engine.mesh, engine.comm, engine.shard_comm, engine.replicate_comm),
                             engine.shard_groups)
     engine.snapshot = ModelSnapshot(model)
-    if hasattr(model, "resize_token_embeddings"):  # transformers': refused from now on (hf/_resize.py says why)
-        from .hf._resize import install_resize_token_embeddings
+    if hasattr(model, "resize_token_embeddings"):  # a transformers model: hf/_engine_methods.py
+        from .hf._engine_methods import adapt_transformers_model
 
-        install_resize_token_embeddings(model)
+        adapt_transformers_model(model, collective_forward=engine.comm.world_size > 1 and (
+            engine.stage == 3 or engine.mesh.tp_size > 1))
     engine.accounting = MemoryAccounting()
     engine.compute_dtype = compute_dtype_of(engine.config)
     engine.loss_scaler = make_loss_scaler(engine.config.fp16)

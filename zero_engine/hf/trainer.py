@@ -37,9 +37,9 @@ import os
 
 import torch
 
-from .._instance_methods import install_bound_wrapper, wrapped
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import sharded_param_of
+from ._engine_methods import install_synced_generate
 from ._trainer_config import config_for_trainer, scheduler_params_for
 from ._transformers import require_transformers
 
@@ -223,7 +223,7 @@ class ZeroTrainerMixin:
         """``generate`` with ``synced_gpus=True`` by default on several ranks; see the module docstring."""
         inner = _unwrap_peft(model)
         if callable(getattr(inner, "generate", None)) and self.args.world_size > 1:
-            install_bound_wrapper(inner, "generate", _synced_generate)
+            install_synced_generate(inner)
 
     def create_optimizer(self, model=None):
         if self.engine is None:
@@ -374,13 +374,6 @@ class ZeroTrainerMixin:
                                   "model with model_init for each trial)")
 
 
-def _synced_generate(self, *args, **kwargs):
-    """The model's ``generate`` with ``synced_gpus=True`` unless the caller says otherwise."""
-    kwargs.setdefault("synced_gpus", True)
-    return wrapped(self, _synced_generate, "generate")(*args, **kwargs)
-
-
-_synced_generate.__name__ = "generate"  # install_bound_wrapper's rule (pickling)
 
 
 def _is_peft(model) -> bool:
