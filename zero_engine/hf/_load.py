@@ -257,6 +257,7 @@ def _plan(model, readers, key_mapping, transformers) -> _Plan:
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     prefix = model.base_model_prefix
     merging: dict[str, list[tuple[str, int, str, tuple]]] = {}  # model key -> its converter's sources
+    original: dict[str, str] = {}  # their renamed keys (where each expert's index is found) -> the checkpoint's
     for index, reader in enumerate(readers):
         for ckpt_key, entry in reader.entries.items():
             key, pattern = rename_source_key(ckpt_key, renamings, converters, prefix, expected)
@@ -266,8 +267,9 @@ def _plan(model, readers, key_mapping, transformers) -> _Plan:
                 info.unexpected_keys.add(ckpt_key)
                 continue
             if pattern is not None:
-                merging.setdefault(key, []).append((pattern, index, apply_renamings(ckpt_key, renamings),
-                                                    entry.shape))
+                renamed = apply_renamings(ckpt_key, renamings)
+                original[renamed] = ckpt_key
+                merging.setdefault(key, []).append((pattern, index, renamed, entry.shape))
                 continue
             target = expected[key]
             if tuple(target.shape) != entry.shape:
@@ -275,8 +277,6 @@ def _plan(model, readers, key_mapping, transformers) -> _Plan:
                 continue
             plan.sources[key] = (index, ckpt_key)
             info.missing_keys.discard(key)
-    # the runs name the renamed keys (where each expert's index is found); read by the checkpoint's own
-    original = {apply_renamings(k, renamings): k for reader in readers for k in reader.entries} if merging else {}
     for key, sources in merging.items():
         converter = next(c for c in converters if sources[0][0] in c.source_patterns)
         runs = merged_runs(converter, sources, tuple(expected[key].shape))
