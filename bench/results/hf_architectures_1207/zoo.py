@@ -100,6 +100,20 @@ def full_values(model):
         return [f if f is not None else p.detach().float().clone() for f, p in zip(full, model.parameters())]
 
 
+def step_both(ref, opt, engine, b, seed):
+    """One SGD step of the one-process reference and of the engine on batch ``b``, dropout masks seeded alike."""
+    torch.manual_seed(seed)
+    opt.zero_grad()
+    expected = ref(**b).loss
+    expected.backward()
+    opt.step()
+    torch.manual_seed(seed)
+    loss = engine(**b).loss
+    engine.backward(loss)
+    engine.step()
+    return loss, expected
+
+
 def train_body(name, stage):
     model, kind = build(name)
     model.train()
@@ -111,15 +125,7 @@ def train_body(name, stage):
         losses = []
         for i in range(3):
             b = batch(kind, g)
-            torch.manual_seed(100 + i)
-            opt.zero_grad()
-            expected = ref(**b).loss
-            expected.backward()
-            opt.step()
-            torch.manual_seed(100 + i)
-            loss = engine(**b).loss
-            engine.backward(loss)
-            engine.step()
+            loss, expected = step_both(ref, opt, engine, b, seed=100 + i)
             losses.append(abs(loss.item() - expected.item()))
         d = max((f - q.detach()).abs().max().item() for f, q in zip(full_values(model), ref.parameters()))
         engine.destroy()
@@ -141,15 +147,7 @@ def generate_body(name, beams, checkpointing):
         same = []
         for i in range(2):
             b = batch(kind, g)
-            torch.manual_seed(100 + i)
-            opt.zero_grad()
-            expected = ref(**b).loss
-            expected.backward()
-            opt.step()
-            torch.manual_seed(100 + i)
-            loss = engine(**b).loss
-            engine.backward(loss)
-            engine.step()
+            loss, expected = step_both(ref, opt, engine, b, seed=100 + i)
             inputs = {k: v for k, v in b.items() if k in ("input_ids", "input_features", "pixel_values")}
             ref.eval()
             model.eval()
