@@ -16,6 +16,7 @@ import math
 import os
 import sys
 
+import accelerate
 import torch
 import torch.distributed as dist
 import transformers
@@ -343,6 +344,134 @@ def suite_sft(work):
             print(f"OK sft-stage{stage}", flush=True)
 
 
+def suite_dpo(work):
+    """TRL's DPOTrainer through the mixin against plain DPOTrainer at stage 3, with a reference model that
+    sync_ref_model mixes with the policy after every step: the reference model is partitioned by an engine of its own
+    (as TRL's prepare_deepspeed does), and the mix reads both models gathered. Returns the ZeroTrainer."""
+    import datasets
+    import trl
+
+    class ZeroDPOTrainer(ZeroTrainerMixin, trl.DPOTrainer):
+        pass
+
+    words = torch.randint(3, VOCAB, (16, 15), generator=torch.Generator().manual_seed(3))
+    text = [[" ".join(f"t{int(i)}" for i in part) for part in row.split([5, 4, 6])] for row in words]
+    train = datasets.Dataset.from_dict({key: [row[k] for row in text]
+                                        for k, key in enumerate(("prompt", "chosen", "rejected"))})
+    runs, trainers = {}, {}
+    for name, cls, kwargs in (("plain", trl.DPOTrainer, {}), ("zero", ZeroDPOTrainer, {"zero_config": STAGE3})):
+        args = trl.DPOConfig(output_dir=f"{work}/dpo-{name}", per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, bf16=False,
+                             dataset_num_proc=None, sync_ref_model=True, ref_model_sync_steps=1,
+                             ref_model_mixup_alpha=0.5)
+        trainers[name] = cls(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=train,
+                             processing_class=tokenizer(), **kwargs)
+        trainers[name].train()
+        runs[name] = history(trainers[name], ("loss", "grad_norm", "rewards/chosen", "rewards/rejected",
+                                              "logps/chosen", "logps/rejected"))
+    zero = trainers["zero"]
+    sp = sharded_param_of(zero.ref_model.model.layers[0].mlp.up_proj.weight)
+    check(sp is not None and sp.shard.numel() < sp.numel, "DPO: reference model not partitioned")
+    check(list(zero.reference_engines) == ["ref_model"], f"reference engines {list(zero.reference_engines)}")
+    close(runs["zero"], runs["plain"], 1e-4, "DPOTrainer stage 3 with sync_ref_model")
+    # The synced reference is the policies' mix: it differs from the plain run's as little as the policies differ
+    # (Adam's first steps turn float noise in the smallest gradients into updates of up to lr x 1e-3)
+    def gathered(model):
+        with zero_engine.zero.GatheredParameters(list(model.parameters())):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def largest_difference(a, b):
+        return max((a[n] - b[n]).abs().max().item() for n in a)
+
+    refs = [gathered(trainers[name].ref_model) for name in ("plain", "zero")]
+    policies = [gathered(trainers[name].model) for name in ("plain", "zero")]
+    apart, moved = largest_difference(*refs), largest_difference(refs[0], gathered(tiny_llama()))
+    print("DPO reference apart", apart, "policies apart", largest_difference(*policies), "moved", moved)
+    check(moved > 1e-3 and apart <= max(largest_difference(*policies), 1e-7),
+          f"DPO: the synced reference models are {apart} apart, moved {moved}")
+    return zero
+
+
+def suite_grpo(work):
+    """TRL's GRPOTrainer through the mixin against plain GRPOTrainer at stage 3: generation by the partitioned
+    policy, a KL term (beta > 0) against the reference model TRL builds, rewards from a function and from a reward
+    model; the reference and the reward model are partitioned by engines of their own. Returns the ZeroTrainer."""
+    import datasets
+    import trl
+
+    class ZeroGRPOTrainer(ZeroTrainerMixin, trl.GRPOTrainer):
+        pass
+
+    # TRL loads the reference and reward models from paths: rank 0 writes them (the group is Accelerate's, as the
+    # Trainer starts it)
+    accelerate.PartialState()
+    policy, scorer = f"{work}/grpo-policy", f"{work}/grpo-reward"
+    if dist.get_rank() == 0:
+        tiny_llama().save_pretrained(policy)
+        config = transformers.LlamaConfig(**{**tiny_llama().config.to_dict(), "num_labels": 1})
+        torch.manual_seed(1)
+        transformers.LlamaForSequenceClassification(config).save_pretrained(scorer)
+        for path in (policy, scorer):
+            tokenizer().save_pretrained(path)
+    dist.barrier()
+    words = torch.randint(3, VOCAB, (16, 5), generator=torch.Generator().manual_seed(3))
+    train = datasets.Dataset.from_dict({"prompt": [" ".join(f"t{int(i)}" for i in row) for row in words]})
+
+    def length(completions, **kwargs):
+        return [len(c) / 10 for c in completions]
+
+    runs, trainers = {}, {}
+    for name, cls, kwargs in (("plain", trl.GRPOTrainer, {}), ("zero", ZeroGRPOTrainer, {"zero_config": STAGE3})):
+        args = trl.GRPOConfig(output_dir=f"{work}/grpo-{name}", per_device_train_batch_size=4, num_generations=4,
+                              max_completion_length=6, max_steps=3, learning_rate=1e-2, logging_steps=1, beta=0.04,
+                              report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, bf16=False)
+        trainers[name] = cls(model=policy, reward_funcs=[length, scorer], args=args, train_dataset=train,
+                             processing_class=tokenizer(), **kwargs)
+        trainers[name].train()
+        runs[name] = history(trainers[name], ("loss", "grad_norm", "reward", "reward_std", "kl",
+                                              "completions/mean_length"))
+    zero = trainers["zero"]
+    for model in (zero.ref_model, zero.reward_funcs[1]):
+        sp = sharded_param_of(model.model.layers[0].mlp.up_proj.weight)
+        check(sp is not None and sp.shard.numel() < sp.numel, f"GRPO: {type(model).__name__} not partitioned")
+    check(list(zero.reference_engines) == ["ref_model", "reward_funcs[1]"], f"{list(zero.reference_engines)}")
+    check(any(h.get("kl", 0) > 0 for h in runs["zero"]), f"GRPO: the KL term never acted: {runs['zero']}")
+    close(runs["zero"], runs["plain"], 1e-4, "GRPOTrainer stage 3")
+    return zero
+
+
+def suite_distill(work):
+    """TRL's DistillationTrainer through the mixin against the plain one at stage 3: TRL routes the student's loss
+    through the wrapper it unwraps (``_forward_redirection``), which needs Accelerate's ``unwrap_model`` to take the
+    engine off. The teacher stays whole (zero_engine/hf/_reference_models.py says why)."""
+    import datasets
+    import trl
+
+    class ZeroDistillationTrainer(ZeroTrainerMixin, trl.DistillationTrainer):
+        pass
+
+    words = torch.randint(3, VOCAB, (16, 5), generator=torch.Generator().manual_seed(3))
+    train = datasets.Dataset.from_dict({"prompt": [" ".join(f"t{int(i)}" for i in row) for row in words]})
+    runs = {}
+    for name, cls, kwargs in (("plain", trl.DistillationTrainer, {}),
+                              ("zero", ZeroDistillationTrainer, {"zero_config": STAGE3})):
+        teacher = tiny_llama()
+        with torch.no_grad():
+            for p in teacher.parameters():
+                p.mul_(1.5)
+        args = trl.DistillationConfig(output_dir=f"{work}/distill-{name}", per_device_train_batch_size=4,
+                                      max_completion_length=6, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                                      report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True,
+                                      bf16=False)
+        trainer = cls(model=tiny_llama(), teacher_model=teacher, args=args, train_dataset=train,
+                      processing_class=tokenizer(), **kwargs)
+        trainer.train()
+        runs[name] = history(trainer, ("loss", "grad_norm"))
+    close(runs["zero"], runs["plain"], 1e-4, "DistillationTrainer stage 3")
+    return trainer
+
+
 def tokenizer():
     from tokenizers import Tokenizer, models
 
@@ -359,7 +488,8 @@ if __name__ == "__main__":
         alive = globals()[f"suite_{name}"](work) or alive
         if dist.get_rank() == 0:
             print(f"OK {name}", flush=True)
-    if alive is not None:  # README's ending: the trainer's engine destroyed, then the group
-        alive.engine.destroy()
+    if alive is not None:  # README's ending: the trainer's engines destroyed, then the group
+        for engine in (alive.engine, *alive.reference_engines.values()):
+            engine.destroy()
     destroy_group_and_check()  # the other trainers were dropped: their engines let go of the group when collected
     print("OK exit", flush=True)

@@ -37,6 +37,7 @@ import os
 
 import torch
 
+from .._instance_methods import install_bound_wrapper, wrapped
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import sharded_param_of
 from ._engine_methods import install_synced_generate
@@ -175,7 +176,9 @@ class ZeroTrainerMixin:
                                       "built around it at construction)")
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)  # a subclass may have built args itself
-        self._build_engine(zero_config)
+        config = self._build_engine(zero_config)
+        # TRL's reference, teacher and reward models: partitioned too at stage 3 (_reference_models.py)
+        self.reference_engines = partition_reference_models(self, config)
         self._sync_generate(self.model)
 
     # ---- construction --------------------------------------------------------------------------------------------
@@ -193,7 +196,8 @@ class ZeroTrainerMixin:
         ``zero_engine.hf.from_pretrained`` or ``zero.Init`` (its data is an empty placeholder)."""
         return None
 
-    def _build_engine(self, zero_config) -> None:
+    def _build_engine(self, zero_config) -> dict:
+        """The engine around ``self.model``; returns its config."""
         import zero_engine
 
         config, self._zero_scheduler = config_for_trainer(zero_config, self.args, self.args.world_size)
@@ -213,6 +217,8 @@ class ZeroTrainerMixin:
             self._attach_scheduler(self.lr_scheduler)
         self.model_wrapped = self.engine
         self.callback_handler.optimizer = self.optimizer
+        install_bound_wrapper(self.accelerator, "unwrap_model", unwrap_model)
+        return config
 
     def _attach_scheduler(self, scheduler) -> None:
         scheduler = scheduler.scheduler if isinstance(scheduler, _EngineScheduler) else scheduler
@@ -376,6 +382,18 @@ class ZeroTrainerMixin:
 
 
 
+def unwrap_model(self, model, *args, **kwargs):
+    """Accelerate's ``unwrap_model`` (installed on the Trainer's Accelerator), which also takes an engine off, as it
+    takes off DDP, FSDP and DeepSpeed's engine. The Trainer and TRL unwrap ``model_wrapped`` (the engine) to reach
+    the model: TRL's ``_forward_redirection`` (DistillationTrainer, GKD) patches the unwrapped model's ``forward``
+    and calls the wrapper, whose forward must then call that model."""
+    from ..engine import ZeroEngine
+
+    if isinstance(model, ZeroEngine):
+        model = model.module
+    return wrapped(self, unwrap_model, "unwrap_model")(model, *args, **kwargs)
+
+
 def _is_peft(model) -> bool:
     try:
         from peft import PeftModel
@@ -390,6 +408,8 @@ def _unwrap_peft(model):
 
 _check_transformers_version()
 from transformers import Trainer  # noqa: E402 -- after the version check, which explains a mismatch
+
+from ._reference_models import partition_reference_models  # noqa: E402 -- subclasses transformers' TrainerCallback
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):
