@@ -12,6 +12,7 @@ Trainer autocasts with fp32 weights.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -358,6 +359,8 @@ def suite_dpo(work):
     text = [[" ".join(f"t{int(i)}" for i in part) for part in row.split([5, 4, 6])] for row in words]
     train = datasets.Dataset.from_dict({key: [row[k] for row in text]
                                         for k, key in enumerate(("prompt", "chosen", "rejected"))})
+    if importlib.util.find_spec("peft") is not None:
+        dpo_with_lora(work, ZeroDPOTrainer, train)
     runs, trainers = {}, {}
     for name, cls, kwargs in (("plain", trl.DPOTrainer, {}), ("zero", ZeroDPOTrainer, {"zero_config": STAGE3})):
         args = trl.DPOConfig(output_dir=f"{work}/dpo-{name}", per_device_train_batch_size=2,
@@ -391,6 +394,31 @@ def suite_dpo(work):
     check(moved > 1e-3 and apart <= max(largest_difference(*policies), 1e-7),
           f"DPO: the synced reference models are {apart} apart, moved {moved}")
     return zero
+
+
+def dpo_with_lora(work, zero_cls, train):
+    """DPO with a LoRA policy and no reference model: TRL's reference pass is the policy with its adapters off, a
+    forward without gradients between the loss's forward and its backward. Prints "OK dpo-lora"."""
+    import peft
+    import trl
+
+    runs = {}
+    for name, cls, kwargs in (("plain", trl.DPOTrainer, {}), ("zero", zero_cls, {"zero_config": STAGE3})):
+        args = trl.DPOConfig(output_dir=f"{work}/dpo-lora-{name}", per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, bf16=False,
+                             dataset_num_proc=None)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                               init_lora_weights=False)  # random B: the adapters change the first step's output
+        torch.manual_seed(7)
+        trainer = cls(model=tiny_llama(), peft_config=lora, args=args, train_dataset=train,
+                      processing_class=tokenizer(), **kwargs)
+        trainer.train()
+        runs[name] = history(trainer, ("loss", "grad_norm", "rewards/chosen", "rewards/rejected"))
+    check(all(h["grad_norm"] > 0 for h in runs["zero"]), f"DPO with LoRA: no gradient {runs['zero']}")
+    close(runs["zero"], runs["plain"], 1e-4, "DPOTrainer with LoRA, stage 3")
+    if dist.get_rank() == 0:
+        print("OK dpo-lora", flush=True)
 
 
 def suite_grpo(work):

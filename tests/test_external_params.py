@@ -331,6 +331,27 @@ def test_lm_head_weight_read_by_the_models_forward_is_gathered(world):
     _check(run_ranks(_fused_in_forward_body, world, timeout=TIMEOUT), world)
 
 
+def _reference_pass_step(call, module, x):
+    """DPO's step with a PEFT policy: the loss's forward, then a forward without gradients of the same model (TRL's
+    reference pass, adapters off), then the backward of the first."""
+    loss = call(x, fused=True)
+    with torch.no_grad():
+        module(x, fused=True)
+    return loss
+
+
+def _reference_pass_body():
+    torch.manual_seed(0)
+    return _compare(_Trunk(), _reference_pass_step)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_forward_without_gradients_before_the_backward_keeps_what_the_backward_reads(world):
+    # The second forward's end released the LM head held for the first one's backward, whose kernel then found an
+    # empty weight: with TRL's, zero gradients (DPO + LoRA at stage 3 logged grad_norm 0.0).
+    _check(run_ranks(_reference_pass_body, world, timeout=TIMEOUT), world)
+
+
 def _outside_forward_body(how):
     torch.manual_seed(0)
     model = _Trunk()

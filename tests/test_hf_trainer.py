@@ -72,14 +72,17 @@ def test_stages_1_2_bf16_fp16_overflow_best_model_compile_neftune_lora(tmp_path)
 @pytest.mark.timeout(600)
 def test_trl_trainers_through_the_mixin_match_plain_trl(tmp_path):
     """SFTTrainer at stages 2 and 3; at stage 3: DPOTrainer with its reference model partitioned and synced
-    (sync_ref_model) after every step, GRPOTrainer with a partitioned reference and reward model, and
-    DistillationTrainer (the worker's suite_sft, suite_dpo, suite_grpo and suite_distill)."""
+    (sync_ref_model) after every step, and with a LoRA policy whose reference is the base model (adapters off),
+    GRPOTrainer with a partitioned reference and reward model, and DistillationTrainer (the worker's suite_sft,
+    suite_dpo, suite_grpo and suite_distill)."""
     pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
     pytest.importorskip("datasets", reason="TRL's SFTTrainer needs datasets")
     code, out = _torchrun("sft,dpo,grpo,distill", tmp_path, SFT_STAGES="2,3")
     # Stage 3: TRL's fused LM head reads lm_head.weight in the model's forward, outside lm_head.forward; the engine
     # gathers such reads for the forward that makes them (zero/external.py).
-    assert all(f"OK {suite}" in out for suite in ("sft-stage2", "sft-stage3", "dpo", "grpo", "distill")), out[-4000:]
+    suites = ("sft-stage2", "sft-stage3", "dpo", "grpo", "distill")
+    suites += ("dpo-lora",) if importlib.util.find_spec("peft") is not None else ()
+    assert all(f"OK {suite}" in out for suite in suites), out[-4000:]
     assert code == 0 and out.count("OK exit") == 2, out[-4000:]
 
 

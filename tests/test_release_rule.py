@@ -354,10 +354,10 @@ def _release_to_make_room(coordinator, layers, sp, protect):
 
 def _release_held_at_end_of_forward(coordinator, layers, sp, protect):
     coordinator.begin_step()
-    coordinator.hold_for_step(sp)  # read by the model's forward outside every unit
-    protect(sp)
-    with torch.no_grad():
-        coordinator.end_model_forward()  # no backward follows: what the forward held ends here
+    with torch.no_grad():  # a forward without gradients: no backward follows, what it held ends with it
+        coordinator.hold_for_step(sp)  # read by the model's forward outside every unit
+        protect(sp)
+        coordinator.end_model_forward()
 
 
 def _release_at_block_exit(coordinator, layers, sp, protect, monkeypatch):

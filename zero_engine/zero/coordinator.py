@@ -190,6 +190,7 @@ class ParamCoordinator:
         self._params = list(unique.values())  # every unit's, once each (external ones join from among these)
         self._sharded_of = {id(p.param): p for p in self._params}  # nn.Parameter -> its state, this model only
         self._held: dict[int, ShardedParam] = {}  # held by the engine until the end of the step (external.py)
+        self._held_for_forward: set[int] = set()  # of those, held by forwards without gradients alone (hold_for_step)
         # a backward that builds a graph ran in this step: nothing is released before its end (see [Note: a
         # gradient penalty's graph reads the parameters] in hooks.py)
         self.keep_until_step_ends = False
@@ -366,11 +367,20 @@ class ParamCoordinator:
                 self.trace.release_before = None
 
     def hold_for_step(self, p: ShardedParam) -> None:
-        """Keep ``p`` gathered (gather it if needed) until the end of the step: held by one more user, until end_step
-        (or, without gradients, the end of the model's forward: ``release_held``)."""
-        if p.is_persistent or id(p) in self._held:
+        """Keep ``p`` gathered (gather it if needed) until the end of the step: held by one more user, until end_step.
+        A hold taken without gradients ends with the model's forward (``end_model_forward``), unless a forward with
+        gradients holds ``p`` too: a forward without gradients between a forward and its backward (DPO's reference
+        pass through the policy with its adapters off) must not release what that backward reads."""
+        key = id(p)
+        if p.is_persistent:
             return
-        self._held[id(p)] = p
+        if key in self._held:
+            if torch.is_grad_enabled():
+                self._held_for_forward.discard(key)
+            return
+        self._held[key] = p
+        if not torch.is_grad_enabled():
+            self._held_for_forward.add(key)
         self._gather_now(p, f"hold {p.fqn}")
         p.held_by_user += 1
 
@@ -381,20 +391,24 @@ class ParamCoordinator:
         if p is not None and p.is_available:
             self.hold_for_step(p)
 
-    def _drop_holds(self) -> list[ShardedParam]:
-        held, self._held = list(self._held.values()), {}
+    def _drop_holds(self, keys=None) -> list[ShardedParam]:
+        """End the holds of ``keys`` (default: all of them); returns their parameters."""
+        keys = list(self._held) if keys is None else keys
+        held = [self._held.pop(key) for key in keys]
+        self._held_for_forward.difference_update(keys)
         for p in held:
             p.held_by_user -= 1
         return held
 
-    def _release_held(self) -> None:
-        for p in self._drop_holds():
+    def _release_held(self, keys=None) -> None:
+        for p in self._drop_holds(keys):
             release_if_unused(p)
 
     def end_model_forward(self) -> None:
-        """The model's forward returned: without gradients no backward will use what it held."""
+        """The model's forward returned: without gradients no backward will use what it held (what a forward with
+        gradients held stays held for its backward)."""
         if not torch.is_grad_enabled():
-            self._release_held()
+            self._release_held(list(self._held_for_forward))
 
     def release_all(self) -> None:
         """Release every gathered non-persistent parameter (after an eval forward, before a checkpoint...)."""
