@@ -347,8 +347,9 @@ def suite_sft(work):
 
 def suite_dpo(work):
     """TRL's DPOTrainer through the mixin against plain DPOTrainer at stage 3, with a reference model that
-    sync_ref_model mixes with the policy after every step: the reference model is partitioned by an engine of its own
-    (as TRL's prepare_deepspeed does), and the mix reads both models gathered. Returns the ZeroTrainer."""
+    sync_ref_model mixes with the policy after every step: the reference model (loaded into the shards by
+    zero_engine.hf.from_pretrained) is partitioned by an engine of its own (as TRL's prepare_deepspeed does), and the
+    mix reads both models gathered. Also DPO with a LoRA policy (dpo_with_lora). Returns the ZeroTrainer."""
     import datasets
     import trl
 
@@ -361,6 +362,20 @@ def suite_dpo(work):
                                         for k, key in enumerate(("prompt", "chosen", "rejected"))})
     if importlib.util.find_spec("peft") is not None:
         dpo_with_lora(work, ZeroDPOTrainer, train)
+
+    # The zero run's reference model is loaded into the shards (as a model too large for one rank would be): TRL's
+    # accelerator.prepare_model(ref_model) must leave it to its engine
+    accelerate.PartialState()
+    saved = f"{work}/dpo-reference"
+    if dist.get_rank() == 0:
+        tiny_llama().save_pretrained(saved)
+    dist.barrier()
+
+    def reference(name):
+        if name == "plain":
+            return tiny_llama()
+        return zero_engine.hf.from_pretrained(transformers.LlamaForCausalLM, saved, config=STAGE3)
+
     runs, trainers = {}, {}
     for name, cls, kwargs in (("plain", trl.DPOTrainer, {}), ("zero", ZeroDPOTrainer, {"zero_config": STAGE3})):
         args = trl.DPOConfig(output_dir=f"{work}/dpo-{name}", per_device_train_batch_size=2,
@@ -368,7 +383,7 @@ def suite_dpo(work):
                              report_to=[], use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, bf16=False,
                              dataset_num_proc=None, sync_ref_model=True, ref_model_sync_steps=1,
                              ref_model_mixup_alpha=0.5)
-        trainers[name] = cls(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=train,
+        trainers[name] = cls(model=tiny_llama(), ref_model=reference(name), args=args, train_dataset=train,
                              processing_class=tokenizer(), **kwargs)
         trainers[name].train()
         runs[name] = history(trainers[name], ("loss", "grad_norm", "rewards/chosen", "rewards/rejected",

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..zero.gathered import GatheredParameters
+from ..zero.partition import sharded_param_of
 
 __all__ = ["partition_reference_models", "SyncPartitionedRefModel", "REFERENCE_MODEL_ATTRIBUTES"]
 
@@ -30,19 +31,23 @@ REFERENCE_MODEL_ATTRIBUTES = ("ref_model",)  # and the nn.Module entries of ``re
 
 
 def partition_reference_models(trainer, config: dict) -> dict:
-    """At stage 3, an engine for each frozen model ``trainer`` holds (by attribute name, ``reward_funcs[i]``);
-    ``config``: the trainer's engine config. Returns ``{name: engine}``, empty below stage 3."""
-    if config.get("zero_optimization", {}).get("stage", 0) != 3:
-        return {}
+    """An engine for each frozen model ``trainer`` holds (by attribute name, ``reward_funcs[i]``) at stage 3, and
+    below it for one already partitioned (``zero_engine.hf.from_pretrained``, ``zero.Init``), which needs its engine
+    to be gathered; ``config``: the trainer's engine config. Returns ``{name: engine}``."""
+    stage3 = config.get("zero_optimization", {}).get("stage", 0) == 3
     models = {name: getattr(trainer, name, None) for name in REFERENCE_MODEL_ATTRIBUTES}
     models.update({f"reward_funcs[{i}]": f for i, f in enumerate(getattr(trainer, "reward_funcs", None) or [])})
     engines = {}
     for name, model in models.items():
-        if isinstance(model, nn.Module) and model is not trainer.model:
+        if isinstance(model, nn.Module) and model is not trainer.model and (stage3 or _is_partitioned(model)):
             engines[name] = _inference_engine(model, config)
     if engines.get("ref_model") is not None:
         _replace_sync_callbacks(trainer)
     return engines
+
+
+def _is_partitioned(model: nn.Module) -> bool:
+    return any(sharded_param_of(p) is not None for p in model.parameters())
 
 
 def _inference_engine(model: nn.Module, config: dict):

@@ -217,8 +217,13 @@ class ZeroTrainerMixin:
             self._attach_scheduler(self.lr_scheduler)
         self.model_wrapped = self.engine
         self.callback_handler.optimizer = self.optimizer
-        install_bound_wrapper(self.accelerator, "unwrap_model", unwrap_model)
         return config
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # Accelerate knows DDP, FSDP and DeepSpeed's engine, not ours: see unwrap_model and prepare_model below
+        install_bound_wrapper(self.accelerator, "unwrap_model", unwrap_model)
+        install_bound_wrapper(self.accelerator, "prepare_model", prepare_model)
 
     def _attach_scheduler(self, scheduler) -> None:
         scheduler = scheduler.scheduler if isinstance(scheduler, _EngineScheduler) else scheduler
@@ -392,6 +397,16 @@ def unwrap_model(self, model, *args, **kwargs):
     if isinstance(model, ZeroEngine):
         model = model.module
     return wrapped(self, unwrap_model, "unwrap_model")(model, *args, **kwargs)
+
+
+def prepare_model(self, model, *args, **kwargs):
+    """Accelerate's ``prepare_model`` (installed on the Trainer's Accelerator), which leaves a model with partitioned
+    parameters as it is: TRL prepares its reference model so, and the ``model.to(device)`` in it would touch every
+    parameter, which fails on one partitioned by ``zero_engine.hf.from_pretrained`` or ``zero.Init`` (an empty
+    placeholder). Its engine places it, as for the trained model (``_move_model_to_device``)."""
+    if any(sharded_param_of(p) is not None for p in model.parameters()):
+        return model
+    return wrapped(self, prepare_model, "prepare_model")(model, *args, **kwargs)
 
 
 def _is_peft(model) -> bool:
