@@ -114,9 +114,9 @@ _advise_at_exit = False
 GROUP_LEFT_TO_EXIT = (
     "this process is exiting with its gloo process group not destroyed. A gloo rank that leaves its group to "
     "interpreter exit can abort after training has finished (\"terminate called without an active exception\"): end "
-    "the script with engine.destroy() (a Trainer's: trainer.engine.destroy(); Lightning's: "
-    "trainer.strategy.engine.destroy()), then torch.distributed.destroy_process_group(), on every rank (README, "
-    "\"End the script\").")
+    "the script with engine.destroy() (a Trainer's: trainer.engine.destroy(), and with TRL each engine in "
+    "trainer.reference_engines too; Lightning's: trainer.strategy.engine.destroy()), then "
+    "torch.distributed.destroy_process_group(), on every rank (README, \"End the script\").")
 
 
 def _stop_all_at_exit() -> None:
