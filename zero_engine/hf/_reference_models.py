@@ -1,5 +1,6 @@
 """The frozen models a TRL trainer keeps beside the one it trains (the ``ref_model`` of DPO, KTO and GRPO, GRPO's
-reward models), partitioned at stage 3 as TRL's ``prepare_deepspeed`` partitions them.
+reward models), partitioned at stage 3 as TRL's ``prepare_deepspeed`` partitions them (and given an engine at any
+stage when they come partitioned already, from ``zero_engine.hf.from_pretrained`` or ``zero.Init``).
 
 Without this, Accelerate's ``prepare_model(evaluation_mode=True)`` leaves such a model whole on every rank: at stage
 3 a DPO run would hold a whole reference model per rank beside a partitioned policy. Each frozen model gets an
@@ -25,7 +26,7 @@ from transformers import TrainerCallback
 from ..zero.gathered import GatheredParameters
 from ..zero.partition import sharded_param_of
 
-__all__ = ["partition_reference_models", "SyncPartitionedRefModel", "REFERENCE_MODEL_ATTRIBUTES"]
+__all__ = ["partition_reference_models", "is_partitioned", "SyncPartitionedRefModel", "REFERENCE_MODEL_ATTRIBUTES"]
 
 REFERENCE_MODEL_ATTRIBUTES = ("ref_model",)  # and the nn.Module entries of ``reward_funcs``
 
@@ -39,14 +40,14 @@ def partition_reference_models(trainer, config: dict) -> dict:
     models.update({f"reward_funcs[{i}]": f for i, f in enumerate(getattr(trainer, "reward_funcs", None) or [])})
     engines = {}
     for name, model in models.items():
-        if isinstance(model, nn.Module) and model is not trainer.model and (stage3 or _is_partitioned(model)):
+        if isinstance(model, nn.Module) and model is not trainer.model and (stage3 or is_partitioned(model)):
             engines[name] = _inference_engine(model, config)
     if engines.get("ref_model") is not None:
         _replace_sync_callbacks(trainer)
     return engines
 
 
-def _is_partitioned(model: nn.Module) -> bool:
+def is_partitioned(model: nn.Module) -> bool:
     return any(sharded_param_of(p) is not None for p in model.parameters())
 
 
@@ -56,7 +57,7 @@ def _inference_engine(model: nn.Module, config: dict):
     frozen = copy.deepcopy(config)
     for key in ("optimizer", "scheduler"):
         frozen.pop(key, None)
-    frozen["zero_optimization"].pop("offload_optimizer", None)
+    frozen.get("zero_optimization", {}).pop("offload_optimizer", None)
     engine, *_ = zero_engine.initialize(model=model, config=frozen)
     model.eval()
     return engine

@@ -404,7 +404,7 @@ def prepare_model(self, model, *args, **kwargs):
     parameters as it is: TRL prepares its reference model so, and the ``model.to(device)`` in it would touch every
     parameter, which fails on one partitioned by ``zero_engine.hf.from_pretrained`` or ``zero.Init`` (an empty
     placeholder). Its engine places it, as for the trained model (``_move_model_to_device``)."""
-    if any(sharded_param_of(p) is not None for p in model.parameters()):
+    if is_partitioned(model):
         return model
     return wrapped(self, prepare_model, "prepare_model")(model, *args, **kwargs)
 
@@ -424,7 +424,7 @@ def _unwrap_peft(model):
 _check_transformers_version()
 from transformers import Trainer  # noqa: E402 -- after the version check, which explains a mismatch
 
-from ._reference_models import partition_reference_models  # noqa: E402 -- subclasses transformers' TrainerCallback
+from ._reference_models import is_partitioned, partition_reference_models  # noqa: E402 -- needs transformers
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):
