@@ -177,7 +177,7 @@ class ZeroTrainerMixin:
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)  # a subclass may have built args itself
         config = self._build_engine(zero_config)
-        # TRL's reference, teacher and reward models: partitioned too at stage 3 (_reference_models.py)
+        # TRL's reference and reward models: partitioned too (_reference_models.py; a distillation teacher stays whole)
         self.reference_engines = partition_reference_models(self, config)
         self._sync_generate(self.model)
 
