@@ -321,14 +321,14 @@ def _fused_step(call, module, x):
     return call(x, fused=True)
 
 
-def _fused_in_forward_body():
+def _trunk_body(step_fn):
     torch.manual_seed(0)
-    return _compare(_Trunk(), _fused_step)
+    return _compare(_Trunk(), step_fn)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_lm_head_weight_read_by_the_models_forward_is_gathered(world):
-    _check(run_ranks(_fused_in_forward_body, world, timeout=TIMEOUT), world)
+    _check(run_ranks(_trunk_body, world, _fused_step, timeout=TIMEOUT), world)
 
 
 def _reference_pass_step(call, module, x):
@@ -340,16 +340,11 @@ def _reference_pass_step(call, module, x):
     return loss
 
 
-def _reference_pass_body():
-    torch.manual_seed(0)
-    return _compare(_Trunk(), _reference_pass_step)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_forward_without_gradients_before_the_backward_keeps_what_the_backward_reads(world):
     # The second forward's end released the LM head held for the first one's backward, whose kernel then found an
     # empty weight: with TRL's, zero gradients (DPO + LoRA at stage 3 logged grad_norm 0.0).
-    _check(run_ranks(_reference_pass_body, world, timeout=TIMEOUT), world)
+    _check(run_ranks(_trunk_body, world, _reference_pass_step, timeout=TIMEOUT), world)
 
 
 def _outside_forward_body(how):
